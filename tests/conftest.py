@@ -1,0 +1,52 @@
+"""Test tiers as markers turned into skips.
+
+CPU tier (default): kernels run in Triton's interpreter on CPU tensors. The interpreter has to be switched on
+before any ``@triton.jit`` function is created, so this file sets ``TRITON_INTERPRET=1`` whenever no CUDA
+device is visible, before the tests import ``kernels``.
+
+- ``interpreter``: launches Triton kernels on CPU tensors; needs ``TRITON_INTERPRET=1``.
+- ``gpu``: needs a CUDA device (and the real JIT, so not the interpreter).
+- ``tensorrt``: needs ``import tensorrt`` (>= 10.9) and a CUDA device.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tensorrt_reason():
+    if not HAS_CUDA:
+        return "TensorRT tier needs a CUDA device"
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "TensorRT is not installed (pip install 'tritrt[tensorrt]' on a machine with a GPU)"
+    major, minor = (int(p) for p in tensorrt.__version__.split(".")[:2])
+    if (major, minor) < (10, 9):
+        return f"TensorRT {tensorrt.__version__} is older than 10.9 (AOT Python plugins)"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter: launches Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    trt_reason = None
+    trt_checked = False
+    for item in items:
+        if "gpu" in item.keywords and (not HAS_CUDA or INTERPRET):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device with the Triton JIT (run with -m gpu there)"))
+        if "interpreter" in item.keywords and not INTERPRET:
+            item.add_marker(pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (set automatically without CUDA)"))
+        if "tensorrt" in item.keywords:
+            if not trt_checked:
+                trt_reason, trt_checked = _tensorrt_reason(), True
+            if trt_reason:
+                item.add_marker(pytest.mark.skip(reason=trt_reason))

@@ -1,0 +1,44 @@
+"""Comparison helpers shared by the tests: errors are judged against PyTorch's own error, and a failure says where."""
+
+import torch
+
+
+def describe_error(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """Max abs error, where it is, and NaN/inf counts: what a failing comparison must print."""
+    a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+    diff = (a - e).abs()
+    finite = torch.isfinite(diff)
+    msg = f"nan={int(torch.isnan(a).sum())} inf={int(torch.isinf(a).sum())}"
+    if finite.any():
+        d = torch.where(finite, diff, torch.zeros_like(diff))
+        idx = int(d.argmax())
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), d.shape))
+        msg += f" max_abs_err={float(d.flatten()[idx]):.3e} at {where} (got {float(a.flatten()[idx]):.6g}, want {float(e.flatten()[idx]):.6g})"
+    return msg
+
+
+def assert_close_to_ref(actual, reference, *, baseline=None, factor=2.0, atol=0.0, rtol=0.0):
+    """Assert ``actual`` is close to the fp32 ``reference``.
+
+    If ``baseline`` (PyTorch's own result in the low precision) is given, the kernel may be at most ``factor`` times
+    PyTorch's max abs error plus ``atol``: the kernel is judged against the error that the dtype itself forces.
+    Otherwise plain ``atol + rtol * |ref|``. NaN never passes.
+    """
+    a, r = actual.detach().float().cpu(), reference.detach().float().cpu()
+    assert a.shape == r.shape, f"shape {tuple(a.shape)} != {tuple(r.shape)}"
+    assert torch.isfinite(a).all(), "non-finite output: " + describe_error(a, r)
+    err = (a - r).abs()
+    if baseline is not None:
+        base_err = float((baseline.detach().float().cpu() - r).abs().max())
+        bound = factor * base_err + atol
+        assert float(err.max()) <= bound, f"error above {factor}x PyTorch's ({base_err:.3e}) + {atol:g}: " + describe_error(a, r)
+    else:
+        bad = err > atol + rtol * r.abs()
+        assert not bad.any(), f"{int(bad.sum())} elements beyond atol={atol:g} rtol={rtol:g}: " + describe_error(a, r)
+
+
+def poisoned(shape, dtype, device="cpu"):
+    """An output buffer filled with NaN (or -1 for ints), so unwritten elements are caught."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, -1, dtype=dtype, device=device)
