@@ -1,0 +1,1 @@
+"""HF checkpoint -> quantized weights -> ONNX with plugin nodes -> TensorRT engine; the runtime and verification."""
