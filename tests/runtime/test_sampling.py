@@ -1,0 +1,98 @@
+"""Sampling: exact top-k / top-p masks against brute force, greedy, seeds, temperature -> 0, bad parameters."""
+
+import pytest
+import torch
+
+from export.runtime.sampling import SamplingParams, make_generator, sample, sample_one, top_k_mask, top_p_mask
+
+
+def _brute_top_p(logits: torch.Tensor, p: float) -> set[int]:
+    probs = torch.softmax(logits.double(), -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    keep, mass = set(), 0.0
+    for i in order:  # add tokens by decreasing probability until the kept mass reaches p
+        keep.add(i)
+        mass += probs[i]
+        if mass >= p:
+            break
+    return keep
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 123, 1000])
+@pytest.mark.parametrize("k", [1, 2, 5, 50])
+def test_top_k_mask_exact(vocab, k):
+    logits = torch.randn(3, vocab)  # continuous values: no ties
+    mask = top_k_mask(logits, k)
+    for row, m in zip(logits, mask):
+        want = set(torch.argsort(row, descending=True)[:min(k, vocab)].tolist())
+        assert set(torch.nonzero(m).flatten().tolist()) == want
+
+
+def test_top_k_ties_keep_all_equal_logits():
+    mask = top_k_mask(torch.tensor([1.0, 3.0, 3.0, 0.0]), 1)
+    assert mask.tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 123])
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_mask_exact(vocab, p):
+    # Scale 3 makes the distribution peaked enough that small p keeps few tokens and large p many.
+    logits = 3 * torch.randn(4, vocab)
+    mask = top_p_mask(logits, p)
+    for row, m in zip(logits, mask):
+        got = set(torch.nonzero(m).flatten().tolist())
+        want = _brute_top_p(row, p)
+        # fp32 cumsum vs fp64 brute force may disagree only on a token whose mass-before is within 1e-6 of p.
+        probs = torch.softmax(row.double(), -1)
+        for i in got ^ want:
+            before = float(probs[probs > probs[i]].sum())
+            assert abs(before - p) < 1e-6, f"token {i} kept={i in got} mass_before={before} p={p}"
+
+
+def test_greedy_is_argmax_and_batch_path_matches():
+    logits = torch.randn(5, 123)
+    params = [SamplingParams()] * 5
+    assert sample(logits, params, [None] * 5) == torch.argmax(logits, -1).tolist()
+    assert SamplingParams(temperature=0.7, top_k=1).greedy
+
+
+def test_seeded_sampling_is_reproducible_and_seed_matters():
+    logits = torch.randn(1000)
+    p = SamplingParams(temperature=1.0, top_p=0.95, top_k=200, seed=7)
+
+    def draw(seed):
+        gen = make_generator(seed, "cpu")
+        return [sample_one(logits, p, gen) for _ in range(20)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)  # 20 draws from ~200 tokens: identical sequences are (practically) impossible
+
+
+def test_sampled_tokens_respect_masks():
+    logits = torch.randn(500)
+    gen = make_generator(0, "cpu")
+    allowed = top_k_mask(logits, 10) & top_p_mask(logits, 0.5)
+    for _ in range(200):
+        t = sample_one(logits, SamplingParams(temperature=1.0, top_k=10, top_p=0.5), gen)
+        assert allowed[t]
+
+
+def test_temperature_to_zero_equals_greedy():
+    gen = make_generator(0, "cpu")
+    for _ in range(20):
+        logits = torch.randn(300)
+        # At temperature 1e-4 a runner-up >= 1e-2 below the max has probability < 300 * exp(-100): the draw must be
+        # the argmax. Rows with a smaller gap are skipped (they test float rounding, not sampling).
+        top2 = torch.topk(logits, 2).values
+        if float(top2[0] - top2[1]) < 1e-2:
+            continue
+        tok = sample_one(logits, SamplingParams(temperature=1e-4, seed=0), gen)
+        assert tok == int(torch.argmax(logits))
+        assert sample_one(logits, SamplingParams(temperature=0.0), None) == int(torch.argmax(logits))
+
+
+@pytest.mark.parametrize("kw,match", [(dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1), "temperature"),
+                                      (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")])
+def test_bad_params_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
