@@ -1,1 +1,86 @@
-"""Registered by the attention work; see kernels/ops/__init__.py for the contract."""
+"""Attention ops: ``tritrt::write_kv_cache_``, ``tritrt::paged_attention``, ``tritrt::varlen_attention``.
+
+See ``kernels/ops/__init__.py`` for the contract. CUDA tensors run the Triton kernels (``kernels.kv_cache``,
+``kernels.prefill_attention``, ``kernels.decode_attention``); CPU tensors run the fp32 references in
+``kernels.attention_ref``. ``paged_attention`` dispatches to the decode kernel when ``max_seqlen_q == 1`` and to the
+paged flash-prefill kernel otherwise. Inputs are validated on both paths so that a bad call fails the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import attention_ref as ref
+from ..decode_attention import decode_attention
+from ..kv_cache import check_kv_cache, write_kv_cache
+from ..prefill_attention import _check_cu, check_heads, paged_prefill_attention, varlen_attention as _varlen_triton
+
+
+def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q: int) -> None:
+    """Validate a paged-attention call; errors say what to change."""
+    check_kv_cache(k_cache, v_cache)
+    check_heads(q, k_cache.shape[2], k_cache.shape[3])
+    page = k_cache.shape[1]
+    if page < 1 or page > 128 or page & (page - 1):
+        raise ValueError(f"cache block_size {page} is not supported: use a power of two in 1..128")
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [num_seqs]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    _check_cu("cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but seq_lens has {seq_lens.shape[0]}: "
+                         "want num_seqs + 1 offsets")
+    if block_table.dim() != 2 or block_table.shape[0] != seq_lens.shape[0] or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [num_seqs={seq_lens.shape[0]}, max_blocks_per_seq]; "
+                         f"got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous along blocks: call .contiguous()")
+    if max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be >= 1 (1 for a pure decode step); got {max_seqlen_q}")
+
+
+@torch.library.custom_op("tritrt::write_kv_cache_", mutates_args=("k_cache", "v_cache"))
+def write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    if k_cache.is_cuda:
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        check_kv_cache(k_cache, v_cache)
+        ref.write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+@write_kv_cache_.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("tritrt::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
+    if not q.is_cuda:
+        return ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale)
+    if max_seqlen_q == 1:
+        return decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+    return paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("tritrt::varlen_attention", mutates_args=())
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     scale: float, causal: bool) -> torch.Tensor:
+    if q.is_cuda:
+        return _varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    if k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must be [num_tokens={q.shape[0]}, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    check_heads(q, k.shape[1], k.shape[2])
+    _check_cu("cu_seqlens", cu_seqlens)
+    return ref.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+
+
+@varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale, causal):
+    return torch.empty_like(q)

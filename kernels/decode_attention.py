@@ -1,0 +1,171 @@
+"""Paged-KV decode attention: one new query token per sequence against the paged cache, GQA-grouped, split-KV.
+
+Grid (AOT rule: shapes only): ``(num_seqs, num_kv_heads, num_splits)``. A program takes all ``Hq // Hk`` query
+heads of one KV head (padded to 16 rows for ``tl.dot``), so each K/V block is read from HBM once per KV head.
+Split ``j`` covers the j-th of ``num_splits`` equal runs of BLOCK_N-token chunks of its own sequence's length
+(flash-decoding), which keeps small batches with long contexts on every SM.
+
+With more than one split, each program writes a normalised partial output and its log-sum-exp (base 2) to the
+scratch tensors, then bumps a per-(sequence, KV head) counter; the program that arrives last merges the splits and
+writes the output, then resets the counter to 0, so the counter buffer stays zero between calls (allocate it once
+zeroed). With one split the program writes the output directly and the scratch is never touched.
+
+Cache block sizes: any power of two 1..128 (page lookups are per token, so a BLOCK_N chunk may span pages).
+KV lengths need not be multiples of the block size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import LaunchConfig
+from ._utils import check_device
+from .prefill_attention import LOG2E
+
+TARGET_PROGRAMS = 264  # ~2 resident programs per SM on a 132-SM H100; a constant, not a device query (AOT rule)
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (q load, merge) outweighs the parallelism it adds
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    part_o_ptr, part_lse_ptr, counter_ptr,
+    stride_qt, stride_ot, stride_bt,
+    QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
+        return  # no new token for this sequence (every split returns, so the counter is untouched)
+    kv_len = tl.load(seq_lens_ptr + seq)
+
+    chunks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    lo = split * chunks_per_split * BLOCK_N
+    hi = tl.minimum(lo + chunks_per_split * BLOCK_N, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    gmask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        nmask = n < hi
+        page = tl.load(bt_row + n // PAGE, mask=nmask, other=0)
+        off = (page.to(tl.int64) * PAGE + n % PAGE) * ROW + kv_head * HEAD_DIM
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * QK_SCALE
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o_ptrs = o_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
+    has_keys = l_i > 0  # an empty split (kv_len shorter than the splits) has no keys
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if num_splits == 1:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        # Scratch rows are indexed by query head: [seq, Hq, MAX_SPLITS(, D)].
+        part_row = (seq * (NUM_KV_HEADS * GROUP) + heads) * MAX_SPLITS + split
+        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gmask[:, None])
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=gmask)
+        # All threads' partial stores precede the (release) atomic; the last arriver (acquire) merges.
+        tl.debug_barrier()
+        counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            offs_s = tl.arange(0, MAX_SPLITS)
+            smask = offs_s < num_splits
+            lse_rows = (seq * (NUM_KV_HEADS * GROUP) + heads) * MAX_SPLITS
+            # .cg: read other programs' partials from L2, never a stale L1 line.
+            lses = tl.load(part_lse_ptr + lse_rows[:, None] + offs_s[None, :],
+                           mask=gmask[:, None] & smask[None, :], other=float("-inf"), cache_modifier=".cg")
+            m_all = tl.max(lses, 1)
+            m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
+            w = tl.math.exp2(lses - m_all[:, None])  # [BLOCK_G, MAX_SPLITS]
+            w_sum = tl.sum(w, 1)
+            merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            for s in range(0, num_splits):
+                w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
+                part = tl.load(part_o_ptr + (lse_rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                merged += w_s[:, None] * part
+            merged = merged / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+            tl.store(o_ptrs, merged.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+            tl.store(counter, 0)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int) -> int:
+    """Splits per (sequence, KV head): enough programs to fill the GPU, each with >= MIN_SPLIT_TOKENS tokens.
+
+    ``max_kv_len`` is a shape bound (``block_table.shape[1] * block_size``), never a device value.
+    """
+    want = triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    fits = max(1, max_kv_len // MIN_SPLIT_TOKENS)
+    return max(1, min(want, fits, MAX_SPLITS))
+
+
+def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """Scratch the decode kernel needs (fp32 partial outputs and LSEs, int32 counters that must start at zero)."""
+    return dict(part_o=((num_seqs, num_q_heads, MAX_SPLITS, head_dim), torch.float32),
+                part_lse=((num_seqs, num_q_heads, MAX_SPLITS), torch.float32),
+                counter=((num_seqs, num_kv_heads), torch.int32))
+
+
+def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                   block_size: int, max_blocks_per_seq: int, scale: float) -> LaunchConfig:
+    """Launch of ``_decode_attention_kernel``: grid ``(num_seqs, num_kv_heads, num_splits)``."""
+    group = num_q_heads // num_kv_heads
+    splits = decode_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq * block_size)
+    constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                      NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=64,
+                      MAX_SPLITS=MAX_SPLITS)
+    warps = 4
+    return LaunchConfig(_decode_attention_kernel, (num_seqs, num_kv_heads, splits), constexprs,
+                        num_warps=warps, num_stages=3)
+
+
+def alloc_decode_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device) -> tuple:
+    """Fresh scratch (counters zeroed); a runtime may allocate once and reuse, since the kernel re-zeroes them."""
+    shapes = decode_scratch_shapes(num_seqs, num_q_heads, num_kv_heads, head_dim)
+    part_o = torch.empty(shapes["part_o"][0], dtype=torch.float32, device=device)
+    part_lse = torch.empty(shapes["part_lse"][0], dtype=torch.float32, device=device)
+    counter = torch.zeros(shapes["counter"][0], dtype=torch.int32, device=device)
+    return part_o, part_lse, counter
+
+
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, out=None, scratch=None):
+    """One query token per sequence (``cu_seqlens_q[i+1] - cu_seqlens_q[i] <= 1``) over the paged cache."""
+    num_seqs = seq_lens.shape[0]
+    _, page, hk, d = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if scratch is None:
+        scratch = alloc_decode_scratch(num_seqs, q.shape[1], hk, d, q.device)
+    check_device(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, *scratch)
+    if num_seqs == 0:
+        return out
+    cfg = decode_attention_launch_config(num_seqs, q.shape[1], hk, d, page, block_table.shape[1], scale)
+    cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch,
+               q.stride(0), out.stride(0), block_table.stride(0))
+    return out
