@@ -1,0 +1,12 @@
+"""Generation on a paged KV cache: block manager, scheduler, sampling, the loop, and the torch / TensorRT backends.
+
+``Generator(backend, tokenizer).generate(prompts, SamplingParams(...), on_token=...)``; backends:
+``TorchBackend(LlamaModel)`` (``export.runtime.backends``) and ``TrtBackend(out_dir)`` (``export.runtime.trt_backend``,
+imports TensorRT only when constructed).
+"""
+
+from .blocks import BlockManager, OutOfBlocks
+from .generator import GenerationResult, GenerationStats, Generator
+from .sampling import SamplingParams
+
+__all__ = ["BlockManager", "OutOfBlocks", "GenerationResult", "GenerationStats", "Generator", "SamplingParams"]

@@ -1,0 +1,188 @@
+"""The generation loop: tokenize, schedule, run a backend step, sample, stream, stop.
+
+``Generator(backend, tokenizer).generate(prompts, SamplingParams(...), on_token=...)`` returns one
+``GenerationResult`` per prompt (token ids, text, why it stopped). Any backend with the ``Backend`` interface
+(``export.runtime.backends``) runs it: the torch model or the TensorRT engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+from .blocks import BlockManager
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Scheduler, Sequence
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens (a stop token that ended generation is included, as HF does)
+    text: str | None  # decoded generated text without special tokens (None without a tokenizer)
+    finish_reason: str  # "stop" or "length"
+    num_preemptions: int = 0
+
+
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    time_to_first_token_s: float | None = None
+    steps: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+
+# on_token(request_index, token_id, text_delta): text_delta is "" without a tokenizer.
+TokenCallback = Callable[[int, int, str], None]
+
+
+@dataclass
+class _Stream:
+    """Incremental detokenization of one request: emit only the text that the new token added."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+
+
+class Generator:
+    """Generation over one backend. ``generate`` runs prompts to completion; ``add_request`` + ``step`` let new
+    requests join a running batch between steps (what a server loop does)."""
+
+    def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.blocks = BlockManager(backend.num_blocks, backend.block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, backend.max_model_len)
+        self.stats = GenerationStats()
+        self._eos = self._eos_ids()
+        self._next_id = 0
+        self._streams: dict[int, _Stream] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._t_start: float | None = None
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(getattr(self.backend, "eos_token_ids", ()) or ())
+        for src in (self.tokenizer, getattr(self.backend, "config", None)):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return ids
+
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or Generator(backend, tokenizer)")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queue one prompt (text or token ids); it joins at the next ``step``. Returns its request id."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        vocab = self.backend.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        gen = None if params.greedy else make_generator(params.seed, self.backend.device)
+        seq = Sequence(req_id=self._next_id, prompt_ids=ids, params=params, generator=gen)
+        self.scheduler.add(seq)  # refuses requests that can never fit, before any state changes
+        self._next_id += 1
+        self._seqs[seq.req_id] = seq
+        self._streams[seq.req_id] = _Stream()
+        return seq.req_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self, on_token: TokenCallback | None = None) -> list[tuple[int, int]]:
+        """Run one model step; return ``(request_id, token)`` for every sequence that produced a token."""
+        stats = self.stats
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        t0 = time.perf_counter()
+        logits = self.backend.forward(step.batch)
+        # sample() brings the tokens to the host, a device sync: the wall time below covers the step's GPU work.
+        tokens = sample(logits, [s.params for s in step.seqs], [s.generator for s in step.seqs])
+        dt = time.perf_counter() - t0
+        stats.steps += 1
+        if step.is_prefill:
+            stats.prefill_tokens += int(step.batch.input_ids.shape[0])
+            stats.prefill_s += dt
+            if stats.time_to_first_token_s is None:
+                stats.time_to_first_token_s = time.perf_counter() - self._t_start
+        else:
+            stats.decode_tokens += len(step.seqs)
+            stats.decode_s += dt
+        out = []
+        for seq, tok in zip(step.seqs, tokens):
+            seq.num_cached += seq.num_new_tokens
+            seq.output_ids.append(tok)
+            out.append((seq.req_id, tok))
+            if on_token is not None:
+                on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok))
+            stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self._eos)
+            if tok in stops:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                self.scheduler.finish(seq, "length")
+        return out
+
+    def result(self, req_id: int) -> GenerationResult:
+        s = self._seqs[req_id]
+        return GenerationResult(s.prompt_ids, s.output_ids, self._decode(s.output_ids), s.finish_reason,
+                                s.num_preemptions)
+
+    def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 on_token: TokenCallback | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids), batched; ``params`` one for all or one per prompt.
+
+        ``on_token(i, token_id, text_delta)`` streams with ``i`` the prompt's index in ``prompts``.
+        """
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per_req = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_req) != len(prompts):
+            raise ValueError(f"{len(per_req)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        encoded = [self.encode(p) for p in prompts]  # encode all first: a bad prompt queues nothing
+        ids = [self.add_request(e, p) for e, p in zip(encoded, per_req)]
+        index = {r: i for i, r in enumerate(ids)}
+        self.stats, self._t_start = GenerationStats(), None
+        cb = None if on_token is None else (lambda r, t, d: on_token(index[r], t, d) if r in index else None)
+        while self.has_unfinished():
+            self.step(cb)
+        self.blocks.check_invariants()
+        assert self.blocks.num_free_blocks == self.blocks.num_blocks, "KV blocks leaked after generation"
+        return [self.result(r) for r in ids]
+
+    def _decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text_delta(self, stream: _Stream, tok: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        stream.ids.append(tok)
+        text = self._decode(stream.ids)
+        # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back.
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(stream.text):] if text.startswith(stream.text) else text
+        stream.text = text
+        return delta
