@@ -1,0 +1,60 @@
+"""Content-addressed on-disk cache of AOT artifacts (PTX, cubin, metadata).
+
+The key is a hash of everything that decides the machine code: the kernel's source (Triton's ``cache_key`` covers the
+kernel and the jit functions it calls), the explicit signature, divisibility hints, constexprs, warps, stages, SM and
+the compiler version. A hit therefore never needs Triton's JIT, and two processes that compile the same thing share
+it. Root: ``$TRITRT_AOT_CACHE`` or ``~/.cache/tritrt/aot``. Entries are written to a temp dir and renamed, so a
+reader never sees half an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("TRITRT_AOT_CACHE", Path.home() / ".cache" / "tritrt" / "aot"))
+
+
+def make_key(**parts) -> str:
+    """sha256 of the canonical JSON of ``parts`` (sorted keys; non-JSON values by ``repr``)."""
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class AotCache:
+    """``get(key)`` / ``put(key, meta, ptx, cubin)``; each entry is a directory ``<root>/<key[:2]>/<key>/``."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root is not None else default_root()
+
+    def _dir(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def get(self, key: str):
+        """(meta dict, ptx str, cubin bytes) or None on a miss (or a damaged entry, which is then recompiled)."""
+        d = self._dir(key)
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            return meta, (d / "kernel.ptx").read_text(), (d / "kernel.cubin").read_bytes()
+        except (OSError, ValueError):
+            return None
+
+    def put(self, key: str, meta: dict, ptx: str, cubin: bytes) -> Path:
+        final = self._dir(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        (tmp / "kernel.ptx").write_text(ptx)
+        (tmp / "kernel.cubin").write_bytes(cubin)
+        (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True, indent=1, default=repr))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race: its entry is identical by construction
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+        return final

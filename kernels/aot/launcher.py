@@ -1,0 +1,112 @@
+"""Launch an AOT artifact through the CUDA driver API, as the TensorRT plugin does: no Triton JIT involved.
+
+``AotKernel(artifact).launch(grid, *args)`` loads the cubin (or, with ``use_ptx=True``, the PTX, which the driver
+JIT-assembles the way TensorRT does with a plugin's PTX) with ``cuModuleLoadData``, raises the dynamic shared memory
+limit when the kernel needs more than 48 KB, and calls ``cuLaunchKernel`` on torch's current stream with the runtime
+arguments in the artifact's order, then null for each hidden Triton scratch pointer. The divisibility assumptions the
+artifact was compiled under are checked on every launch: a violated one would silently read wrong data.
+
+``cuda.bindings`` (``pip install 'tritrt[driver]'``) is imported on first use only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from .compile import AotError, Artifact, strip_hidden_params
+
+_SHARED_DEFAULT_LIMIT = 48 * 1024
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise ImportError("the AOT launcher needs cuda-python's driver bindings: pip install 'tritrt[driver]' "
+                          "(or pip install cuda-python)") from None
+    return driver
+
+
+def _check(result):
+    """cuda.bindings returns (CUresult, *values); raise on an error, return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        drv = _driver()
+        _, msg = drv.cuGetErrorString(err)
+        raise RuntimeError(f"CUDA driver error {int(err)}: {msg.decode() if msg else err}")
+    return values[0] if len(values) == 1 else values
+
+
+class AotKernel:
+    """A loaded artifact. Load once (``plan``), launch many times (``launch``)."""
+
+    def __init__(self, artifact: Artifact, use_ptx: bool = False):
+        self.art = artifact
+        self.use_ptx = use_ptx
+        self._func = None
+        self._module = None
+
+    def _load(self):
+        import torch
+
+        drv = _driver()
+        torch.cuda.init()  # makes torch's primary context current, so our module lives in the same context
+        torch.cuda.current_stream().synchronize()
+        major, minor = torch.cuda.get_device_capability()
+        sm = 10 * major + minor
+        if self.art.sm != sm and not (self.use_ptx and self.art.sm < sm):
+            raise AotError(f"{self.art.name} was compiled for sm_{self.art.sm} but this GPU is sm_{sm}: recompile "
+                           f"with --sm {sm}")
+        if self.use_ptx:
+            # The hidden-params-stripped PTX is what the plugin embeds; it takes exactly the declared arguments.
+            image = (strip_hidden_params(self.art) + "\0").encode()
+        else:
+            image = self.art.cubin
+        self._module = _check(drv.cuModuleLoadData(image))
+        self._func = _check(drv.cuModuleGetFunction(self._module, self.art.name.encode()))
+        if self.art.shared > _SHARED_DEFAULT_LIMIT:
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(drv.cuFuncSetAttribute(self._func, attr, self.art.shared))
+
+    def _pack(self, args):
+        params = self.art.params
+        if len(args) != len(params):
+            raise TypeError(f"{self.art.name} takes {len(params)} runtime arguments "
+                            f"({', '.join(n for n, _ in params)}), got {len(args)}")
+        values = []
+        for (name, ty), a in zip(params, args):
+            if ty.startswith("*"):
+                if not (hasattr(a, "data_ptr") and a.is_cuda):
+                    raise TypeError(f"{self.art.name}: argument {name} must be a CUDA tensor, got {type(a).__name__}")
+                ptr = a.data_ptr()
+                if name in self.art.div16 and ptr % 16:
+                    raise AotError(f"{self.art.name}: {name} is not 16-byte aligned (compiled assuming it is); "
+                                   "pass a contiguous, freshly allocated tensor")
+                values.append(ctypes.c_uint64(ptr))
+            else:
+                v = int(a)
+                if not -(2**31) <= v < 2**31:
+                    raise AotError(f"{self.art.name}: {name}={v} does not fit int32")
+                if name in self.art.div16 and v % 16:
+                    raise AotError(f"{self.art.name}: {name}={v} is not a multiple of 16 (compiled assuming it is)")
+                values.append(ctypes.c_int32(v))
+        if not self.use_ptx:
+            values += [ctypes.c_uint64(0) for _ in range(self.art.num_hidden)]
+        return values
+
+    def launch(self, grid, *args, stream=None):
+        """Launch on ``grid`` (1-3 ints) with the runtime ``args`` (tensors and ints), on torch's current stream."""
+        import torch
+
+        if self._func is None:
+            self._load()
+        values = self._pack(args)
+        ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
+        if min(g) <= 0:
+            return  # an empty batch: nothing to launch (TensorRT skips it too)
+        if stream is None:
+            stream = torch.cuda.current_stream().cuda_stream
+        drv = _driver()
+        _check(drv.cuLaunchKernel(self._func, g[0], g[1], g[2], self.art.block, 1, 1, self.art.shared,
+                                  drv.CUstream(stream), ctypes.addressof(ptrs), 0))

@@ -1,0 +1,201 @@
+"""The pieces a plugin spec is made of, and what is derived from a spec (the plugin entry kernel, a specialisation).
+
+A spec's shape functions (output shapes, int32 scalar args, grid) receive ``shapes: {input name: dims}`` whose dims
+are ints when the model runs and TensorRT shape expressions when an engine is built, so they may only use ``+``,
+``-``, ``*`` and ``cdiv`` (no ``//``, ``max``, ``if`` on a dim). Dims listed in ``static_dims`` are build-time
+constants (hidden size, head_dim...): they choose constexprs, so the TensorRT glue requires them constant and passes
+them as ints. Launch choices (constexprs, warps, stages) come from the kernel's own ``*_launch_config`` via
+``spec.launch``, called with int shapes; they must not depend on dynamic dims (checked in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DTYPES = ("bf16", "fp16", "fp32", "int32", "int8", "uint8", "int64")
+TRITON_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "int32": "*i32", "int8": "*i8", "uint8": "*u8",
+              "int64": "*i64"}
+FLOATS = ("bf16", "fp16", "fp32")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32,
+            "int8": torch.int8, "uint8": torch.uint8, "int64": torch.int64}[name]
+
+
+def dtype_name(dt) -> str:
+    """Our dtype name for a torch dtype or numpy dtype."""
+    import torch
+
+    if isinstance(dt, torch.dtype):
+        table = {torch_dtype(n): n for n in DTYPES}
+        if dt in table:
+            return table[dt]
+    else:
+        import numpy as np
+
+        table = {"float16": "fp16", "float32": "fp32", "int32": "int32", "int8": "int8", "uint8": "uint8",
+                 "int64": "int64", "bfloat16": "bf16"}
+        key = np.dtype(dt).name
+        if key in table:
+            return table[key]
+    raise TypeError(f"dtype {dt} is not one of the plugin dtypes {DTYPES}")
+
+
+def cdiv(a, b):
+    """Ceil division on ints, TensorRT shape expressions, or sympy expressions (the tests' symbolic stand-in)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    mod = type(a).__module__ if not isinstance(a, int) else type(b).__module__
+    if mod.startswith("tensorrt"):
+        import tensorrt.plugin as trtp
+
+        return trtp.cdiv(a, b)
+    if mod.startswith("sympy"):
+        import sympy
+
+        return sympy.ceiling(sympy.Rational(1, 1) * a / b)
+    raise TypeError(f"cdiv: unsupported operand types {type(a).__name__}, {type(b).__name__}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtypes: tuple  # allowed dtype names
+    rank: int
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Attr:
+    type: type  # float, int or bool (an ONNX attribute of that type)
+    default: Any
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    name: str
+    shape: Callable  # (shapes, attrs) -> tuple of dims
+    dtype: Callable  # (dtypes: {input: name}, attrs) -> dtype name
+    alias: str | None = None  # the input this output is (written in place)
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One documented specialisation: what an engine build needs compiled (shapes' static dims, dtypes, attrs)."""
+
+    shapes: dict
+    dtypes: dict
+    attrs: dict = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Specialisation:
+    """Everything the AOT compile and the launch of one plugin instance need, at int shapes."""
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    signature: dict  # entry parameter -> Triton type
+    div16: tuple
+    grid: tuple
+    scalars: dict  # scalar name -> int
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """One plugin op. See ``trt_plugins/specs/__init__.py`` for the op set and the conventions."""
+
+    op_type: str
+    doc: str
+    input_specs: tuple
+    output_specs: tuple
+    attrs: dict  # name -> Attr
+    kernel: Callable  # () -> the @triton.jit kernel (imported lazily)
+    launch: Callable  # (int shapes, dtypes, attrs) -> kernels._launch.LaunchConfig
+    kernel_args: dict  # kernel runtime parameter -> input / output / scalar name that feeds it
+    scalars: dict  # scalar name -> (shapes, attrs) -> int32 dim expression; TensorRT extra args, in this order
+    grid: Callable  # (shapes, attrs, constexprs) -> tuple of 1-3 dim expressions
+    static_dims: tuple  # ((input name, dim index), ...) that must be build-time constants
+    reference: Callable  # (list of torch tensors, attrs) -> list of torch tensors (fp32-upcast torch math)
+    samples: tuple  # Sample, ...
+    div16: Callable = lambda shapes, dtypes, attrs: ()  # entry params (pointers, scalars) hinted divisible by 16
+    check: Callable = lambda shapes, dtypes, attrs: None  # cross-input checks (raise ValueError/TypeError saying what)
+    namespace: str = "tritrt"
+    version: str = "1"
+
+    @property
+    def inputs(self) -> tuple:
+        return tuple(t.name for t in self.input_specs)
+
+    @property
+    def outputs(self) -> tuple:
+        return tuple(o.name for o in self.output_specs)
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.namespace}::{self.op_type}"
+
+    @property
+    def entry_params(self) -> list:
+        """The plugin kernel's runtime parameters in TensorRT's order: inputs, int32 scalars, outputs."""
+        return [*self.inputs, *self.scalars, *self.outputs]
+
+    @property
+    def entry_name(self) -> str:
+        return "tritrt_" + "".join("_" + c.lower() if c.isupper() else c for c in self.op_type).lstrip("_")
+
+    def entry_kernel(self):
+        """The generated ``@triton.jit`` entry in plugin argument order, calling ``self.kernel()``."""
+        from kernels.aot.wrapper import make_entry
+
+        return make_entry(self.kernel(), self.entry_name, self.entry_params, dict(self.kernel_args))
+
+    def full_attrs(self, attrs: dict | None) -> dict:
+        attrs = dict(attrs or {})
+        unknown = sorted(set(attrs) - set(self.attrs))
+        if unknown:
+            raise ValueError(f"{self.op_type}: unknown attributes {unknown}; it takes {sorted(self.attrs)}")
+        return {k: self.attrs[k].type(attrs.get(k, a.default)) for k, a in self.attrs.items()}
+
+    def check_inputs(self, shapes: dict, dtypes: dict, attrs: dict | None = None) -> None:
+        for t in self.input_specs:
+            if t.name not in shapes:
+                raise ValueError(f"{self.op_type}: missing input {t.name}; inputs are {self.inputs}")
+            if len(shapes[t.name]) != t.rank:
+                raise ValueError(f"{self.op_type}: input {t.name} must have rank {t.rank}, got shape "
+                                 f"{tuple(shapes[t.name])}")
+            if dtypes[t.name] not in t.dtypes:
+                raise TypeError(f"{self.op_type}: input {t.name} must be one of {t.dtypes}, got {dtypes[t.name]}")
+        self.check(shapes, dtypes, self.full_attrs(attrs) if attrs is not None else None)
+
+    def output_dtypes(self, dtypes: dict, attrs: dict) -> dict:
+        return {o.name: o.dtype(dtypes, attrs) for o in self.output_specs}
+
+    def specialise(self, shapes: dict, dtypes: dict, attrs: dict | None = None) -> Specialisation:
+        """Constexprs, warps, stages (from the kernel's launch config), entry signature, grid and scalars at int
+        shapes."""
+        attrs = self.full_attrs(attrs)
+        self.check_inputs(shapes, dtypes, attrs)
+        cfg = self.launch(shapes, dtypes, attrs)
+        all_dtypes = {**dtypes, **self.output_dtypes(dtypes, attrs)}
+        sig = {}
+        for p in self.entry_params:
+            sig[p] = "i32" if p in self.scalars else TRITON_PTR[all_dtypes[p]]
+        scalars = {n: int(f(shapes, attrs)) for n, f in self.scalars.items()}
+        grid = tuple(int(g) for g in self.grid(shapes, attrs, cfg.constexprs))
+        return Specialisation(constexprs=dict(cfg.constexprs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              signature=sig, div16=tuple(self.div16(shapes, dtypes, attrs)), grid=grid,
+                              scalars=scalars)
+
+
+def require(cond: bool, op: str, msg: str) -> None:
+    """Raise ValueError(``op: msg``) unless ``cond``: for a spec's ``check``."""
+    if not cond:
+        raise ValueError(f"{op}: {msg}")
