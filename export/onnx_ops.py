@@ -1,0 +1,271 @@
+"""Per-op ONNX emitters, in two flavours: one ``tritrt`` plugin node, or the same math in standard ONNX ops.
+
+``OpEmitter(builder, flavour)`` has one method per model op (``rms_norm``, ``fused_add_rms_norm``, ``swiglu``, ``rope``,
+``write_kv_cache``, ``paged_attention``, ``linear``); ``export.onnx_export`` calls them while walking the layers, so the
+two flavours come from one description of the model and cannot drift apart in structure.
+
+Plugin nodes take their op type, input order and attributes from ``trt_plugins.specs.SPECS`` (the one place that
+defines a plugin's contract); until that package exists the emitter falls back to ``FALLBACK_CONTRACT`` below, which
+mirrors the op contract in ``kernels/ops/__init__.py``.
+
+The reference decompositions compute norms and attention scores in fp32 (as our kernels and the torch references do)
+and use only ops ONNX Runtime's CPU provider implements at opset 21.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from onnx import TensorProto
+
+from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, int4_tensor_proto, onnx_dtype
+from .onnx_quant import quant_parts
+
+# op type -> (ordered input names, attribute names, number of outputs); used only when trt_plugins is not importable.
+FALLBACK_CONTRACT = {
+    "RmsNorm": (["x", "weight"], ["eps"], 1),
+    "FusedAddRmsNorm": (["x", "residual", "weight"], ["eps"], 2),
+    "SwiGLU": (["x"], [], 1),
+    "Rope": (["q", "k", "positions", "cos_sin_cache"], ["interleaved"], 2),
+    "WriteKvCache": (["k", "v", "k_cache", "v_cache", "slot_mapping"], [], 2),
+    "PagedAttention": (["q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q"], ["scale"], 1),
+    "W8A16Linear": (["x", "qweight", "scales", "bias"], [], 1),
+    "W4A16Linear": (["x", "qweight", "scales", "zeros", "bias"], ["group_size"], 1),
+}
+
+
+def _names(items) -> list[str]:
+    """Names from a spec's ``inputs``/``outputs``/``attrs``: plain strings, objects with ``.name``, or dict keys."""
+    if isinstance(items, dict):
+        return list(items)
+    return [it if isinstance(it, str) else it.name for it in items]
+
+
+def plugin_contract(op_type: str) -> tuple[list[str], list[str], int]:
+    """(input names, attribute names, output count) of a plugin op, from ``trt_plugins.specs`` when it exists."""
+    try:
+        from trt_plugins.specs import SPECS
+    except ImportError:
+        SPECS = None
+    if SPECS is not None and op_type in SPECS:
+        spec = SPECS[op_type]
+        return _names(spec.inputs), _names(spec.attrs), len(_names(spec.outputs))
+    if op_type not in FALLBACK_CONTRACT:
+        raise KeyError(f"no plugin spec for op {op_type!r}")
+    return FALLBACK_CONTRACT[op_type]
+
+
+class OpEmitter:
+    def __init__(self, g: GraphBuilder, flavour: str, act_dtype: torch.dtype):
+        if flavour not in ("plugin", "reference"):
+            raise ValueError(f"flavour must be 'plugin' or 'reference', got {flavour!r}")
+        self.g, self.flavour, self.act_dtype = g, flavour, act_dtype
+        self.act_onnx = onnx_dtype(act_dtype)
+
+    @property
+    def plugin(self) -> bool:
+        return self.flavour == "plugin"
+
+    # -- plugin nodes -------------------------------------------------------------------------------------------------
+    def plugin_node(self, op_type: str, inputs: dict[str, str], attrs: dict, name: str,
+                    outputs: list[str] | None = None) -> list[str]:
+        """One ``tritrt`` node with inputs ordered as the spec says (absent optional inputs are empty names)."""
+        in_names, attr_names, n_out = plugin_contract(op_type)
+        unknown = set(inputs) - set(in_names)
+        if unknown:
+            raise ValueError(f"plugin {op_type}: spec inputs {in_names} do not include {sorted(unknown)}")
+        ordered = [inputs.get(n, "") for n in in_names]
+        while ordered and ordered[-1] == "":  # trailing optional inputs may simply be left out in ONNX
+            ordered.pop()
+        node_attrs = {k: v for k, v in attrs.items() if k in attr_names}
+        return self.g.op(op_type, ordered, n_out, domain=PLUGIN_DOMAIN, name=name, outputs=outputs, **node_attrs)
+
+    # -- small helpers ------------------------------------------------------------------------------------------------
+    def _cast(self, x: str, to: int) -> str:
+        return self.g.op1("Cast", [x], to=to)
+
+    def _slice(self, x: str, start: int, end: int, axis: int) -> str:
+        g = self.g
+        return g.op1("Slice", [x, g.const([start]), g.const([end]), g.const([axis])])
+
+    # -- norms ----------------------------------------------------------------------------------------------------------
+    def rms_norm(self, x: str, weight: str, eps: float, name: str) -> str:
+        if self.plugin:
+            return self.plugin_node("RmsNorm", {"x": x, "weight": weight}, {"eps": float(eps)}, name)[0]
+        g = self.g
+        xf = self._cast(x, TensorProto.FLOAT)
+        ms = g.op1("ReduceMean", [g.op1("Mul", [xf, xf]), g.const([-1])], keepdims=1)
+        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, g.const(eps, torch.float32)])])])
+        # HF LlamaRMSNorm: normalise in fp32, cast to the activation dtype, then multiply by the weight.
+        y = self._cast(g.op1("Mul", [xf, inv]), self.act_onnx)
+        return g.op1("Mul", [y, weight], name=name)
+
+    def fused_add_rms_norm(self, x: str, residual: str, weight: str, eps: float, name: str) -> tuple[str, str]:
+        if self.plugin:
+            y, res = self.plugin_node("FusedAddRmsNorm", {"x": x, "residual": residual, "weight": weight},
+                                      {"eps": float(eps)}, name)
+            return y, res
+        res = self.g.op1("Add", [x, residual], name=f"{name}_residual")
+        return self.rms_norm(res, weight, eps, name), res
+
+    # -- MLP activation -------------------------------------------------------------------------------------------------
+    def swiglu(self, x: str, intermediate: int, name: str) -> str:
+        """``x`` is [T, 2I] = [gate | up] (the ``w13`` layout); returns silu(gate) * up, [T, I]."""
+        if self.plugin:
+            return self.plugin_node("SwiGLU", {"x": x}, {}, name)[0]
+        g = self.g
+        gate = self._slice(x, 0, intermediate, 1)
+        up = self._slice(x, intermediate, 2 * intermediate, 1)
+        gf = self._cast(gate, TensorProto.FLOAT)
+        silu = self._cast(g.op1("Mul", [gf, g.op1("Sigmoid", [gf])]), self.act_onnx)
+        return g.op1("Mul", [silu, up], name=name)
+
+    # -- RoPE -------------------------------------------------------------------------------------------------------------
+    def rope(self, q: str, k: str, positions: str, cos_sin_cache: str, rotary_dim: int, head_dim: int,
+             name: str) -> tuple[str, str]:
+        """Rotate the first ``rotary_dim`` dims of each head of q [T, Hq, D] and k [T, Hk, D] (HF rotate_half layout)."""
+        if self.plugin:
+            q2, k2 = self.plugin_node("Rope", {"q": q, "k": k, "positions": positions, "cos_sin_cache": cos_sin_cache},
+                                      {"interleaved": 0}, name)
+            return q2, k2
+        g = self.g
+        half = rotary_dim // 2
+        cs = g.op1("Gather", [cos_sin_cache, positions], axis=0)  # [T, R] fp32
+        cos = g.op1("Unsqueeze", [self._slice(cs, 0, half, 1), g.const([1])])  # [T, 1, R/2]
+        sin = g.op1("Unsqueeze", [self._slice(cs, half, rotary_dim, 1), g.const([1])])
+
+        def rotate(x: str, tag: str) -> str:
+            xf = self._cast(x, TensorProto.FLOAT)
+            x1, x2 = self._slice(xf, 0, half, 2), self._slice(xf, half, rotary_dim, 2)
+            o1 = g.op1("Sub", [g.op1("Mul", [x1, cos]), g.op1("Mul", [x2, sin])])
+            o2 = g.op1("Add", [g.op1("Mul", [x2, cos]), g.op1("Mul", [x1, sin])])
+            parts = [o1, o2] + ([self._slice(xf, rotary_dim, head_dim, 2)] if rotary_dim < head_dim else [])
+            return self._cast(g.op1("Concat", parts, axis=2), self.act_onnx)
+
+        return rotate(q, f"{name}_q"), rotate(k, f"{name}_k")
+
+    # -- paged KV cache -------------------------------------------------------------------------------------------------
+    def write_kv_cache(self, k: str, v: str, k_cache: str, v_cache: str, slot_mapping: str,
+                       out_names: tuple[str, str], kv_heads: int, head_dim: int, name: str) -> tuple[str, str]:
+        """Write each new token's K/V to cache slot ``slot_mapping[t]`` (slot < 0: skipped); returns the new caches."""
+        if self.plugin:
+            kc, vc = self.plugin_node("WriteKvCache", {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
+                                                       "slot_mapping": slot_mapping}, {}, name, outputs=list(out_names))
+            return kc, vc
+        g = self.g
+        row = g.const([-1, kv_heads, head_dim])
+        slots = g.op1("Cast", [slot_mapping], to=TensorProto.INT64)
+        # Skipped tokens (slot < 0) are sent to one spare row appended after the cache and then dropped: ScatterND
+        # would otherwise wrap a negative index around to the end of the cache.
+        spare = None
+        outs = []
+        for new, cache, out in ((k, k_cache, out_names[0]), (v, v_cache, out_names[1])):
+            flat = g.op1("Reshape", [cache, row])  # [num_blocks * block_size, Hk, D]
+            if spare is None:
+                num_slots = g.op1("Gather", [g.op1("Shape", [flat]), g.const(0)], axis=0)
+                spare = g.op1("Unsqueeze", [g.op1("Where", [g.op1("Less", [slots, g.const(0)]), num_slots, slots]),
+                                            g.const([1])])  # [T, 1]
+                shape = g.op1("Shape", [cache])
+                extra_row = g.op1("ConstantOfShape", [g.const([1, kv_heads, head_dim])],
+                                  value=_scalar_tensor(0.0, self.act_dtype))
+            padded = g.op1("Concat", [flat, extra_row], axis=0)
+            written = g.op1("ScatterND", [padded, spare, new])
+            kept = g.op1("Slice", [written, g.const([0]), g.op1("Unsqueeze", [num_slots, g.const([0])]), g.const([0])])
+            outs.append(g.op1("Reshape", [kept, shape], outputs=[out]))
+        return outs[0], outs[1]
+
+    def paged_attention(self, q: str, k_cache: str, v_cache: str, block_table: str, seq_lens: str,
+                        cu_seqlens_q: str, num_heads: int, kv_heads: int, head_dim: int, block_size: int,
+                        scale: float, name: str) -> str:
+        """Causal attention of each new token (q [T, Hq, D]) to its sequence's cached tokens; returns [T, Hq, D]."""
+        if self.plugin:
+            return self.plugin_node("PagedAttention", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+                                                       "block_table": block_table, "seq_lens": seq_lens,
+                                                       "cu_seqlens_q": cu_seqlens_q}, {"scale": float(scale)}, name)[0]
+        g = self.g
+        i64 = TensorProto.INT64
+        num_tokens = g.op1("Gather", [g.op1("Shape", [q]), g.const(0)], axis=0)
+        t_idx = g.op1("Range", [g.const(0), num_tokens, g.const(1)])  # [T]
+        cu = g.op1("Cast", [cu_seqlens_q], to=i64)
+        cu_end = g.op1("Slice", [cu, g.const([1]), g.const([2**62]), g.const([0])])  # [S]
+        # sequence of token t = how many sequences end at or before t
+        ends_before = g.op1("LessOrEqual", [g.op1("Unsqueeze", [cu_end, g.const([0])]),
+                                            g.op1("Unsqueeze", [t_idx, g.const([1])])])  # [T, S]
+        seq_id = g.op1("ReduceSum", [g.op1("Cast", [ends_before], to=i64), g.const([1])], keepdims=0)  # [T]
+        # position of token t in its sequence: the new tokens are the last q_len of seq_lens (the op contract)
+        pos = g.op1("Add", [g.op1("Sub", [g.op1("Gather", [g.op1("Cast", [seq_lens], to=i64), seq_id], axis=0),
+                                          g.op1("Gather", [cu_end, seq_id], axis=0)]), t_idx])  # [T]
+        bt = g.op1("Cast", [g.op1("Gather", [block_table, seq_id], axis=0)], to=i64)  # [T, B]
+        max_blocks = g.op1("Gather", [g.op1("Shape", [bt]), g.const(1)], axis=0)
+        j = g.op1("Range", [g.const(0), g.op1("Mul", [max_blocks, g.const(block_size)]), g.const(1)])  # [L]
+        blk = g.op1("Gather", [bt, g.op1("Div", [j, g.const(block_size)])], axis=1)  # [T, L]
+        slot = g.op1("Add", [g.op1("Mul", [blk, g.const(block_size)]), g.op1("Mod", [j, g.const(block_size)])])
+        row = g.const([-1, kv_heads, head_dim])
+        # GQA without repeating K/V: q heads [Hk, G] share kv head h // G, as HF's repeat_kv does
+        group = num_heads // kv_heads
+        qf = g.op1("Reshape", [self._cast(q, TensorProto.FLOAT), g.const([-1, kv_heads, group, head_dim])])
+        keys = self._cast(g.op1("Gather", [g.op1("Reshape", [k_cache, row]), slot], axis=0), TensorProto.FLOAT)
+        vals = self._cast(g.op1("Gather", [g.op1("Reshape", [v_cache, row]), slot], axis=0), TensorProto.FLOAT)
+        k_t = g.op1("Transpose", [keys], perm=[0, 2, 3, 1])  # [T, Hk, D, L]
+        v_t = g.op1("Transpose", [vals], perm=[0, 2, 1, 3])  # [T, Hk, L, D]
+        scores = g.op1("Mul", [g.op1("MatMul", [qf, k_t]), g.const(scale, torch.float32)])  # [T, Hk, G, L]
+        causal = g.op1("LessOrEqual", [g.op1("Unsqueeze", [j, g.const([0])]),
+                                       g.op1("Unsqueeze", [pos, g.const([1])])])  # [T, L]
+        mask = g.op1("Unsqueeze", [causal, g.const([1, 2])])  # [T, 1, 1, L]
+        # key 0 is always visible, so no row is fully masked and -inf never meets a 0/0
+        masked = g.op1("Where", [mask, scores, g.const(float("-inf"), torch.float32)])
+        probs = g.op1("Softmax", [masked], axis=-1)
+        out = g.op1("MatMul", [probs, v_t])  # [T, Hk, G, D]
+        out = g.op1("Reshape", [out, g.const([-1, num_heads, head_dim])])
+        return self._cast(out, self.act_onnx)
+
+    # -- linear layers --------------------------------------------------------------------------------------------------
+    def linear(self, x: str, weight, bias: torch.Tensor | None, name: str) -> str:
+        """y = x @ W.T (+ bias) for x [T, K]; ``weight`` is a [N, K] tensor or a ``kernels.quant.QuantizedWeight``."""
+        g = self.g
+        bias_name = g.initializer(f"{name}.bias", bias.to(self.act_dtype)) if bias is not None else None
+        if isinstance(weight, torch.Tensor):
+            # stored pre-transposed [K, N] so that MatMul needs no Transpose node
+            w_t = g.initializer(f"{name}.weight_t", weight.to(self.act_dtype).t().contiguous())
+            y = g.op1("MatMul", [x, w_t], name=name if bias_name is None else f"{name}_mm")
+            return y if bias_name is None else g.op1("Add", [y, bias_name], name=name)
+        parts = quant_parts(weight)
+        if parts.perm is not None:  # GPTQ act-order: the stored K order is x[..., perm] (as kernels.quant.linear does)
+            x = g.op1("Gather", [x, g.initializer(f"{name}.perm", parts.perm.to(torch.int64))], axis=1,
+                      name=f"{name}_perm")
+        if self.plugin:
+            fields = {"qweight": g.initializer(f"{name}.qweight", weight.qweight),
+                      "scales": g.initializer(f"{name}.scales", weight.scales)}
+            if parts.bits == 4 and weight.zeros is not None:
+                fields["zeros"] = g.initializer(f"{name}.zeros", weight.zeros)
+            if bias_name is not None:
+                fields["bias"] = bias_name
+            op_type = "W8A16Linear" if parts.bits == 8 else "W4A16Linear"
+            return self.plugin_node(op_type, {"x": x, **fields}, {"group_size": int(parts.group_size)}, name)[0]
+        # reference: standard DequantizeLinear over the same integer codes, [K, N] (see export.onnx_quant)
+        scales = g.initializer(f"{name}.dq_scales", parts.scales.to(self.act_dtype))
+        if parts.bits == 8:
+            codes = g.initializer(f"{name}.dq_codes", parts.codes)
+            w = g.op1("DequantizeLinear", [codes, scales], axis=1, name=f"{name}_dq")
+        else:
+            if parts.zero_bits == 4:
+                codes = g.initializer_proto(int4_tensor_proto(f"{name}.dq_codes", parts.codes, signed=False))
+                zeros = g.initializer_proto(int4_tensor_proto(f"{name}.dq_zeros", parts.zeros, signed=False))
+            else:
+                codes = g.initializer(f"{name}.dq_codes", parts.codes.to(torch.uint8))
+                zeros = g.initializer(f"{name}.dq_zeros", parts.zeros.to(torch.uint8))
+            w = g.op1("DequantizeLinear", [codes, scales, zeros], axis=0, block_size=int(parts.group_size),
+                      name=f"{name}_dq")
+        y = g.op1("MatMul", [x, w], name=name if bias_name is None else f"{name}_mm")
+        return y if bias_name is None else g.op1("Add", [y, bias_name], name=name)
+
+
+def _scalar_tensor(value: float, dtype: torch.dtype):
+    from .onnx_graph import tensor_proto
+
+    return tensor_proto("value", torch.tensor([value], dtype=dtype))
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
