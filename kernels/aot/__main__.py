@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-def build(sm: int, out: Path, ops=None, cache=None, log=print) -> dict:
+def build(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool = False) -> dict:
     from kernels.aot.compile import SUPPORTED_SM, strip_hidden_params
     from trt_plugins.aot import compile_plugin
     from trt_plugins.specs import SPECS
@@ -29,7 +29,7 @@ def build(sm: int, out: Path, ops=None, cache=None, log=print) -> dict:
     entries = []
     for name in names:
         spec = SPECS[name]
-        for sample in spec.samples:
+        for sample in spec.samples[:1] if first_only else spec.samples:
             art, sp = compile_plugin(spec, sample.shapes, sample.dtypes, sample.attrs, sm=sm, cache=cache)
             stem = f"{art.name}-{art.key[:12]}"
             (out / f"{stem}.ptx").write_text(art.ptx)
@@ -52,15 +52,22 @@ def build(sm: int, out: Path, ops=None, cache=None, log=print) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.splitlines()[0])
-    p.add_argument("--sm", type=int, required=True, help="target compute capability, e.g. 90 (H100), 80 (A100)")
+    p.add_argument("--sm", required=True, help="target compute capability, e.g. 90 (H100), 80 (A100); a comma list "
+                   "(80,90) writes one sub-directory sm_XX per SM")
     p.add_argument("--out", type=Path, required=True, help="directory for the PTX/cubin files and manifest.json")
     p.add_argument("--ops", default="", help="comma-separated plugin op types (default: all)")
+    p.add_argument("--first", action="store_true", help="only the first sample specialisation of each op (smoke test)")
     args = p.parse_args(argv)
     import os
 
-    os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real compiler, not the interpreter
-    manifest = build(args.sm, args.out, [o for o in args.ops.split(",") if o] or None)
-    print(f"{len(manifest['kernels'])} kernels -> {args.out / 'manifest.json'}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: AOT compilation needs Triton's compiler, not its interpreter")
+    sms = [int(s) for s in args.sm.split(",") if s]
+    ops = [o for o in args.ops.split(",") if o] or None
+    for sm in sms:
+        out = args.out if len(sms) == 1 else args.out / f"sm_{sm}"
+        manifest = build(sm, out, ops, first_only=args.first)
+        print(f"{len(manifest['kernels'])} kernels -> {out / 'manifest.json'}")
     return 0
 
 

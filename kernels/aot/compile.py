@@ -61,12 +61,48 @@ class Artifact:
 
 
 def _unwrap(fn):
-    """The plain ``JITFunction`` under ``@triton.autotune`` / ``@triton.heuristics`` wrappers."""
-    while not hasattr(fn, "arg_names") and hasattr(fn, "fn"):
+    """The plain ``JITFunction`` under ``@triton.autotune`` / ``@triton.heuristics`` wrappers.
+
+    Under ``TRITON_INTERPRET=1`` (the CPU test tier) ``@triton.jit`` makes interpreter objects, which the compiler
+    cannot lower; they are rebuilt as ``JITFunction``s (with the jit functions they call). That covers simple
+    kernels only: Triton's own library functions (``tl.sum``...) stay interpreter objects in such a process, so real
+    kernels are compiled in a process without ``TRITON_INTERPRET`` (``python -m kernels.aot`` does that).
+    """
+    while type(fn).__name__ in ("Autotuner", "Heuristics") and hasattr(fn, "fn"):
         fn = fn.fn
+    if type(fn).__name__ == "InterpretedFunction":
+        fn = _as_jit(fn, {})
     if not hasattr(fn, "arg_names") or not hasattr(fn, "cache_key"):
         raise AotError(f"{fn!r} is not a @triton.jit function")
     return fn
+
+
+def _as_jit(interp, memo: dict):
+    """A ``JITFunction`` for an ``InterpretedFunction``: same code, globals whose jit functions are converted too."""
+    import types
+
+    from triton.runtime.jit import JITFunction
+
+    py = interp.fn
+    if id(py) in memo:
+        return memo[id(py)]
+    g = dict(py.__globals__)
+    new_py = types.FunctionType(py.__code__, g, py.__name__, py.__defaults__, py.__closure__)
+    new_py.__qualname__, new_py.__module__ = py.__qualname__, py.__module__
+    new_py.__annotations__ = dict(py.__annotations__)
+    jit = JITFunction(new_py, **{k: v for k, v in getattr(interp, "kwargs", {}).items()
+                                 if k in ("do_not_specialize", "noinline", "debug")})
+    memo[id(py)] = jit
+    for name, val in list(g.items()):
+        if type(val).__name__ == "InterpretedFunction":
+            g[name] = _as_jit(val, memo)
+    return jit
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check_sm(sm: int) -> None:
@@ -126,7 +162,14 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps:
     full_sig = {n: ("constexpr" if n in const_names else signature[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn, signature=full_sig, constexprs=dict(constexprs), attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", sm, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    try:
+        ck = triton.compile(src, target=GPUTarget("cuda", sm, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    except Exception as e:
+        if _interpreting():
+            raise AotError(f"{fn.__name__} cannot be compiled in a TRITON_INTERPRET=1 process ({type(e).__name__}); "
+                           "compile in a process without it, e.g. python -m kernels.aot") from e
+        raise
     md = ck.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise AotError(f"{fn.__name__} needs Triton global/profile scratch memory, which an AOT plugin cannot "

@@ -1,0 +1,176 @@
+"""kernels.aot on the CPU: compile to PTX + cubin for sm_80 / sm_90 without a GPU, the cache, the refusals, the
+plugin entry wrapper, the PTX for TensorRT's argument list, nvcc, and the launcher's argument checks."""
+
+import re
+import shutil
+
+import pytest
+
+from kernels.aot import AotCache, AotError, compile_cuda, compile_triton, strip_hidden_params
+from kernels.aot.compile import entry_params, ptxas
+from kernels.aot.launcher import AotKernel
+from kernels.aot.wrapper import make_entry
+from tests.aot.toy_kernels import _axpb_kernel
+
+SIG = {"x_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "stride_x": "i32"}
+CONST = {"A": 2.0, "B": -1.0, "BLOCK": 256}
+_ARTS = {}
+
+
+def _axpb(sm, cache=None, **kw):
+    """Compile the toy kernel once per (sm, options) per session: compiles cost ~1 s each on this machine."""
+    key = (sm, tuple(sorted(kw.items())), cache is None)
+    if key not in _ARTS or cache is not None:
+        _ARTS[key] = compile_triton(_axpb_kernel, SIG, CONST, sm=sm, div16=("x_ptr", "y_ptr", "out_ptr"), cache=cache,
+                                    **kw)
+    return _ARTS[key]
+
+
+@pytest.mark.parametrize("sm", [80, 90])
+def test_ptx_and_cubin_for_sm(sm):
+    art = _axpb(sm)
+    assert re.search(rf"\.target\s+sm_{sm}a?\b", art.ptx), "PTX targets the wrong architecture"
+    assert art.cubin[:4] == b"\x7fELF", "cubin is not an ELF image"
+    assert art.name == "_axpb_kernel" and art.kind == "triton" and art.sm == sm
+    assert art.params == [(n, t) for n, t in SIG.items()]
+    # Triton 3.6 appends global + profile scratch pointers; the launcher passes null for them.
+    assert art.num_hidden == 2
+    assert len(entry_params(art.ptx, art.name)) == len(SIG) + art.num_hidden
+    assert art.num_warps == 4 and art.shared >= 0 and art.constexprs == CONST
+
+
+def test_cache_hit_skips_the_compiler(tmp_path, monkeypatch):
+    cache = AotCache(tmp_path)
+    first = _axpb(90, cache=cache)
+    import triton
+
+    def boom(*a, **k):
+        raise AssertionError("triton.compile called on a cache hit")
+
+    monkeypatch.setattr(triton, "compile", boom)
+    again = _axpb(90, cache=cache)
+    assert again.key == first.key and again.cubin == first.cubin and again.ptx == first.ptx
+    assert again.params == first.params
+    # A different specialisation is a different key (and would need the compiler).
+    with pytest.raises(Exception) as err:
+        compile_triton(_axpb_kernel, SIG, {**CONST, "BLOCK": 128}, sm=90, cache=cache)
+    assert "cache hit" in str(err.value) + str(err.value.__cause__)
+
+
+def test_damaged_cache_entry_is_recompiled(tmp_path):
+    cache = AotCache(tmp_path)
+    art = _axpb(80, cache=cache)
+    (cache._dir(art.key) / "meta.json").write_text("{not json")
+    assert cache.get(art.key) is None
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(constexprs={"A": 1.0, "B": 0.0}), "BLOCK"),  # a constexpr without a value
+    (dict(signature={**SIG, "n": "fp32"}), "floats must be constexprs"),
+    (dict(signature={k: v for k, v in SIG.items() if k != "n"}), "exactly the runtime parameters"),
+    (dict(sm=75), "not supported"),
+    (dict(div16=("nope",)), "not runtime parameters"),
+    (dict(constexprs={**CONST, "C": 1}), "not constexpr parameters"),
+])
+def test_bad_specialisation_is_refused(bad, match):
+    args = dict(signature=SIG, constexprs=CONST, sm=90)
+    args.update(bad)
+    with pytest.raises(AotError, match=match):
+        compile_triton(_axpb_kernel, args["signature"], args["constexprs"], sm=args["sm"], div16=bad.get("div16", ()))
+
+
+def test_kernel_needing_scratch_is_refused(monkeypatch):
+    """A kernel whose metadata asks for global scratch cannot run as a plugin: refused, with the fix in the message."""
+    import triton
+
+    real = triton.compile
+
+    def with_scratch(*a, **k):
+        ck = real(*a, **k)
+        ck.metadata = ck.metadata._replace(global_scratch_size=128)
+        return ck
+
+    monkeypatch.setattr(triton, "compile", with_scratch)
+    with pytest.raises(AotError, match="explicit tensor argument"):
+        compile_triton(_axpb_kernel, SIG, CONST, sm=90, cache=AotCache(_tmp_dir(monkeypatch)))
+
+
+def _tmp_dir(monkeypatch):
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="aot-scratch-")
+
+
+@pytest.mark.parametrize("sm", [80, 90])
+def test_stripped_ptx_takes_exactly_the_declared_args_and_assembles(sm):
+    art = _axpb(sm)
+    ptx = strip_hidden_params(art)
+    assert entry_params(ptx, art.name) == ["u64", "u64", "u64", "u32", "u32"]
+    assert ptxas(ptx, sm)[:4] == b"\x7fELF"
+
+
+def test_entry_wrapper_reorders_and_compiles(tmp_path):
+    """The plugin order (inputs, scalars, outputs) differs from the kernel's; one entry param may feed two."""
+    entry = make_entry(_axpb_kernel, "toy_entry", ["x", "y", "n", "stride", "out"],
+                       {"x_ptr": "x", "y_ptr": "y", "out_ptr": "out", "n": "n", "stride_x": "stride"}, root=tmp_path)
+    sig = {"x": "*bf16", "y": "*fp32", "n": "i32", "stride": "i32", "out": "*fp16"}
+    art = compile_triton(entry, sig, CONST, sm=90, cache=AotCache(tmp_path))
+    assert art.name == "toy_entry"
+    assert entry_params(strip_hidden_params(art), art.name) == ["u64", "u64", "u32", "u32", "u64"]
+    with pytest.raises(AotError, match="runtime parameters"):
+        make_entry(_axpb_kernel, "toy_bad", ["x", "out"], {"x_ptr": "x", "out_ptr": "out"}, root=tmp_path)
+    with pytest.raises(AotError, match="not entry parameters"):
+        make_entry(_axpb_kernel, "toy_bad2", ["x", "y", "out", "n"],
+                   {"x_ptr": "x", "y_ptr": "y", "out_ptr": "out", "n": "n", "stride_x": "s"}, root=tmp_path)
+
+
+CU = r"""
+extern "C" __global__ void scale_add(const float* x, float* y, int n, int k) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] * k + 1.0f;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_cpp_compiles_with_nvcc(tmp_path):
+    src = tmp_path / "k.cu"
+    src.write_text(CU)
+    params = [("x", "*fp32"), ("y", "*fp32"), ("n", "i32"), ("k", "i32")]
+    art = compile_cuda(src, "scale_add", params, sm=80, threads=128, cache=AotCache(tmp_path / "c"))
+    assert art.cubin[:4] == b"\x7fELF" and ".entry scale_add" in art.ptx and art.num_hidden == 0 and art.block == 128
+    with pytest.raises(AotError, match="declared"):
+        compile_cuda(src, "scale_add", params[:3], sm=90, threads=128, cache=AotCache(tmp_path / "c"))
+    (tmp_path / "m.cu").write_text(CU.replace('extern "C" ', ""))
+    with pytest.raises(AotError, match='extern "C"'):
+        compile_cuda(tmp_path / "m.cu", "scale_add", params, sm=90, threads=128)
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor in the launcher's argument packing (no GPU here)."""
+
+    is_cuda = True
+
+    def __init__(self, ptr):
+        self._ptr = ptr
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def test_launcher_checks_arguments_against_the_compiled_assumptions():
+    art = compile_triton(_axpb_kernel, SIG, CONST, sm=90, div16=("x_ptr", "y_ptr", "out_ptr", "stride_x"))
+    k = AotKernel(art)
+    ok = [_FakeCuda(256), _FakeCuda(512), _FakeCuda(1024), 7, 16]
+    values = k._pack(ok)
+    assert len(values) == len(SIG) + 2 and values[-1].value == 0 and values[-2].value == 0  # null scratch pointers
+    with pytest.raises(AotError, match="multiple of 16"):
+        k._pack([*ok[:4], 24])
+    with pytest.raises(AotError, match="16-byte aligned"):
+        k._pack([_FakeCuda(258), *ok[1:]])
+    with pytest.raises(TypeError, match="5 runtime arguments"):
+        k._pack(ok[:4])
+    with pytest.raises(AotError, match="int32"):
+        k._pack([*ok[:3], 2**31, 16])
+    with pytest.raises(TypeError, match="CUDA tensor"):
+        k._pack([1, *ok[1:]])
