@@ -26,8 +26,11 @@ attention (``kernels.ops.attention``); cache ``[num_blocks, block_size, num_kv_h
   causal: bool) -> out``: flash prefill on packed sequences without the cache.
 
 weight-only GEMM (``kernels.ops.gemm``; weights from ``kernels.quant``)
-- ``w8a16_linear(x[..., K], qweight, scales, bias: Optional) -> y[..., N]``
-- ``w4a16_linear(x[..., K], qweight, scales, zeros: Optional, group_size: int, bias: Optional) -> y[..., N]``
+- ``w8a16_linear(x[..., K], qweight, scales, bias: Optional, residual: Optional = None) -> y[..., N]``
+- ``w4a16_linear(x[..., K], qweight, scales, zeros: Optional, group_size: int, bias: Optional,
+  residual: Optional = None) -> y[..., N]``; ``residual[..., N]`` is added in the epilogue (fused residual add).
+  Layouts (int8 ``[K, N]``; int4 packed int32 ``[K // 8, N]``, scales/zeros ``[K // G, N]``) are documented in
+  ``kernels.quant``; a GPTQ act-order ``perm`` is applied to x by ``kernels.quant.linear``, not by the ops.
 """
 
 from . import attention, gemm, norm_act  # noqa: F401  (registration happens on import)

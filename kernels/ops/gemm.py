@@ -1,1 +1,101 @@
-"""Registered by the gemm work; see kernels/ops/__init__.py for the contract."""
+"""Weight-only GEMM as torch custom ops (``torch.ops.tritrt.w8a16_linear`` / ``w4a16_linear``), per the contract in
+``kernels/ops/__init__.py``; weights come from ``kernels.quant`` (use ``kernels.quant.linear`` rather than these).
+
+CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations and
+M <= ``CUDA_GEMV_MAX_M`` (no residual) the CUDA C++ GEMV (``kernels.csrc.w4a16_gemv``), which measured faster there.
+Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
+so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# M up to which fp16 W4A16 goes to the CUDA GEMV (0 disables it); see benchmarks/results/bench_gemm_*.md.
+CUDA_GEMV_MAX_M = 8
+
+
+def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        if tuple(residual.shape) != (*lead, N):
+            raise ValueError(f"residual must have shape {(*lead, N)}, got {tuple(residual.shape)}")
+        r2 = residual.reshape(-1, N).contiguous()
+    return lead, x2, r2
+
+
+def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{op}: bias must have shape [{N}], got {tuple(bias.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------- w8a16_linear
+def _w8_shapes(x, qweight, scales, bias, op="w8a16_linear"):
+    from ..gemm_w8a16 import check_w8_weight
+
+    _, N = check_w8_weight(qweight, scales, x.shape[-1])
+    _check_bias(bias, N, op)
+    return N
+
+
+@torch.library.custom_op("tritrt::w8a16_linear", mutates_args=())
+def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+    from .. import gemm_w8a16 as k
+
+    N = _w8_shapes(x, qweight, scales, bias)
+    lead, x2, r2 = _flatten(x, residual, N)
+    if x.is_cuda:
+        y = k.w8a16_gemm(x2, qweight, scales, bias, r2)
+    else:
+        y = k.w8a16_reference(x2, qweight, scales, bias, r2).to(x.dtype)
+    return y.reshape(*lead, N)
+
+
+@w8a16_linear.register_fake
+def _(x, qweight, scales, bias=None, residual=None):
+    N = _w8_shapes(x, qweight, scales, bias)
+    _flatten(x, residual, N)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+# --------------------------------------------------------------------------------------------------- w4a16_linear
+def _w4_shapes(x, qweight, scales, zeros, group_size, bias, op="w4a16_linear"):
+    from ..gemm_w4a16 import check_w4_weight
+
+    _, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
+    _check_bias(bias, N, op)
+    return N
+
+
+@torch.library.custom_op("tritrt::w4a16_linear", mutates_args=())
+def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
+                 bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    from .. import gemm_w4a16 as k
+
+    N = _w4_shapes(x, qweight, scales, zeros, group_size, bias)
+    lead, x2, r2 = _flatten(x, residual, N)
+    if not x.is_cuda:
+        y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2).to(x.dtype)
+        return y.reshape(*lead, N)
+    M, K = x2.shape
+    if r2 is None and M <= CUDA_GEMV_MAX_M:
+        from ..csrc import w4a16_gemv as cu
+
+        if cu.unsupported_reason(M, N, K, group_size, x.dtype) is None:
+            return cu.w4a16_gemv(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
+    return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2).reshape(*lead, N)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, scales, zeros, group_size, bias=None, residual=None):
+    N = _w4_shapes(x, qweight, scales, zeros, group_size, bias)
+    _flatten(x, residual, N)
+    return x.new_empty((*x.shape[:-1], N))

@@ -1,0 +1,117 @@
+// W4A16 GEMV for small M (1..8), fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's INT4 layout.
+//
+// Layout read: qweight int32 [K/8, N] (8 nibbles along K per int32, k = 8r + j at bits 4j), scales fp16 [K/G, N],
+// zeros uint8 [K/G, N] (or none: zero point 8). The weight is the only big operand, so the kernel is built around
+// streaming it at full bandwidth: each thread loads 16 bytes (4 columns x 8 k) per packed row, ROWS rows per step with
+// all loads issued before any math (ROWS x 16 B in flight per thread), a warp reads TN x 16 contiguous bytes of each
+// of 32/TN rows. Unpacking uses the fp32 exponent trick: (nibble | 0x4B000000) is the float 2^23 + nibble, so
+// (q - z) costs a shift, a LOP3 and an FADD -- no int->float conversion (quarter rate on sm_90). The weight is exact
+// (q - z) in fp32 and the group scale multiplies a row's partial sum, so the result equals x @ ((q - z) * s) up to
+// fp32 summation order. Threads along K reduce through shared memory at the end; one launch, no memset.
+//
+// Compile-time: GEMV_M (max rows, 1..8; runtime M <= GEMV_M), GEMV_TN (threads across N: 4 or 8). Requirements the
+// Python launcher checks: N % 4 == 0, K % (8 * ROWS) == 0, group_size % 8 == 0, x rows 16-byte aligned.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef GEMV_M
+#define GEMV_M 1
+#endif
+#ifndef GEMV_TN
+#define GEMV_TN 8
+#endif
+
+namespace {
+constexpr int kThreads = 256;
+constexpr int kTN = GEMV_TN;               // threads across N, 4 columns each
+constexpr int kTK = kThreads / kTN;        // threads across K
+constexpr int kCols = 4 * kTN;             // output columns per block
+constexpr int kRows = 8;                   // packed rows (64 k) per thread per step
+constexpr float kMagic = 8388608.0f;       // 2^23
+
+__device__ __forceinline__ float nibble(uint32_t q, int j) {
+  return __int_as_float(((q >> (4 * j)) & 0xFu) | 0x4B000000u);  // 2^23 + nibble j, exact
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+           const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
+           int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias) {
+  __shared__ float red[kTK][GEMV_M][kCols];
+  const int tn = threadIdx.x % kTN;
+  const int tk = threadIdx.x / kTN;
+  const int col0 = blockIdx.x * kCols + tn * 4;
+  const int kp = K / 8;
+
+  float acc[GEMV_M][4];
+#pragma unroll
+  for (int m = 0; m < GEMV_M; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[m][c] = 0.f;
+
+  if (col0 < N) {
+    for (int r0 = tk * kRows; r0 < kp; r0 += kTK * kRows) {
+      int4 q[kRows];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u)
+        q[u] = __ldg(reinterpret_cast<const int4*>(qweight + (size_t)(r0 + u) * N + col0));
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        const int k0 = 8 * (r0 + u);
+        const int g = k0 / group_size;
+        const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(scales + (size_t)g * N + col0));
+        const float2 s01 = __half22float2(*reinterpret_cast<const half2*>(&sraw.x));
+        const float2 s23 = __half22float2(*reinterpret_cast<const half2*>(&sraw.y));
+        const float s[4] = {s01.x, s01.y, s23.x, s23.y};
+        float zm[4];
+        if (has_zeros) {
+          const uint32_t zraw = __ldg(reinterpret_cast<const unsigned int*>(zeros + (size_t)g * N + col0));
+#pragma unroll
+          for (int c = 0; c < 4; ++c) zm[c] = kMagic + (float)((zraw >> (8 * c)) & 0xFFu);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) zm[c] = kMagic + 8.0f;
+        }
+        const uint32_t qc[4] = {(uint32_t)q[u].x, (uint32_t)q[u].y, (uint32_t)q[u].z, (uint32_t)q[u].w};
+#pragma unroll
+        for (int m = 0; m < GEMV_M; ++m) {
+          if (m < M) {
+            const int4 xraw = __ldg(reinterpret_cast<const int4*>(x + (size_t)m * stride_xm + k0));
+            const half2* xh = reinterpret_cast<const half2*>(&xraw);
+            float xf[8];
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+              const float2 f = __half22float2(xh[h]);
+              xf[2 * h] = f.x;
+              xf[2 * h + 1] = f.y;
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              float part = 0.f;
+#pragma unroll
+              for (int j = 0; j < 8; ++j) part = fmaf(xf[j], nibble(qc[c], j) - zm[c], part);
+              acc[m][c] = fmaf(part, s[c], acc[m][c]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < GEMV_M; ++m)
+    *reinterpret_cast<float4*>(&red[tk][m][tn * 4]) = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+  __syncthreads();
+  for (int t = threadIdx.x; t < GEMV_M * kCols; t += kThreads) {
+    const int m = t / kCols, col = t % kCols;
+    const int n = blockIdx.x * kCols + col;
+    if (m < M && n < N) {
+      float sum = 0.f;
+#pragma unroll 8
+      for (int i = 0; i < kTK; ++i) sum += red[i][m][col];
+      if (has_bias) sum += __half2float(bias[n]);
+      out[(size_t)m * N + n] = __float2half_rn(sum);
+    }
+  }
+}

@@ -1,0 +1,95 @@
+"""Launcher for the CUDA C++ W4A16 GEMV (``w4a16_gemv.cu``): small M (<= 8), fp16 activations.
+
+The .cu file is compiled once per (SM, max-M variant, threads-across-N) with nvcc by ``kernels.aot.compile_cuda``
+(content-addressed on-disk cache, so a second process or run pays nothing) and launched on torch's current stream
+through ``cuda.bindings.driver`` by ``kernels.aot.launcher.AotKernel``. The launch plan is a pure function of shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
+KERNEL = "w4a16_gemv"
+THREADS = 256
+ROWS_PER_STEP = 8  # kRows in the .cu: K must be a multiple of 8 * ROWS_PER_STEP
+M_VARIANTS = (1, 2, 4, 8)
+MAX_M = M_VARIANTS[-1]
+PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
+          ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
+          ("has_zeros", "i32"), ("has_bias", "i32")]
+
+_KERNELS: dict = {}
+
+
+def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype) -> Optional[str]:
+    """None if the GEMV handles this shape, else why not (the op then uses the Triton kernel)."""
+    if dtype != torch.float16:
+        return f"activations are {dtype}; the CUDA GEMV is fp16 only"
+    if not 1 <= M <= MAX_M:
+        return f"M={M} is outside 1..{MAX_M}"
+    if N % 4:
+        return f"N={N} is not a multiple of 4 (16-byte weight loads)"
+    if K % (8 * ROWS_PER_STEP) or group_size % 8:
+        return f"K={K} must be a multiple of {8 * ROWS_PER_STEP} and group_size={group_size} of 8"
+    return None
+
+
+def gemv_plan(M: int, N: int) -> dict:
+    """Compile-time variant and grid: the smallest max-M variant >= M; 4 threads across N (16 columns per block)
+    while that still leaves <= ~2 blocks per SM-wave on 132 SMs, else 8 (32 columns per block)."""
+    gemv_m = next(v for v in M_VARIANTS if v >= M)
+    tn = 4 if -(-N // 16) <= 8 * 132 else 8
+    return dict(gemv_m=gemv_m, tn=tn, grid=(-(-N // (4 * tn)),))
+
+
+def compile_variant(gemv_m: int, tn: int, sm: int = 90):
+    """The PTX/cubin artifact for one variant (no GPU needed)."""
+    from kernels.aot.compile import compile_cuda
+
+    return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=THREADS,
+                        extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}"))
+
+
+def _kernel(gemv_m: int, tn: int):
+    from kernels.aot.launcher import AotKernel
+
+    major, minor = torch.cuda.get_device_capability()
+    key = (10 * major + minor, gemv_m, tn)
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = AotKernel(compile_variant(gemv_m, tn, sm=key[0]))
+    return k
+
+
+def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+               group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+               tn: Optional[int] = None) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, with the CUDA GEMV. ``tn`` overrides the plan (benchmarks)."""
+    from kernels.gemm_w4a16 import check_w4_weight
+
+    K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
+    M = x.shape[0]
+    reason = unsupported_reason(M, N, K, group_size, x.dtype)
+    if reason:
+        raise ValueError(f"CUDA W4A16 GEMV: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
+    if not x.is_cuda:
+        raise ValueError("CUDA W4A16 GEMV needs CUDA tensors")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("CUDA W4A16 GEMV: x rows must be contiguous and 16-byte aligned (call .contiguous())")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+            raise ValueError(f"CUDA W4A16 GEMV: {name} must be contiguous and 16-byte aligned")
+    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
+        raise ValueError("CUDA W4A16 GEMV: scales and bias must be float16")
+    plan = gemv_plan(M, N)
+    tn = tn or plan["tn"]
+    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    _kernel(plan["gemv_m"], tn).launch((-(-N // (4 * tn)),), x, qweight, scales,
+                                       zeros if zeros is not None else qweight, bias if bias is not None else scales,
+                                       out, M, N, K, group_size, x.stride(0), int(zeros is not None),
+                                       int(bias is not None))
+    return out

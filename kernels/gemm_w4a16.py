@@ -1,0 +1,158 @@
+"""W4A16 GEMM: ``y[M, N] = x[M, K] @ W^T`` with group-wise INT4 weights (``kernels.quant`` layout), fp16/bf16 x.
+
+The weight is the only big operand, so the kernel reads each packed byte once per M tile and unpacks in registers.
+A ``[BLOCK_K, BLOCK_N]`` tile is loaded as ``qweight[k // 8, n]`` for every k (each int32 fetched by 8 lanes: same
+address, one transaction from L1) and shifted by ``4 * (k % 8)``: no reshape, the same code for both paths.
+BLOCK_K never spans two groups (BLOCK_K <= group size), so the group's scale multiplies a whole tile's result:
+- tensor-core path (M > 1): ``acc += dot(x, q - z) * s`` -- ``q - z`` is an exact small integer in fp16/bf16, the
+  scale is applied in fp32 once per ``[BLOCK_M, BLOCK_N]`` instead of once per weight;
+- GEMV path (M == 1): ``acc[BLOCK_K, BLOCK_N] += x * (q - z) * s`` in fp32, reduced over K once at the end.
+Split-K (small M) finishes in-kernel (``gemm_wq_common``). K must be a multiple of the group size (checked).
+The reference is ``x @ dequantize(qw).T`` in fp32; the kernel does not round the weight to 16 bits first, so it
+differs from that reference by at most half an fp16 ulp per weight (see the tests' tolerance).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import LaunchConfig
+from ._utils import check_device, interpreting
+from .gemm_wq_common import _finish, check_activations, plan_tiles, tickets
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, out_ptr, partial_ptr, ticket_ptr,
+    M, N, K, stride_xm, stride_om, stride_rm,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # M tiles vary fastest: programs that run together share a weight tile in L2 (the weight is the big operand).
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    shifts = (offs_k % 8) * 4
+
+    k_tiles = K // BLOCK_K
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_begin = pid_k * per_split
+    t_end = tl.minimum(t_begin + per_split, k_tiles)
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    qw_ptrs = qw_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :]
+    for t in range(t_begin, t_end):
+        k0 = t * BLOCK_K
+        q = tl.load(qw_ptrs + (k0 // 8) * N, mask=mask_n[None, :], other=0)
+        q = (q >> shifts[:, None]) & 0xF
+        g = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)
+            w = q - z[None, :]
+        else:
+            w = q - 8
+        if USE_DOT:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+            if DOT_IN_FP32:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32)) * s[None, :]
+            else:
+                acc += tl.dot(x, w.to(x.dtype)) * s[None, :]
+        else:
+            x = tl.load(x_ptr + pid_m * stride_xm + k0 + offs_k).to(tl.float32)
+            acc2 += x[:, None] * (w.to(tl.float32) * s[None, :])
+    if not USE_DOT:
+        acc = tl.sum(acc2, axis=0)[None, :]
+    _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
+            HAS_BIAS, HAS_RES, SPLIT_K)
+
+
+def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool, has_bias: bool, has_res: bool,
+                        dot_in_fp32: bool = False, **overrides) -> LaunchConfig:
+    """The launch of ``_w4a16_gemm_kernel`` for these shapes (pure function; ``overrides`` go to ``plan_tiles``).
+
+    ``dot_in_fp32``: only for Triton's interpreter, whose bf16 ``tl.dot`` and int->bf16 casts are wrong (Triton 3.6);
+    never set for compiled kernels.
+    """
+    if K % group_size:
+        raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}; quantize with a group size "
+                         f"that divides in_features")
+    p = plan_tiles(M, N, K, group_size, **overrides)
+    constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, HAS_RES=has_res,
+                      USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+                      SPLIT_K=p["SPLIT_K"], DOT_IN_FP32=dot_in_fp32)
+    return LaunchConfig(_w4a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
+
+
+def check_w4_weight(qweight, scales, zeros, group_size, K=None):
+    """Shapes and dtypes of a packed INT4 weight; returns (K, N)."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"W4A16: qweight must be int32 [K // 8, N] (kernels.quant.quantize_int4), got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}")
+    Kp, N = qweight.shape
+    K = K if K is not None else Kp * 8
+    if Kp * 8 != K:
+        raise ValueError(f"W4A16: qweight has {Kp} packed rows, i.e. K={Kp * 8}, but x has K={K}")
+    if group_size <= 0 or K % group_size:
+        raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}; quantize with a group size "
+                         f"that divides in_features")
+    if tuple(scales.shape) != (K // group_size, N):
+        raise ValueError(f"W4A16: scales must be [K // group_size, N] = {(K // group_size, N)}, got {tuple(scales.shape)}")
+    if zeros is not None and (tuple(zeros.shape) != (K // group_size, N) or zeros.dtype != torch.uint8):
+        raise ValueError(f"W4A16: zeros must be uint8 [K // group_size, N] = {(K // group_size, N)}, got "
+                         f"{zeros.dtype} {tuple(zeros.shape)}")
+    return K, N
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+               group_size: int, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None, **overrides) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias[N]) (+ residual[M, N]) -> [M, N]`` in x's dtype, with the Triton kernel."""
+    K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
+    check_activations(x, K, "W4A16")
+    if scales.dtype != x.dtype:
+        raise ValueError(f"W4A16: scales are {scales.dtype} but x is {x.dtype}; quantize with scale_dtype={x.dtype}")
+    M = x.shape[0]
+    if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(1) != 1):
+        raise ValueError(f"W4A16: residual must be [M, N] = {(M, N)} with unit stride along N")
+    check_device(x, qweight, scales, zeros, bias, residual)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0:
+        return out
+    cfg = w4a16_launch_config(M, N, K, group_size, zeros is not None, bias is not None, residual is not None,
+                              interpreting() and x.dtype == torch.bfloat16, **overrides)
+    split = cfg.constexprs["SPLIT_K"]
+    partials = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    cfg.launch(x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+               residual if residual is not None else out, out, partials, tickets(x.device),
+               M, N, K, x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0)
+    return out
+
+
+def w4a16_reference(x, qweight, scales, zeros, group_size, bias=None, residual=None):
+    """fp32 torch reference against the dequantized weight, exactly ``(q - z) * s`` in fp32 (what the kernel uses)."""
+    from .quant import QuantizedWeight, dequantize
+
+    K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
+    w = dequantize(QuantizedWeight(4, qweight, scales, zeros, group_size, K, N), torch.float32)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.float()
+    return y

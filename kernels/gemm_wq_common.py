@@ -1,0 +1,120 @@
+"""Pieces shared by the weight-only GEMM kernels (``gemm_w8a16``, ``gemm_w4a16``): tile/split-K planning, the
+split-K finish (last-program reduction, no memset) and the fused epilogue (bias, residual).
+
+Split-K without atomics on the output: each of the ``SPLIT_K`` programs of an output tile writes its fp32 partial
+to an explicit scratch ``partials[SPLIT_K, M, N]``, then bumps an int32 ticket for its tile; the program that draws
+the last ticket sums the partials, applies the epilogue, stores the output and resets the ticket to 0. The tickets
+therefore need zeroing only once, when the workspace is allocated (``tickets()``), never per call, and the output
+needs no memset; one launch per op (AOT rule). The tickets of one workspace must not be shared by two GEMMs running
+concurrently on different streams (the torch ops use one workspace per device and torch's current stream).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Programs to aim for: two waves on an H100 (132 SMs). A constant, not a device query, so that the launch config is a
+# pure function of shapes (AOT rule) and the same on every machine.
+TARGET_PROGRAMS = 264
+MAX_SPLIT_K = 16
+MAX_TICKETS = 1 << 16  # output tiles one split-K launch may have (grid dim 0); far above what split-K is used for
+
+
+@triton.jit
+def _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] fp32 (+ bias[n]) (+ residual[m, n]) -> out, rounded once to the output dtype."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
+            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store this program's result; with split-K, only the last program of a tile reduces and stores."""
+    if SPLIT_K == 1:
+        _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, HAS_BIAS, HAS_RES)
+    else:
+        tile = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        part = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k * M * N + part, acc, mask=mask)
+        # Every thread's partial store must precede the ticket (release by one thread covers the CTA after a barrier).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: read from L2, never from this SM's (non-coherent) L1.
+                total += tl.load(partial_ptr + s * M * N + part, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_output(total, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
+                          HAS_BIAS, HAS_RES)
+            tl.store(ticket_ptr + tile, 0)  # ready for the next call: no per-call memset
+
+
+def plan_tiles(M: int, N: int, K: int, block_k_cap: int, *, use_dot=None, block_m=None, block_n=None, block_k=None,
+               split_k=None, num_warps=None, num_stages=None) -> dict:
+    """Tile sizes, split-K and warps for an ``[M, K] x [K, N]`` weight-only GEMM: a pure function of shapes.
+
+    ``block_k_cap`` bounds BLOCK_K (INT4: the group size, so one K tile never spans two groups). Any keyword that is
+    not None overrides the heuristic (the benchmark uses this to compare configurations).
+    - M == 1: the GEMV path (no tensor cores): ``BLOCK_M = 1``, an fp32 ``[BLOCK_K, BLOCK_N]`` accumulator reduced once.
+    - M > 1: ``tl.dot`` tiles; BLOCK_M the next power of two >= M (16..128), so small M wastes MMA work, not bytes.
+    - split-K until there are ~TARGET_PROGRAMS programs, keeping >= 2 K tiles per split.
+    """
+    if use_dot is None:
+        use_dot = M > 1
+    if use_dot:
+        bm = block_m or min(128, max(16, triton.next_power_of_2(M)))
+        bn = block_n or (64 if M <= 64 else 128)
+        bk = block_k or (128 if M <= 64 else 64)
+        warps = num_warps or (8 if bm * bn >= 128 * 128 else 4)
+        stages = num_stages or (4 if M <= 64 else 3)
+    else:
+        bm = 1
+        bn = block_n or 64
+        bk = block_k or 128
+        warps = num_warps or 4
+        stages = num_stages or 3
+    bk = min(bk, block_k_cap)
+    if K % bk:
+        raise ValueError(f"K={K} is not a multiple of BLOCK_K={bk}")
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    k_tiles = K // bk
+    if split_k is None:
+        split_k = 1
+        while tiles * split_k < TARGET_PROGRAMS and split_k < MAX_SPLIT_K and k_tiles // (2 * split_k) >= 2:
+            split_k *= 2
+    split_k = max(1, min(split_k, k_tiles))
+    if split_k > 1 and tiles > MAX_TICKETS:
+        split_k = 1
+    return dict(USE_DOT=bool(use_dot), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
+                grid=(tiles, split_k), num_warps=warps, num_stages=stages)
+
+
+_TICKETS: dict = {}
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The per-device split-K ticket workspace, zeroed once at allocation; the kernels leave it zeroed."""
+    key = (device.type, device.index)
+    t = _TICKETS.get(key)
+    if t is None:
+        t = _TICKETS[key] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
+def check_activations(x: torch.Tensor, K: int, name: str) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}: activations must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"{name}: expected x of shape [M, {K}], got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name}: x must be contiguous along K (call .contiguous())")

@@ -1,0 +1,121 @@
+"""W4A16 GEMM (Triton) vs the fp32 reference on the dequantized weight; the torch op and its bad-input errors.
+
+Tolerance: the kernel multiplies by the exact dequantized weight ``(q - z) * s`` in fp32 and rounds once at the output,
+so its error is at most half an ulp of the output plus fp32 summation-order noise. PyTorch in 16 bits (the baseline:
+``x @ dequantize(qw).T``) additionally rounds every weight to 16 bits. We allow 2x PyTorch's max error plus half an ulp
+at the largest output: enough for a correct kernel by construction, far below what a wrong nibble, zero point,
+group or split-K partial produces (errors of order |x| * |w| ~ 1).
+"""
+
+import pytest
+import torch
+
+from kernels.gemm_w4a16 import w4a16_gemm, w4a16_launch_config, w4a16_reference
+from kernels.quant import dequantize, quantize_int4
+from tests.helpers import assert_close_to_ref, poisoned
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check(y, ref, base):
+    half_ulp = 0.5 * torch.finfo(y.dtype).eps * float(ref.abs().max())
+    assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=half_ulp)
+
+
+def make(M, N, K, dtype, group_size, symmetric, device=DEV, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    qw = quantize_int4(w, group_size, symmetric).to(device)
+    return x.to(device), qw
+
+
+def run_case(M, N, K, dtype, group_size=64, symmetric=False, bias=False, residual=False, seed=0, **overrides):
+    x, qw = make(M, N, K, dtype, group_size, symmetric, seed=seed)
+    b = torch.randn(N, dtype=dtype, device=x.device) if bias else None
+    r = torch.randn(M, N, dtype=dtype, device=x.device) if residual else None
+    out = poisoned((M, N), dtype, x.device)
+    y = w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r, out=out, **overrides)
+    assert y.data_ptr() == out.data_ptr()
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r)
+    base = x @ dequantize(qw).t()
+    base = base + b if bias else base
+    base = base + r if residual else base
+    check(y, ref, base)
+    return y, ref
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_w4a16_interpreter_odd_shapes(M, dtype):
+    # N=72 is not a multiple of BLOCK_N; the default plan splits K in 2 here, so the last-program reduction runs.
+    run_case(M, 72, 256, dtype, group_size=64, seed=M)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M,group_size,symmetric,split_k", [(1, 32, True, 1), (5, 128, False, 1), (7, 32, False, 4)])
+def test_w4a16_interpreter_groups_and_splits(M, group_size, symmetric, split_k):
+    run_case(M, 40, 256, torch.float16, group_size, symmetric, bias=True, residual=True, split_k=split_k)
+
+
+@pytest.mark.interpreter
+def test_w4a16_split_k_tickets_reset():
+    # A second split-K call must see the tickets back at 0, or its last program would never fire (NaN output stays).
+    for seed in (1, 2):
+        run_case(2, 24, 256, torch.float16, group_size=32, seed=seed, split_k=4)
+
+
+def test_w4a16_plan_is_pure_and_bounded():
+    cfg = w4a16_launch_config(1, 4096, 14336, 128, True, False, False)
+    assert cfg == w4a16_launch_config(1, 4096, 14336, 128, True, False, False)
+    assert cfg.constexprs["BLOCK_K"] <= 128 and cfg.constexprs["USE_DOT"] is False
+    assert cfg.grid[1] == cfg.constexprs["SPLIT_K"] > 1
+    big = w4a16_launch_config(4096, 4096, 4096, 128, True, False, False)
+    assert big.constexprs["SPLIT_K"] == 1 and big.constexprs["USE_DOT"] is True
+
+
+def test_w4a16_op_cpu_reference_path_and_shapes():
+    import kernels.ops  # noqa: F401
+
+    x, qw = make(6, 48, 128, torch.float16, 32, False, device="cpu")
+    x3 = x.reshape(2, 3, 128)
+    y = torch.ops.tritrt.w4a16_linear(x3, qw.qweight, qw.scales, qw.zeros, 32, None, None)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.float16
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 32).to(torch.float16).reshape(2, 3, 48)
+    assert torch.equal(y, ref)
+
+
+def test_w4a16_bad_inputs():
+    x, qw = make(2, 16, 128, torch.float16, 32, False, device="cpu")
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        quantize_int4(torch.randn(8, 96), group_size=64)
+    with pytest.raises(ValueError, match="group_size=48 not supported"):
+        quantize_int4(torch.randn(8, 96), group_size=48)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 48)
+    with pytest.raises(ValueError, match="K=64"):
+        w4a16_gemm(x[:, :64].contiguous(), qw.qweight, qw.scales, qw.zeros, 32)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        w4a16_gemm(x.float(), qw.qweight, qw.scales, qw.zeros, 32)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        w4a16_gemm(x.bfloat16(), qw.qweight, qw.scales, qw.zeros, 32)
+    with pytest.raises(ValueError, match="int32"):
+        w4a16_gemm(x, qw.qweight.to(torch.int64), qw.scales, qw.zeros, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16, 128, 1000])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16_gpu_model_shapes(M, dtype):
+    for N, K in ((6144, 4096), (4096, 14336)):
+        y, ref = run_case(M, N, K, dtype, group_size=128, seed=M + N)
+        rel = float((y.float() - ref).norm() / ref.norm())
+        assert rel < 1e-3, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 9, 64, 4096])
+def test_w4a16_gpu_epilogue_and_groups(M):
+    run_case(M, 1000, 4096, torch.float16, group_size=32, symmetric=True, bias=True, residual=True)
+    run_case(M, 1000, 4096, torch.bfloat16, group_size=64, bias=True)
