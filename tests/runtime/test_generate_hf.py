@@ -1,0 +1,119 @@
+"""Greedy generation of the tiny LLaMA through the runtime (torch backend, paged cache, batched prompts of
+different lengths) equals Hugging Face ``generate`` token for token; the CLI prints what the API generates."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from export.runtime import Generator, SamplingParams
+from export.runtime.backends import TorchBackend
+from export.runtime.tokenizer import load_tokenizer
+
+PROMPTS = ["The quick brown", "Paged attention keeps the key value cache in", "x", "def forward(self, x): return"]
+# Tied argmax: where our token differs from HF's, HF's own fp32 logits must rank the two within this margin, i.e.
+# the step is a near-tie that any fp32 reordering of sums may flip (fp32 logits of the tiny model carry ~1e-6
+# absolute error; 1e-4 leaves room, yet a real bug, which moves logits by O(0.1), cannot hide under it).
+TIE_MARGIN = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from export.checkpoint import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny):
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new: int, eos: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = hf_model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_same_tokens(hf_model, prompt_ids, ours, want):
+    """Equal token for token, except that a first divergence at an exact near-tie ends the comparison there."""
+    for j, (a, b) in enumerate(zip(ours, want)):
+        if a != b:
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([prompt_ids + want[:j]])).logits[0, -1]
+            margin = float(logits[b] - logits[a])
+            assert margin < TIE_MARGIN, f"token {j}: ours {a}, HF {b}, HF logit margin {margin:.3e} (not a tie)"
+            return
+    assert len(ours) == len(want), f"ours {len(ours)} tokens, HF {len(want)}"
+
+
+@pytest.mark.parametrize("num_blocks,block_size", [(None, 4), (24, 2)])
+def test_greedy_batched_equals_hf_generate(tiny, hf_model, num_blocks, block_size):
+    from export.model import LlamaModel
+
+    tok = load_tokenizer(tiny)
+    model = LlamaModel.from_checkpoint(tiny, dtype=torch.float32)
+    # (24 blocks of 2 tokens cannot hold all four sequences at once: the scheduler queues and preempts.)
+    backend = TorchBackend(model, num_blocks=num_blocks, block_size=block_size)
+    gen = Generator(backend, tok, max_num_seqs=4)
+    max_new = 16
+    res = gen.generate(PROMPTS, SamplingParams(max_new_tokens=max_new))
+    assert gen.stats.steps < len(PROMPTS) * max_new, "prompts were not batched"
+    for p, r in zip(PROMPTS, res):
+        ids = tok.encode(p)
+        assert r.prompt_ids == ids
+        want = hf_greedy(hf_model, ids, max_new, tok.eos_token_id)
+        assert_same_tokens(hf_model, ids, r.token_ids, want)
+        assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
+    if num_blocks == 24:
+        assert any(r.num_preemptions for r in res), "the small cache should have forced a preemption"
+
+
+def test_seeded_sampling_is_reproducible_through_the_loop(tiny):
+    from export.model import LlamaModel
+
+    model = LlamaModel.from_checkpoint(tiny, dtype=torch.float32)
+    backend = TorchBackend(model, block_size=4)
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    a = Generator(backend).generate([[5, 6, 7], [9]], params)
+    b = Generator(backend).generate([[5, 6, 7], [9]], params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_cli_prints_generated_text(tiny, tmp_path):
+    from export.model import LlamaModel
+
+    # The CLI reads a build output dir; the torch backend needs only config, weights and tokenizer from it.
+    out = _torch_output_dir(tiny, tmp_path / "out")
+    model = LlamaModel.from_output_dir(out)
+    want = Generator(TorchBackend(model, block_size=16), load_tokenizer(out)).generate(
+        ["The quick brown"], SamplingParams(max_new_tokens=6))[0].text
+    cmd = [sys.executable, "-m", "export.run", str(out), "--prompt", "The quick brown", "--max-new-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert want in proc.stdout and "tok/s" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "export.run", str(tmp_path / "nope"), "--prompt", "x"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "python -m export.build" in bad.stderr
+
+
+def _torch_output_dir(tiny, out):
+    """What ``export.build`` writes that the torch backend reads, without building ONNX (not this test's subject)."""
+    import json
+    import shutil
+
+    from export.checkpoint import load_checkpoint
+    from export.quantize import save_weights
+
+    out.mkdir(parents=True)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("config.json", "special_tokens_map.json",
+                                                        "generation_config.json"):
+            shutil.copy(f, out / f.name)
+    ckpt = load_checkpoint(tiny)
+    save_weights({k: v for k, v in ckpt.state_dict.items()}, out / "weights.safetensors")
+    (out / "build.json").write_text(json.dumps({"quant": "none", "group_size": 128, "block_size": 16,
+                                                "config": ckpt.config.to_dict()}))
+    return out
