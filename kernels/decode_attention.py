@@ -134,10 +134,16 @@ def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, he
 
 
 def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                                   block_size: int, max_blocks_per_seq: int, scale: float) -> LaunchConfig:
-    """Launch of ``_decode_attention_kernel``: grid ``(num_seqs, num_kv_heads, num_splits)``."""
+                                   block_size: int, max_blocks_per_seq: int, scale: float,
+                                   num_splits: int | None = None) -> LaunchConfig:
+    """Launch of ``_decode_attention_kernel``: grid ``(num_seqs, num_kv_heads, num_splits)``.
+
+    ``num_splits`` overrides the heuristic (tests use it to run the merge path on short sequences).
+    """
     group = num_q_heads // num_kv_heads
-    splits = decode_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq * block_size)
+    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq * block_size)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}; got {splits}")
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                       NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=64,
                       MAX_SPLITS=MAX_SPLITS)
@@ -155,8 +161,12 @@ def alloc_decode_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, hea
     return part_o, part_lse, counter
 
 
-def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, out=None, scratch=None):
-    """One query token per sequence (``cu_seqlens_q[i+1] - cu_seqlens_q[i] <= 1``) over the paged cache."""
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, out=None, scratch=None,
+                     num_splits: int | None = None):
+    """One query token per sequence (``cu_seqlens_q[i+1] - cu_seqlens_q[i] <= 1``) over the paged cache.
+
+    ``scratch``: ``alloc_decode_scratch(...)`` to reuse across calls (the kernel leaves the counters at zero).
+    """
     num_seqs = seq_lens.shape[0]
     _, page, hk, d = k_cache.shape
     out = torch.empty_like(q) if out is None else out
@@ -165,7 +175,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, s
     check_device(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, *scratch)
     if num_seqs == 0:
         return out
-    cfg = decode_attention_launch_config(num_seqs, q.shape[1], hk, d, page, block_table.shape[1], scale)
+    cfg = decode_attention_launch_config(num_seqs, q.shape[1], hk, d, page, block_table.shape[1], scale, num_splits)
     cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch,
                q.stride(0), out.stride(0), block_table.stride(0))
     return out

@@ -157,8 +157,8 @@ def prefill_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads:
     return LaunchConfig(_prefill_attention_kernel, grid, constexprs, num_warps=warps, num_stages=stages)
 
 
-def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    """Shape rules shared by the attention launchers; errors say what to change."""
+def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int, triton_path: bool = True) -> None:
+    """Shape rules shared by the attention launchers; errors say what to change (fp32 only on the CPU reference)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim]; got {tuple(q.shape)}")
     if q.shape[2] != head_dim:
@@ -169,7 +169,7 @@ def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"num_q_heads {q.shape[1]} must be a multiple of num_kv_heads {num_kv_heads} (GQA/MQA)")
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         raise ValueError(f"q must have contiguous heads (strides (.., {head_dim}, 1)); got {q.stride()}: call .contiguous()")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if triton_path and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} not supported: use float16 or bfloat16")
 
 

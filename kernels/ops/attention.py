@@ -19,7 +19,7 @@ from ..prefill_attention import _check_cu, check_heads, paged_prefill_attention,
 def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q: int) -> None:
     """Validate a paged-attention call; errors say what to change."""
     check_kv_cache(k_cache, v_cache)
-    check_heads(q, k_cache.shape[2], k_cache.shape[3])
+    check_heads(q, k_cache.shape[2], k_cache.shape[3], triton_path=q.is_cuda)
     page = k_cache.shape[1]
     if page < 1 or page > 128 or page & (page - 1):
         raise ValueError(f"cache block_size {page} is not supported: use a power of two in 1..128")
@@ -58,7 +58,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
     check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
     if not q.is_cuda:
-        return ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale)
+        return ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
+                                       scale).to(q.dtype)
     if max_seqlen_q == 1:
         return decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
     return paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
@@ -76,9 +77,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return _varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
         raise ValueError(f"k and v must be [num_tokens={q.shape[0]}, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}")
-    check_heads(q, k.shape[1], k.shape[2])
+    check_heads(q, k.shape[1], k.shape[2], triton_path=False)
     _check_cu("cu_seqlens", cu_seqlens)
-    return ref.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    return ref.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, causal).to(q.dtype)
 
 
 @varlen_attention.register_fake

@@ -1,0 +1,77 @@
+"""KV-cache write (``kernels.kv_cache``): a pure scatter, so the kernel must match the reference bit for bit.
+
+Caches start NaN-filled: slots the kernel must not touch (negative slot_mapping, other blocks) stay NaN, and the
+comparison is exact with NaN == NaN.
+"""
+
+import pytest
+import torch
+
+import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
+from kernels import attention_ref as ref
+from kernels.kv_cache import write_kv_cache, write_kv_cache_launch_config
+
+
+def _case(num_tokens, num_blocks, block_size, hk, d, dtype, device):
+    # k/v as strided views of a fused [T, Hq + 2 Hk, D] projection (Hq = 2 Hk).
+    qkv = torch.randn(num_tokens, 4 * hk, d, device=device).to(dtype)
+    k, v = qkv[:, 2 * hk:3 * hk], qkv[:, 3 * hk:]
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens].to(torch.int32)
+    slots[::3] = -1  # padding tokens: skipped
+    k_cache = torch.full((num_blocks, block_size, hk, d), float("nan"), dtype=dtype, device=device)
+    return k, v, k_cache, k_cache.clone(), slots
+
+
+def _check(num_tokens, num_blocks, block_size, hk, d, dtype, device="cpu"):
+    k, v, k_cache, v_cache, slots = _case(num_tokens, num_blocks, block_size, hk, d, dtype, device)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    ref.write_kv_cache_ref(k, v, k_want, v_want, slots)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(k_cache).any(), "test is vacuous: every slot was written"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_tokens,block_size", [(1, 1), (7, 1), (7, 16), (123, 16)])
+@pytest.mark.parametrize("hk,d", [(2, 16), (3, 64)])
+def test_write_kv_cache_interpreter(num_tokens, block_size, hk, d):
+    torch.manual_seed(num_tokens + block_size + d)
+    _check(num_tokens, -(-num_tokens // block_size) + 2, block_size, hk, d, torch.float16)
+
+
+def test_write_kv_cache_op_cpu():
+    torch.manual_seed(0)
+    k, v, k_cache, v_cache, slots = _case(9, 4, 4, 2, 8, torch.float32, "cpu")
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    ref.write_kv_cache_ref(k, v, k_want, v_want, slots)
+    torch.ops.tritrt.write_kv_cache_(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_write_kv_cache_errors():
+    k = torch.randn(3, 2, 8)
+    cache = torch.zeros(2, 4, 2, 8)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv_cache(k, k, cache.transpose(0, 1), cache.transpose(0, 1), slots)
+    with pytest.raises(ValueError, match="int32"):
+        write_kv_cache(k, k, cache, cache.clone(), slots.long())
+    with pytest.raises(ValueError, match=r"\[num_tokens, 2, 8\]"):
+        write_kv_cache(torch.randn(3, 1, 8), k, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="num_blocks, block_size"):
+        torch.ops.tritrt.write_kv_cache_(k, k, cache[0], cache[0].clone(), slots)
+
+
+def test_launch_config_is_shape_only():
+    cfg = write_kv_cache_launch_config(37, 8, 128)
+    assert cfg.grid == (37,) and cfg.constexprs == dict(ROW=1024, BLOCK=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+def test_write_kv_cache_gpu(dtype, block_size):
+    torch.manual_seed(block_size)
+    _check(4099, 4099 // block_size + 5, block_size, 8, 128, dtype, device="cuda")
