@@ -13,6 +13,22 @@ The plugin set (each is one kernel launch; T = packed tokens, the only dynamic d
 - ``RmsNorm(x[T,H], weight[H]) -> y[T,H]``; attr ``eps``.
 - ``FusedAddRmsNorm(x[T,H], residual[T,H], weight[H]) -> y, residual_out``; attr ``eps``.
   ``residual_out = x + residual`` in x's dtype, ``y = RmsNorm(residual_out)``.
+- ``SwiGLU(x[T,2I]) -> y[T,I]``: ``silu(x[:, :I]) * x[:, I:]`` (the fused gate/up projection's output).
+- ``Rope(q[T,Hq,D], k[T,Hk,D], positions[T] int32|int64, cos_sin_cache[max_pos,R] fp32) -> q_out, k_out``;
+  attr ``interleaved`` (0: NeoX halves, LLaMA; 1: GPT-J pairs).
+- ``WriteKvCache(k[T,Hk,D], v, k_cache[NB,BS,Hk,D], v_cache, slot_mapping[T] int32) -> k_cache_out, v_cache_out``,
+  the outputs aliasing k_cache / v_cache (written in place; slot < 0 skipped).
+- ``PagedAttention(q[T,Hq,D], k_cache, v_cache, block_table[S,B] int32, seq_lens[S] int32, cu_seqlens_q[S+1]
+  int32) -> out[T,Hq,D]``; attr ``scale`` (0: 1/sqrt(D)). Causal; prefill, chunked prefill and decode (S dynamic).
+- ``PagedDecodeAttention(..the same.., part_o[S,Hq,64,D] fp32, part_lse[S,Hq,64] fp32, counter[S,Hk] int32 zeros)
+  -> out``; attrs ``scale``, ``num_splits``: split-KV decode, the scratch an explicit graph input.
+- ``W8A16Linear(x[M,K], qweight[K,N] int8, scales[N]) -> y[M,N]``; attr ``m_hint`` (tiles; autotune tactic).
+- ``W4A16Linear(x[M,K], qweight[K/8,N] int32, scales[K/g,N], zeros[K/g,N] uint8) -> y[M,N]``; attrs
+  ``group_size``, ``m_hint``.
+
+Dims other than T / M / S (and the cache's num_blocks, the block table's width) are build-time constants: they
+choose constexprs (``spec.static_dims``). No bias / residual inputs: LLaMA has none, and a residual add is fused
+into FusedAddRmsNorm.
 
 The plugin kernel's parameters are, as TensorRT's AOT plugins pass them: input pointers, the int32 scalars in
 ``spec.scalars`` order, output pointers (an aliased output gets its own, equal, pointer). The kernels in
@@ -24,9 +40,16 @@ from __future__ import annotations
 
 from ._base import (Attr, OutputSpec, PluginSpec, Sample, Specialisation, TensorSpec, cdiv, dtype_name,  # noqa: F401
                     torch_dtype)
+from .linear import W4A16_LINEAR, W8A16_LINEAR
+from .paged_attention import PAGED_ATTENTION, PAGED_DECODE_ATTENTION
 from .rms_norm import FUSED_ADD_RMS_NORM, RMS_NORM
+from .rope import ROPE
+from .swiglu import SWIGLU
+from .write_kv_cache import WRITE_KV_CACHE
 
-SPECS: dict[str, PluginSpec] = {s.op_type: s for s in (RMS_NORM, FUSED_ADD_RMS_NORM)}
+SPECS: dict[str, PluginSpec] = {s.op_type: s for s in (
+    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, PAGED_ATTENTION, PAGED_DECODE_ATTENTION, W8A16_LINEAR,
+    W4A16_LINEAR)}
 
 
 def get_spec(op_type: str) -> PluginSpec:

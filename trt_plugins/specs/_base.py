@@ -149,7 +149,9 @@ class PluginSpec:
 
     @property
     def entry_name(self) -> str:
-        return "tritrt_" + "".join("_" + c.lower() if c.isupper() else c for c in self.op_type).lstrip("_")
+        import re
+
+        return "tritrt_" + re.sub(r"(?<=[a-z0-9])(?=[A-Z][a-z])", "_", self.op_type).lower()
 
     def entry_kernel(self):
         """The generated ``@triton.jit`` entry in plugin argument order, calling ``self.kernel()``."""

@@ -1,0 +1,147 @@
+"""W8A16Linear and W4A16Linear plugins: the weight-only GEMM kernels of ``kernels.gemm_w8a16`` / ``gemm_w4a16``.
+
+AOT rule work-around: the kernels' ``plan_tiles`` picks tiles, split-K, warps and stages from M, the token count,
+which is dynamic in an engine. The plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune
+tactic: 1 = GEMV path, 16 / 128 = tensor-core tiles; TensorRT times each on the profile's shapes and keeps the
+fastest) and forces ``SPLIT_K = 1``, so the split-K partials / ticket workspace are not needed (their pointers are
+fed a harmless valid tensor). Every such configuration is correct for any M; it is only tuned for M near m_hint.
+Layouts (``kernels.quant``): INT8 ``qweight [K, N]`` int8 + ``scales [N]``; INT4 ``qweight [K/8, N]`` int32 +
+``scales [K/g, N]`` + ``zeros [K/g, N]`` uint8 (symmetric checkpoints: zeros filled with 8).
+"""
+
+from __future__ import annotations
+
+from ._base import Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
+
+_HALF = ("bf16", "fp16")
+TACTICS = (1, 16, 128)
+_M_HINT = Attr(int, 16, f"M the tiles are chosen for (one of {TACTICS}); also the autotune tactic")
+
+
+
+def _w8_kernel():
+    from kernels.gemm_w8a16 import _w8a16_gemm_kernel
+
+    return _w8a16_gemm_kernel
+
+
+def _w8_launch(shapes, dtypes, attrs):
+    from kernels.gemm_w8a16 import w8a16_launch_config
+
+    k, n = shapes["qweight"]
+    return w8a16_launch_config(attrs["m_hint"], n, k, False, False, split_k=1, use_dot=attrs["m_hint"] > 1)
+
+
+def _w8_check(shapes, dtypes, attrs):
+    m, k = shapes["x"]
+    kw, n = shapes["qweight"]
+    require(kw == k, "W8A16Linear", f"qweight [K, N] is for K={kw} but x has K={k}")
+    require(tuple(shapes["scales"]) == (n,) and dtypes["scales"] == dtypes["x"], "W8A16Linear",
+            f"scales must be [{n}] in x's dtype {dtypes['x']}, got {tuple(shapes['scales'])} {dtypes['scales']}")
+    require(k % 16 == 0, "W8A16Linear", f"K={k} must be a multiple of 16")
+    if attrs is not None:
+        require(attrs["m_hint"] in TACTICS, "W8A16Linear", f"m_hint must be one of {TACTICS}, got {attrs['m_hint']}")
+
+
+def _w8_ref(inputs, attrs):
+    from kernels.gemm_w8a16 import w8a16_reference
+
+    x, qw, s = inputs
+    return [w8a16_reference(x, qw, s).to(x.dtype)]
+
+
+_COMMON_ARGS = {"x_ptr": "x", "qw_ptr": "qweight", "scales_ptr": "scales", "bias_ptr": "scales", "res_ptr": "y",
+                "out_ptr": "y", "partial_ptr": "scales", "ticket_ptr": "scales", "M": "m", "N": "n", "K": "k",
+                "stride_xm": "k", "stride_om": "n", "stride_rm": "zero"}
+
+
+def _w8_samples():
+    return tuple(Sample({"x": (1, k), "qweight": (k, n), "scales": (n,)}, {"x": dt, "qweight": "int8", "scales": dt},
+                        {"m_hint": m}, note)
+                 for k, n, note in ((4096, 4096, "Llama 7B/8B attention out"), (4096, 14336, "Llama-3-8B up"),
+                                    (64, 96, "tiny test model"))
+                 for dt in _HALF for m in TACTICS)
+
+
+W8A16_LINEAR = PluginSpec(
+    op_type="W8A16Linear",
+    doc="y[M, N] = x[M, K] @ (qweight[K, N] * scales[N]) with INT8 per-channel weights, in x's dtype.",
+    input_specs=(TensorSpec("x", _HALF, 2), TensorSpec("qweight", ("int8",), 2), TensorSpec("scales", _HALF, 1)),
+    output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], s["qweight"][1]), lambda d, a: d["x"]),),
+    attrs={"m_hint": _M_HINT},
+    kernel=_w8_kernel,
+    launch=_w8_launch,
+    kernel_args=dict(_COMMON_ARGS),
+    scalars={"m": lambda s, a: s["x"][0], "n": lambda s, a: s["qweight"][1], "k": lambda s, a: s["x"][1],
+             "zero": lambda s, a: 0},
+    grid=lambda s, a, c: (cdiv(s["x"][0], c["BLOCK_M"]) * cdiv(s["qweight"][1], c["BLOCK_N"]), 1),
+    static_dims=(("x", 1), ("qweight", 0), ("qweight", 1), ("scales", 0)),
+    reference=_w8_ref,
+    samples=_w8_samples(),
+    div16=lambda s, d, a: ("x", "qweight", "scales", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ()),
+    check=_w8_check,
+)
+
+
+def _w4_kernel():
+    from kernels.gemm_w4a16 import _w4a16_gemm_kernel
+
+    return _w4a16_gemm_kernel
+
+
+def _w4_launch(shapes, dtypes, attrs):
+    from kernels.gemm_w4a16 import w4a16_launch_config
+
+    k, n = shapes["x"][1], shapes["qweight"][1]
+    return w4a16_launch_config(attrs["m_hint"], n, k, attrs["group_size"], True, False, False, split_k=1,
+                               use_dot=attrs["m_hint"] > 1)
+
+
+def _w4_check(shapes, dtypes, attrs):
+    m, k = shapes["x"]
+    kp, n = shapes["qweight"]
+    require(kp * 8 == k, "W4A16Linear", f"qweight [K/8, N] holds K={kp * 8} but x has K={k}")
+    if attrs is not None:
+        g = attrs["group_size"]
+        require(g > 0 and k % g == 0, "W4A16Linear", f"K={k} must be a multiple of group_size={g}")
+        for name, dt in (("scales", dtypes["x"]), ("zeros", "uint8")):
+            require(tuple(shapes[name]) == (k // g, n) and dtypes[name] == dt, "W4A16Linear",
+                    f"{name} must be [K/g, N] = {(k // g, n)} {dt}, got {tuple(shapes[name])} {dtypes[name]}")
+        require(attrs["m_hint"] in TACTICS, "W4A16Linear", f"m_hint must be one of {TACTICS}, got {attrs['m_hint']}")
+
+
+def _w4_ref(inputs, attrs):
+    from kernels.gemm_w4a16 import w4a16_reference
+
+    x, qw, s, z = inputs
+    return [w4a16_reference(x, qw, s, z, attrs["group_size"]).to(x.dtype)]
+
+
+def _w4_samples():
+    return tuple(Sample({"x": (1, k), "qweight": (k // 8, n), "scales": (k // 128, n), "zeros": (k // 128, n)},
+                        {"x": dt, "qweight": "int32", "scales": dt, "zeros": "uint8"},
+                        {"group_size": 128, "m_hint": m}, note)
+                 for k, n, note in ((4096, 4096, "Llama 7B/8B attention out"), (4096, 14336, "Llama-3-8B up"),
+                                    (256, 96, "tiny test model"))
+                 for dt in _HALF for m in TACTICS)
+
+
+W4A16_LINEAR = PluginSpec(
+    op_type="W4A16Linear",
+    doc="y[M, N] = x[M, K] @ dequant(qweight, scales, zeros) with group-wise INT4 weights, in x's dtype.",
+    input_specs=(TensorSpec("x", _HALF, 2), TensorSpec("qweight", ("int32",), 2), TensorSpec("scales", _HALF, 2),
+                 TensorSpec("zeros", ("uint8",), 2)),
+    output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], s["qweight"][1]), lambda d, a: d["x"]),),
+    attrs={"group_size": Attr(int, 128, "INT4 group size along K (32, 64 or 128)"), "m_hint": _M_HINT},
+    kernel=_w4_kernel,
+    launch=_w4_launch,
+    kernel_args={**_COMMON_ARGS, "zeros_ptr": "zeros"},
+    scalars={"m": lambda s, a: s["x"][0], "n": lambda s, a: s["qweight"][1], "k": lambda s, a: s["x"][1],
+             "zero": lambda s, a: 0},
+    grid=lambda s, a, c: (cdiv(s["x"][0], c["BLOCK_M"]) * cdiv(s["qweight"][1], c["BLOCK_N"]), 1),
+    static_dims=(("x", 1), ("qweight", 0), ("qweight", 1), ("scales", 0), ("scales", 1), ("zeros", 0), ("zeros", 1)),
+    reference=_w4_ref,
+    samples=_w4_samples(),
+    div16=lambda s, d, a: ("x", "qweight", "scales", "zeros", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ()),
+    check=_w4_check,
+)
