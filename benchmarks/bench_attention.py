@@ -1,0 +1,186 @@
+"""Attention benchmarks: flash prefill (TFLOP/s vs SDPA flash) and paged decode (GB/s vs copy bandwidth and vs
+gather + SDPA), all measured in one run on one card.
+
+Run on the GPU from the repo root: ``python3 -m benchmarks.bench_attention [--sweep]``. ``--sweep`` first times a
+few tile configurations of each kernel (the numbers behind the defaults in ``kernels/prefill_attention.py`` and
+``kernels/decode_attention.py``). Results: ``results/bench_attention_{prefill,decode,sweep}_<card>.{json,md}``.
+
+Prefill: causal bf16, packed sequences of length S with batch 16384 // S (16k tokens per call); FLOPs counted as
+``2 * 2 * S^2 * Hq * D / 2`` per sequence (causal half). Baseline: ``F.scaled_dot_product_attention`` forced onto
+the flash backend on the same memory ([B, S, H, D] viewed as [B, H, S, D]), with K/V expanded to Hq heads
+beforehand (the flash backend takes no GQA), so it does the same FLOPs.
+
+Decode: one token per sequence, 32 q / 8 kv heads, d128, block 16, bf16; block tables are random permutations.
+Bytes = K + V of every sequence + q + out. Baseline: gather the pages (``cache[block_table]``) then SDPA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import bench, copy_bandwidth_gbs, rotating_inputs, write_results
+from kernels.decode_attention import alloc_decode_scratch, decode_attention, decode_attention_launch_config
+from kernels.prefill_attention import prefill_attention_launch_config, varlen_attention
+
+DT = torch.bfloat16
+TOKENS = 16384
+
+
+def _prefill_inputs(seq, hq, hk, d):
+    b = TOKENS // seq
+    q = torch.randn(b * seq, hq, d, device="cuda", dtype=DT)
+    k = torch.randn(b * seq, hk, d, device="cuda", dtype=DT)
+    v = torch.randn(b * seq, hk, d, device="cuda", dtype=DT)
+    cu = torch.arange(0, b * seq + 1, seq, dtype=torch.int32, device="cuda")
+    return b, q, k, v, cu
+
+
+def _run_prefill_cfg(cfg, q, k, v, cu, out):
+    cfg.launch(q, k, v, out, cu, cu, cu, cu.shape[0] - 1, q.stride(0), k.stride(0), v.stride(0), out.stride(0), 0)
+
+
+def bench_prefill(rows_out):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for hq, hk, d in ((32, 8, 128), (32, 8, 64), (32, 32, 128)):
+        for seq in (1024, 2048, 4096, 8192, 16384):
+            b, q, k, v, cu = _prefill_inputs(seq, hq, hk, d)
+            scale = d ** -0.5
+            out = torch.empty_like(q)
+            ms = bench(lambda: varlen_attention(q, k, v, cu, seq, scale, True, out=out), [()])
+            q4 = q.view(b, seq, hq, d).transpose(1, 2)
+            k4 = k.repeat_interleave(hq // hk, dim=1).view(b, seq, hq, d).transpose(1, 2)
+            v4 = v.repeat_interleave(hq // hk, dim=1).view(b, seq, hq, d).transpose(1, 2)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ms_ref = bench(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale), [()])
+                ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale).transpose(1, 2)
+            err = float((out.view(b, seq, hq, d).float() - ref.float()).abs().max())
+            flops = 2 * 2 * seq * seq * hq * d / 2 * b
+            tf, tf_ref = flops / ms / 1e9, flops / ms_ref / 1e9
+            rows_out.append(dict(heads=f"{hq}/{hk}", d=d, seq=seq, batch=b, ms=ms, tflops=tf, sdpa_ms=ms_ref,
+                                 sdpa_tflops=tf_ref, ratio=tf / tf_ref, max_diff_vs_sdpa=err))
+            print(rows_out[-1], flush=True)
+            del q, k, v, q4, k4, v4, out
+    torch.cuda.empty_cache()
+
+
+def _decode_set(bs, kv, hq, hk, d, page):
+    nblk = kv // page
+    k_cache = torch.randn(bs * nblk, page, hk, d, device="cuda", dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(bs * nblk, device="cuda", dtype=torch.int32).view(bs, nblk)
+    seq_lens = torch.full((bs,), kv, dtype=torch.int32, device="cuda")
+    cu = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(bs, hq, d, device="cuda", dtype=DT)
+    return q, k_cache, v_cache, block_table, seq_lens, cu, torch.empty_like(q), alloc_decode_scratch(bs, hq, hk, d, "cuda")
+
+
+def _gather_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu, out, scratch):
+    bs, hq, d = q.shape
+    hk = k_cache.shape[2]
+    k = k_cache[block_table].view(bs, -1, hk, d).transpose(1, 2)
+    v = v_cache[block_table].view(bs, -1, hk, d).transpose(1, 2)
+    return F.scaled_dot_product_attention(q.view(bs, hq, 1, d), k, v, scale=d ** -0.5, enable_gqa=True)
+
+
+def bench_decode(rows_out, copy_gbs):
+    hq, hk, d, page = 32, 8, 128, 16
+    for bs in (1, 16, 64):
+        for kv in (1024, 4096, 16384):
+            set_bytes = 2 * bs * kv * hk * d * 2
+            sets = rotating_inputs(lambda: _decode_set(bs, kv, hq, hk, d, page), set_bytes)
+
+            def ours(q, kc, vc, bt, sl, cu, out, scratch):
+                return decode_attention(q, kc, vc, bt, sl, cu, d ** -0.5, out=out, scratch=scratch)
+
+            ms = bench(ours, sets)
+            ms_ref = bench(_gather_sdpa, sets)
+            s0 = sets[0]
+            err = float((ours(*s0).float() - _gather_sdpa(*s0).view(bs, hq, d).float()).abs().max())
+            nbytes = set_bytes + 2 * bs * hq * d * 2
+            gbs = nbytes / ms / 1e6
+            splits = decode_attention_launch_config(bs, hq, hk, d, page, kv // page, 1.0).grid[2]
+            rows_out.append(dict(bs=bs, kv=kv, splits=splits, us=ms * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                                 baseline_us=ms_ref * 1e3, speedup=ms_ref / ms, max_diff_vs_sdpa=err))
+            print(rows_out[-1], flush=True)
+            del sets
+            torch.cuda.empty_cache()
+
+
+def sweep(rows_out):
+    """Time tile configs of both kernels on representative shapes (no defaults are changed by this)."""
+    for hq, hk, d, configs in ((32, 8, 128, [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4),
+                                              (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]),
+                               (32, 8, 64, [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4),
+                                            (64, 64, 4, 3), (128, 128, 4, 3)])):
+        for seq in (2048, 16384):
+            b, q, k, v, cu = _prefill_inputs(seq, hq, hk, d)
+            out = torch.empty_like(q)
+            base = prefill_attention_launch_config(q.shape[0], b, hq, hk, d, d ** -0.5, True, paged=False)
+            for bm, bn, w, st in configs:
+                cfg = dataclasses.replace(base, grid=(math.ceil(q.shape[0] / bm) + b, hq), num_warps=w, num_stages=st,
+                                          constexprs={**base.constexprs, "BLOCK_M": bm, "BLOCK_N": bn})
+                try:
+                    ms = bench(lambda: _run_prefill_cfg(cfg, q, k, v, cu, out), [()])
+                except Exception as e:  # out of shared memory etc.: record, keep sweeping
+                    rows_out.append(dict(kernel="prefill", shape=f"d{d} S{seq}", cfg=f"{bm}/{bn}/w{w}/s{st}", error=str(e)[:60]))
+                    continue
+                tf = 2 * 2 * seq * seq * hq * d / 2 * b / ms / 1e9
+                rows_out.append(dict(kernel="prefill", shape=f"d{d} S{seq}", cfg=f"{bm}/{bn}/w{w}/s{st}", metric=tf))
+                print(rows_out[-1], flush=True)
+    hq, hk, d, page = 32, 8, 128, 16
+    for bs, kv in ((1, 16384), (16, 4096), (64, 4096)):
+        sets = rotating_inputs(lambda: _decode_set(bs, kv, hq, hk, d, page), 2 * bs * kv * hk * d * 2)
+        base = decode_attention_launch_config(bs, hq, hk, d, page, kv // page, d ** -0.5)
+        for bn, w, st, split_mult in ((64, 4, 3, 1), (32, 4, 3, 1), (128, 4, 3, 1), (64, 8, 3, 1), (64, 4, 2, 1),
+                                      (64, 4, 4, 1), (64, 4, 3, 2), (128, 8, 3, 1)):
+            splits = min(64, base.grid[2] * split_mult)
+            cfg = dataclasses.replace(base, grid=(bs, hk, splits), num_warps=w, num_stages=st,
+                                      constexprs={**base.constexprs, "BLOCK_N": bn})
+
+            def run(q, kc, vc, bt, sl, cu, out, scratch):
+                cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.stride(0), out.stride(0), bt.stride(0))
+
+            ms = bench(run, sets)
+            gbs = (2 * bs * kv * hk * d * 2 + 2 * bs * hq * d * 2) / ms / 1e6
+            rows_out.append(dict(kernel="decode", shape=f"bs{bs} kv{kv}", cfg=f"N{bn}/w{w}/s{st}/splits{splits}", metric=gbs))
+            print(rows_out[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time tile configurations")
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args()
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    if args.sweep:
+        rows = []
+        sweep(rows)
+        write_results("bench_attention_sweep", rows, ["kernel", "shape", "cfg", "metric", "error"],
+                      notes="metric: TFLOP/s (prefill, causal bf16) or GB/s (decode, bf16, 32q/8kv d128 block 16).")
+    decode_rows = []
+    bench_decode(decode_rows, copy_gbs)
+    write_results("bench_attention_decode", decode_rows,
+                  ["bs", "kv", "splits", "us", "gbs", "pct_copy", "baseline_us", "speedup", "max_diff_vs_sdpa"],
+                  meta=dict(copy_gbs=copy_gbs, heads="32q/8kv", head_dim=128, block_size=16, dtype="bf16"),
+                  notes="gbs counts K+V+q+out bytes; pct_copy is of the device copy bandwidth (read+write) measured "
+                        "in the same run; baseline = gather pages + SDPA (enable_gqa).")
+    if not args.skip_prefill:
+        prefill_rows = []
+        bench_prefill(prefill_rows)
+        write_results("bench_attention_prefill", prefill_rows,
+                      ["heads", "d", "seq", "batch", "ms", "tflops", "sdpa_tflops", "ratio", "max_diff_vs_sdpa"],
+                      meta=dict(dtype="bf16", causal=True, tokens_per_call=TOKENS),
+                      notes="FLOPs = 2*2*S^2*Hq*D/2 per sequence; baseline = SDPA flash backend, K/V expanded to Hq.")
+
+
+if __name__ == "__main__":
+    main()
