@@ -1,0 +1,152 @@
+"""Weight-only quantization of a model's linear layers, GPTQ/AWQ repacking, and (de)serialising the result.
+
+``quantize_state_dict`` applies ``kernels.quant.quantize_int8`` (per output channel, symmetric) or ``quantize_int4``
+(group-wise, asymmetric, group 128 by default) to the linear weights of an internal-name state dict: ``wqkv``, ``wo``,
+``w13``, ``w2`` of every layer. Embeddings, ``lm_head`` and norms stay in floating point (the embedding is a gather, and
+``lm_head`` is often tied to it). GPTQ/AWQ checkpoints are not re-quantized: ``import_quantized`` repacks their tensors
+with ``kernels.quant``'s importers. ``save_weights`` / ``load_weights`` write the result as one safetensors file so the
+runtime can load a build output without the original checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+LINEAR_SUFFIXES = (".wqkv", ".wo", ".w13", ".w2")
+
+
+def is_quantizable(name: str) -> bool:
+    return name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES)
+
+
+def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
+    """A copy of ``state`` with every linear weight quantized to ``quant`` ("int8" or "int4")."""
+    from kernels import quant as kq
+
+    if quant not in ("int8", "int4"):
+        raise ValueError(f"quant must be 'int8' or 'int4', got {quant!r}")
+    out = dict(state)
+    for name, w in state.items():
+        if not is_quantizable(name) or not isinstance(w, torch.Tensor):
+            continue
+        # Scales in the weight's dtype: the activations run in that dtype and the GEMM wants them to match.
+        try:
+            if quant == "int8":
+                out[name] = kq.quantize_int8(w, scale_dtype=w.dtype)
+            else:
+                out[name] = kq.quantize_int4(w, group_size=group_size, symmetric=False, scale_dtype=w.dtype)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    return out
+
+
+def dequantize_state_dict(state: dict) -> dict:
+    """Float weights from a (partly) quantized state dict: what the quantized model computes, for references."""
+    from kernels import quant as kq
+
+    return {k: (v if isinstance(v, torch.Tensor) else kq.dequantize(v)) for k, v in state.items()}
+
+
+# --- GPTQ / AWQ ---------------------------------------------------------------------------------------------------
+def import_quantized(ckpt, device="cpu"):
+    """Repack a GPTQ/AWQ checkpoint's ``quantized_parts`` into ``QuantizedWeight``s.
+
+    Returns ``(weights, quant, group_size)``: the internal linear weights (and q|k|v biases), "int4"/"int8" from the
+    checkpoint's bits, and its group size. Projections that we fuse (q|k|v, gate|up) are imported one by one and
+    concatenated along the output features, which weight-only formats allow without touching any value.
+    """
+    from kernels import quant as kq
+
+    qcfg = ckpt.quantization_config or {}
+    method = qcfg.get("quant_method")
+    bits = int(qcfg.get("bits", qcfg.get("w_bit", 4)))
+    group_size = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
+    if group_size <= 0:
+        raise ValueError(f"{method} checkpoint with group_size {group_size} (per-channel) is not supported; "
+                         f"use a group-wise quantized checkpoint (e.g. group_size 128)")
+    if method == "gptq":
+        importer = lambda p: kq.import_gptq(p["qweight"], p["qzeros"], p["scales"], p.get("g_idx"),  # noqa: E731
+                                            bits=bits, group_size=group_size)
+    elif method == "awq":
+        importer = lambda p: kq.import_awq(p["qweight"], p["qzeros"], p["scales"], bits=bits,  # noqa: E731
+                                           group_size=group_size)
+    else:
+        raise ValueError(f"quant_method {method!r} is not supported (gptq, awq)")
+    weights = {}
+    for name, parts in ckpt.quantized_parts.items():
+        qws = [importer({k: v.to(device) for k, v in p.items()}) for p in parts]
+        weights[name] = qws[0] if len(qws) == 1 else kq.concat_output(qws)
+        if all("bias" in p for p in parts) and name.endswith(".wqkv"):
+            weights[name[: -len("wqkv")] + "bqkv"] = torch.cat([p["bias"].to(device) for p in parts])
+    return weights, ("int8" if bits == 8 else "int4"), group_size
+
+
+# --- (de)serialisation --------------------------------------------------------------------------------------------
+_TIED = "tied_lm_head"
+
+
+def save_weights(state: dict, path) -> None:
+    """Write a (quantized) internal state dict to one safetensors file; a ``QuantizedWeight`` is stored as its tensor
+    fields (``name::field``) plus its other fields as JSON in the file's metadata. A tied ``lm_head`` is stored once."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    tied = "lm_head" in state and state["lm_head"] is state.get("embed")
+    for name, v in state.items():
+        if name == "lm_head" and tied:
+            continue
+        if isinstance(v, torch.Tensor):
+            tensors[name] = v.detach().contiguous().cpu()
+            continue
+        if not dataclasses.is_dataclass(v):
+            raise TypeError(f"{name}: cannot serialise {type(v).__name__} (expected a tensor or QuantizedWeight)")
+        scalars = {}
+        for f in dataclasses.fields(v):
+            x = getattr(v, f.name)
+            if isinstance(x, torch.Tensor):
+                tensors[f"{name}::{f.name}"] = x.detach().contiguous().cpu()
+            else:
+                scalars[f.name] = x
+        meta[name] = json.dumps({"type": type(v).__name__, "fields": scalars})
+    meta[_TIED] = json.dumps(tied)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_weights(path, device="cpu") -> dict:
+    """Inverse of ``save_weights``."""
+    from safetensors import safe_open
+
+    state, fields = {}, {}
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = f.metadata() or {}
+        for key in f.keys():
+            if "::" in key:
+                name, field = key.split("::", 1)
+                fields.setdefault(name, {})[field] = f.get_tensor(key)
+            else:
+                state[key] = f.get_tensor(key)
+    if fields:
+        from kernels import quant as kq
+
+        for name, tensors in fields.items():
+            info = json.loads(meta[name])
+            state[name] = getattr(kq, info["type"])(**tensors, **info["fields"])
+    if json.loads(meta.get(_TIED, "false")):
+        state["lm_head"] = state["embed"]
+    return state
+
+
+def weights_nbytes(state: dict) -> int:
+    """Bytes the weights occupy (each tensor once), for the build summary."""
+    seen, total = set(), 0
+    for v in state.values():
+        ts = [v] if isinstance(v, torch.Tensor) else \
+            [getattr(v, f.name) for f in dataclasses.fields(v) if isinstance(getattr(v, f.name), torch.Tensor)]
+        for t in ts:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,135 @@
+"""export.model: the LLaMA forward on torch.ops.tritrt (CPU: the ops' fp32 references) against transformers' logits.
+
+Prefill of two sequences of different lengths, then a decode step and a chunked-prefill step, each compared with HF's
+logits for the whole sequence so far; the KV cache blocks are scattered (a shuffled block table) so paging is real.
+Tolerance: everything runs in fp32 on both sides; the only differences are summation order and the attention
+formulation (fp32 rounding, ~1e-7 relative per op over 2 layers), so 1e-4 relative to the largest logit is ~100x margin
+and still far below any wiring error (a wrong head, position or block changes logits by O(1)).
+"""
+
+import pytest
+import torch
+
+from export.model import LlamaModel, make_batch
+from tests.helpers import describe_error
+
+REL_TOL = 1e-4
+BLOCK_SIZE = 4  # sequences of 7 and 13 tokens are not block multiples; blocks get crossed mid-sequence
+
+
+def _hf(path, weights=None):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model
+
+
+@torch.no_grad()
+def _hf_logits(hf, ids):
+    return hf(ids[None]).logits[0]
+
+
+def _assert_rel(got, want, what):
+    assert torch.isfinite(got).all(), what + ": non-finite " + describe_error(got, want)
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < REL_TOL, f"{what}: rel err {rel:.2e} >= {REL_TOL}: " + describe_error(got, want)
+
+
+def _scatter_blocks(batch, perm):
+    """The same batch with block ids renamed through ``perm`` (so each sequence's blocks are not contiguous)."""
+    bs = BLOCK_SIZE
+    batch.block_table = perm[batch.block_table.long()].to(torch.int32)
+    slots = batch.slot_mapping.long()
+    batch.slot_mapping = (perm[slots // bs] * bs + slots % bs).to(torch.int32)
+    return batch
+
+
+def _run_steps(model, hf, vocab, steps, gen):
+    """Run ``steps`` (list of per-sequence new-token counts) on two sequences; after each, compare all new tokens'
+    logits with HF's on the full sequence so far."""
+    num_seqs, blocks_per_seq = 2, 8
+    num_blocks = num_seqs * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen)
+    kv = model.allocate_kv_cache(num_blocks, BLOCK_SIZE, "cpu", torch.float32)
+    for k, v in kv:  # poison: any read of a slot not yet written gives NaN logits
+        k.fill_(float("nan")), v.fill_(float("nan"))
+    full = [torch.randint(0, vocab, (sum(s[i] for s in steps),), generator=gen) for i in range(num_seqs)]
+    done = [0] * num_seqs
+    for step, new in enumerate(steps):
+        ids = torch.cat([full[i][done[i]:done[i] + new[i]] for i in range(num_seqs)])
+        batch = _scatter_blocks(make_batch(new, cached_lens=done, block_size=BLOCK_SIZE, input_ids=ids,
+                                           blocks_per_seq=blocks_per_seq), perm)
+        all_logits = model(batch, kv, all_logits=True)
+        last = model(_copy(batch), [(k.clone(), v.clone()) for k, v in kv])  # cache already holds this step's K/V
+        assert all_logits.shape == (sum(new), vocab) and last.shape == (num_seqs, vocab)
+        offs = batch.cu_seqlens_q.tolist()
+        for i in range(num_seqs):
+            want = _hf_logits(hf, full[i][: done[i] + new[i]])[done[i]:]
+            _assert_rel(all_logits[offs[i]:offs[i + 1]], want, f"step {step} seq {i} (all tokens)")
+            _assert_rel(last[i], want[-1], f"step {step} seq {i} (last token)")
+        done = [d + n for d, n in zip(done, new)]
+
+
+def _copy(batch):
+    return batch.to("cpu")
+
+
+@pytest.mark.parametrize("variant", ["llama", "tied", "llama3", "qwen2"])
+def test_prefill_decode_chunked_vs_hf(tiny_dirs, variant):
+    path = tiny_dirs(variant)
+    model = LlamaModel.from_checkpoint(path)
+    hf = _hf(path)
+    gen = torch.Generator().manual_seed(1)
+    # prefill 7 / 13 tokens, decode one each, chunked prefill (5 more for seq 0 while seq 1 decodes)
+    _run_steps(model, hf, model.config.vocab_size, [[7, 13], [1, 1], [5, 1]], gen)
+
+
+@pytest.mark.parametrize("quant, group_size", [("int8", 128), ("int4", 32)])
+def test_quantized_model_vs_hf_with_dequantized_weights(tiny_llama_dir, quant, group_size):
+    """The quantized model equals HF running the dequantized weights: quantization error is not counted."""
+    import kernels.quant as kq
+
+    model = LlamaModel.from_checkpoint(tiny_llama_dir, quant=quant, group_size=group_size)
+    c = model.config
+    for name in ("layers.0.wqkv", "layers.1.w2"):
+        assert isinstance(model.weights[name], kq.QuantizedWeight) and model.weights[name].bits == int(quant[3:])
+    assert isinstance(model.weights["embed"], torch.Tensor) and isinstance(model.weights["lm_head"], torch.Tensor)
+    hf = _hf(tiny_llama_dir)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            wqkv = kq.dequantize(model.weights[f"layers.{i}.wqkv"])
+            q, k, v = wqkv.split([c.q_size, c.kv_size, c.kv_size])
+            gate, up = kq.dequantize(model.weights[f"layers.{i}.w13"]).split([c.intermediate_size] * 2)
+            for mod, w in ((layer.self_attn.q_proj, q), (layer.self_attn.k_proj, k), (layer.self_attn.v_proj, v),
+                           (layer.self_attn.o_proj, kq.dequantize(model.weights[f"layers.{i}.wo"])),
+                           (layer.mlp.gate_proj, gate), (layer.mlp.up_proj, up),
+                           (layer.mlp.down_proj, kq.dequantize(model.weights[f"layers.{i}.w2"]))):
+                assert not torch.equal(mod.weight, w)  # quantization did change the weight: the test can fail
+                mod.weight.copy_(w)
+    gen = torch.Generator().manual_seed(2)
+    _run_steps(model, hf, c.vocab_size, [[7, 13], [1, 1]], gen)
+
+
+def test_allocate_kv_cache_shape(tiny_llama_dir):
+    model = LlamaModel.from_checkpoint(tiny_llama_dir)
+    kv = model.allocate_kv_cache(5, 3, "cpu", torch.float16)
+    c = model.config
+    assert len(kv) == c.num_layers
+    assert all(t.shape == (5, 3, c.num_kv_heads, c.head_dim) and t.dtype == torch.float16 for pair in kv for t in pair)
+
+
+def test_bad_inputs(tiny_llama_dir):
+    from export.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        LlamaModel(ckpt.config, ckpt.state_dict, quant="fp8")
+    weights = dict(ckpt.state_dict)
+    del weights["layers.1.w13"]
+    with pytest.raises(ValueError, match="lack 1 tensor"):
+        LlamaModel(ckpt.config, weights)
+    model = LlamaModel(ckpt.config, ckpt.state_dict)
+    with pytest.raises(ValueError, match="kv_cache has 1 layers"):
+        model(make_batch([3]), model.allocate_kv_cache(2, 4)[:1])
+    with pytest.raises(ValueError, match="blocks_per_seq=1 cannot hold"):
+        make_batch([9], block_size=4, blocks_per_seq=1)
