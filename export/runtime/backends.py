@@ -70,6 +70,7 @@ class TorchBackend:
         return self.model.forward(batch.to(self.device), self.kv_cache)
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def capture(self, batch_sizes=None) -> None:
         """Capture decode graphs ahead of time (largest first, sharing one memory pool); else done on first use."""
         for bs in sorted(batch_sizes or self.graph_batch_sizes, reverse=True):
@@ -100,57 +101,58 @@ class TorchBackend:
             logits = self.model.forward(static, self.kv_cache)
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
-        # Host staging rows, pinned so the per-step upload is one async copy per field.
-        host = {
-            "ids": torch.zeros(bs, dtype=torch.int64).pin_memory(),
-            "pos": torch.zeros(bs, dtype=torch.int64).pin_memory(),
-            "i32": torch.zeros(2 * bs + bs * W, dtype=torch.int32).pin_memory(),  # slot_mapping | seq_lens | table
-        }
-        self._graphs[bs] = (graph, static, logits, host)
+        self._graphs[bs] = (graph, static, logits)
         return self._graphs[bs]
 
     def _decode_graph(self, batch: Batch) -> torch.Tensor:
         S = batch.num_seqs
         bs = next(b for b in self.graph_batch_sizes if b >= S)
         try:
-            graph, static, logits, host = self._graph_for(bs)
+            graph, static, logits = self._graph_for(bs)
         except RuntimeError as e:  # a kernel that syncs or allocates during capture: run eagerly from now on
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
             self.cuda_graphs = False
             return self.model.forward(batch.to(self.device), self.kv_cache)
-        W = self._max_blocks_per_seq
-        ids, pos, i32 = host["ids"], host["pos"], host["i32"]
-        ids.zero_()
-        pos.zero_()
-        ids[:S] = batch.input_ids
-        pos[:S] = batch.positions
-        slot, lens = i32[:bs], i32[bs:2 * bs]
-        table = i32[2 * bs:].view(bs, W)
-        slot.fill_(-1)  # padding rows write nothing ...
-        slot[:S] = batch.slot_mapping
-        lens.fill_(1)  # ... and attend to one token of block 0, which always exists
-        lens[:S] = batch.seq_lens
-        table.zero_()
-        w = batch.block_table.shape[1]
-        if w > W:
-            raise ValueError(f"block table of {w} blocks exceeds max_model_len {self.max_model_len}")
-        table[:S, :w] = batch.block_table
-        static.input_ids.copy_(ids, non_blocking=True)
-        static.positions.copy_(pos, non_blocking=True)
-        static.slot_mapping.copy_(slot, non_blocking=True)
-        static.seq_lens.copy_(lens, non_blocking=True)
-        static.block_table.copy_(table, non_blocking=True)
+        copy_batch_(static, pad_decode_batch(batch, bs, self._max_blocks_per_seq))
         graph.replay()
-        # The pinned staging buffers are reused next step: wait until this step's uploads have left them.
-        torch.cuda.current_stream(self.device).synchronize()
-        return logits[:S]
+        return logits[:S]  # a view of the graph's output buffer: valid until the next step
+
+
+def pad_decode_batch(batch: Batch, num_seqs: int, max_blocks: int) -> Batch:
+    """A decode ``batch`` padded to ``num_seqs`` rows and ``max_blocks`` block-table columns (static graph shapes).
+
+    Padding rows write no cache slot (slot -1) and attend to the one token at block 0, slot 0, which exists in every
+    cache: their logits are garbage but finite and are dropped, and no real sequence's cache is touched.
+    """
+    S, w = batch.num_seqs, batch.block_table.shape[1]
+    if batch.max_seqlen_q != 1 or batch.input_ids.shape[0] != S:
+        raise ValueError("pad_decode_batch takes a pure decode batch (one new token per sequence)")
+    if S > num_seqs or w > max_blocks:
+        raise ValueError(f"decode batch of {S} sequences x {w} blocks exceeds the padded shape {num_seqs} x {max_blocks}"
+                         "; raise max_model_len or the largest graph batch size")
+    pad = num_seqs - S
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    table[:S, :w] = batch.block_table
+    return Batch(
+        input_ids=torch.cat([batch.input_ids.cpu(), torch.zeros(pad, dtype=torch.int64)]),
+        positions=torch.cat([batch.positions.cpu(), torch.zeros(pad, dtype=torch.int64)]),
+        slot_mapping=torch.cat([batch.slot_mapping.cpu(), torch.full((pad,), -1, dtype=torch.int32)]),
+        block_table=table,
+        seq_lens=torch.cat([batch.seq_lens.cpu(), torch.ones(pad, dtype=torch.int32)]),
+        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
+        max_seqlen_q=1,
+    )
+
+
+def copy_batch_(dst: Batch, src: Batch) -> None:
+    """Copy ``src`` into the (static, same-shape) tensors of ``dst``."""
+    for f in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "cu_seqlens_q"):
+        getattr(dst, f).copy_(getattr(src, f), non_blocking=True)
 
 
 def _model_device(model):
-    w = model.weights.get("embed") if hasattr(model, "weights") else None
-    return w.device if isinstance(w, torch.Tensor) else "cpu"
+    return getattr(model, "device", None) or model.weights["embed"].device
 
 
 def _model_dtype(model) -> torch.dtype:
-    w = model.weights.get("embed") if hasattr(model, "weights") else None
-    return w.dtype if isinstance(w, torch.Tensor) else torch.float32
+    return getattr(model, "dtype", None) or model.weights["embed"].dtype

@@ -1,0 +1,77 @@
+"""Backend plumbing that runs on CPU: decode padding for static (CUDA-graph / engine) shapes, and the TensorRT
+backend's refusal when TensorRT is missing."""
+
+import pytest
+import torch
+
+from export.batch import Batch
+from export.runtime.backends import TorchBackend, pad_decode_batch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from export.checkpoint import make_tiny_llama
+    from export.model import LlamaModel
+
+    return LlamaModel.from_checkpoint(make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=1), dtype=torch.float32)
+
+
+def _decode_batch(seq_lens, block_size, tables):
+    S = len(seq_lens)
+    slots = [tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(seq_lens)]
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(S, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    return Batch(input_ids=torch.randint(0, 300, (S,)), positions=torch.tensor([n - 1 for n in seq_lens]),
+                 slot_mapping=torch.tensor(slots, dtype=torch.int32), block_table=bt,
+                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                 cu_seqlens_q=torch.arange(S + 1, dtype=torch.int32), max_seqlen_q=1)
+
+
+def test_padded_decode_equals_unpadded_and_padding_writes_nothing(tiny_model):
+    bs = 4  # block size
+    backend = TorchBackend(tiny_model, num_blocks=16, block_size=bs)
+    for k, v in backend.kv_cache:  # a full cache of random history
+        k.normal_()
+        v.normal_()
+    batch = _decode_batch([5, 1, 9], bs, [[3, 7], [2], [8, 1, 4]])
+    snapshot = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
+    want = backend.forward(batch)
+    after_real = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
+    for (k0, _), (k1, _) in zip(snapshot, after_real):
+        assert (k0 != k1).any(dim=(2, 3)).sum() == 3  # exactly the three new tokens' slots were written
+    for (k, v), (k0, v0) in zip(backend.kv_cache, snapshot):
+        k.copy_(k0)
+        v.copy_(v0)
+    padded = pad_decode_batch(batch, 8, 5)
+    assert padded.block_table.shape == (8, 5) and padded.slot_mapping[3:].eq(-1).all()
+    got = backend.forward(padded)
+    assert torch.isfinite(got).all()
+    # Same math on the same rows: only the padding around them differs, so the real rows must agree closely
+    # (fp32; 1e-5 absorbs a different reduction order if a kernel splits work by batch shape).
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    real = torch.zeros(16 * bs, dtype=torch.bool)
+    real[batch.slot_mapping.long()] = True
+    for (k, v), (k0, v0), (k1, v1) in zip(backend.kv_cache, snapshot, after_real):
+        for new, old, ref in ((k, k0, k1), (v, v0, v1)):
+            new, old, ref = (t.view(16 * bs, -1) for t in (new, old, ref))
+            assert torch.equal(new[~real], old[~real]), "padding rows wrote into the cache"
+            torch.testing.assert_close(new[real], ref[real], rtol=1e-5, atol=1e-5)
+
+
+def test_pad_decode_batch_refuses_what_does_not_fit():
+    batch = _decode_batch([5, 1], 4, [[3, 7], [2]])
+    with pytest.raises(ValueError, match="exceeds the padded shape"):
+        pad_decode_batch(batch, 1, 5)
+    with pytest.raises(ValueError, match="exceeds the padded shape"):
+        pad_decode_batch(batch, 4, 1)
+    prefill = Batch(batch.input_ids.repeat(2), batch.positions.repeat(2), batch.slot_mapping.repeat(2),
+                    batch.block_table, batch.seq_lens, torch.tensor([0, 2, 4], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="pure decode batch"):
+        pad_decode_batch(prefill, 4, 5)
+
+
+def test_cuda_graphs_need_cuda(tiny_model):
+    with pytest.raises(ValueError, match="CUDA device"):
+        TorchBackend(tiny_model, num_blocks=4, block_size=4, cuda_graphs=True)
