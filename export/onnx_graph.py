@@ -165,11 +165,9 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[
     tmp_dir = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=directory)
     try:
         tmp_model = os.path.join(tmp_dir, base)
-        onnx.save_model(model, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_name, size_threshold=0)
         tmp_data = os.path.join(tmp_dir, data_name)
-        if not os.path.exists(tmp_data):  # a model without initializers still gets a (empty) data file
-            open(tmp_data, "wb").close()
+        _write_external_data(model, tmp_data, data_name)
+        onnx.save_model(model, tmp_model)
         os.replace(tmp_data, os.path.join(directory, data_name))
         os.replace(tmp_model, path)
     finally:
@@ -177,6 +175,28 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[
             os.remove(os.path.join(tmp_dir, leftover))
         os.rmdir(tmp_dir)
     return path, os.path.join(directory, data_name)
+
+
+def _write_external_data(model: onnx.ModelProto, data_path: str, location: str, align: int = 64) -> None:
+    """Move every initializer's bytes into ``data_path`` (offsets aligned for mmap-friendly reads).
+
+    Done by hand rather than with ``onnx.save_model(save_as_external_data=True)``, which refuses to run when a file
+    named ``location`` exists in the *current working directory*, whatever the target directory is.
+    """
+    from onnx.external_data_helper import set_external_data
+
+    offset = 0
+    with open(data_path, "wb") as f:
+        for t in model.graph.initializer:
+            data = t.raw_data
+            pad = (-offset) % align
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(data)
+            set_external_data(t, location, offset=offset, length=len(data))
+            t.data_location = TensorProto.EXTERNAL
+            t.ClearField("raw_data")
+            offset += len(data)
 
 
 def as_numpy(x) -> np.ndarray:

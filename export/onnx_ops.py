@@ -30,8 +30,8 @@ FALLBACK_CONTRACT = {
     "Rope": (["q", "k", "positions", "cos_sin_cache"], ["interleaved"], 2),
     "WriteKvCache": (["k", "v", "k_cache", "v_cache", "slot_mapping"], [], 2),
     "PagedAttention": (["q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q"], ["scale"], 1),
-    "W8A16Linear": (["x", "qweight", "scales", "bias"], [], 1),
-    "W4A16Linear": (["x", "qweight", "scales", "zeros", "bias"], ["group_size"], 1),
+    "W8A16Linear": (["x", "qweight", "scales"], [], 1),
+    "W4A16Linear": (["x", "qweight", "scales", "zeros"], ["group_size"], 1),
 }
 
 
@@ -237,14 +237,18 @@ class OpEmitter:
         if self.plugin:
             fields = {"qweight": g.initializer(f"{name}.qweight", weight.qweight),
                       "scales": g.initializer(f"{name}.scales", weight.scales)}
-            if parts.bits == 4 and weight.zeros is not None:
-                fields["zeros"] = g.initializer(f"{name}.zeros", weight.zeros)
-            if bias_name is not None:
-                fields["bias"] = bias_name
+            if parts.bits == 4:
+                # the plugin always takes zero points; the symmetric variant's are the constant 8
+                fields["zeros"] = g.initializer(f"{name}.zeros", parts.zeros.to(torch.uint8))
             op_type = "W8A16Linear" if parts.bits == 8 else "W4A16Linear"
-            return self.plugin_node(op_type, {"x": x, **fields}, {"group_size": int(parts.group_size)}, name)[0]
+            attrs = {"group_size": int(parts.group_size)} if parts.bits == 4 else {}
+            # no bias input on the GEMM plugins (only Qwen2's qkv has one): a separate Add
+            y = self.plugin_node(op_type, {"x": x, **fields}, attrs, name if bias_name is None else f"{name}_mm")[0]
+            return y if bias_name is None else g.op1("Add", [y, bias_name], name=name)
         # reference: standard DequantizeLinear over the same integer codes, [K, N] (see export.onnx_quant)
-        scales = g.initializer(f"{name}.dq_scales", parts.scales.to(self.act_dtype))
+        # Scales keep their stored dtype so that DequantizeLinear rounds (q - z) * s once to it, exactly as
+        # kernels.quant.dequantize (what the GEMM kernels multiply by) does; then the weight is cast to act dtype.
+        scales = g.initializer(f"{name}.dq_scales", parts.scales)
         if parts.bits == 8:
             codes = g.initializer(f"{name}.dq_codes", parts.codes)
             w = g.op1("DequantizeLinear", [codes, scales], axis=1, name=f"{name}_dq")
@@ -257,6 +261,8 @@ class OpEmitter:
                 zeros = g.initializer(f"{name}.dq_zeros", parts.zeros.to(torch.uint8))
             w = g.op1("DequantizeLinear", [codes, scales, zeros], axis=0, block_size=int(parts.group_size),
                       name=f"{name}_dq")
+        if parts.scales.dtype != self.act_dtype:
+            w = self._cast(w, self.act_onnx)
         y = g.op1("MatMul", [x, w], name=name if bias_name is None else f"{name}_mm")
         return y if bias_name is None else g.op1("Add", [y, bias_name], name=name)
 

@@ -1,0 +1,284 @@
+"""``python -m export.verify OUT``: Polygraphy comparisons of everything ``python -m export.build`` wrote.
+
+Runners, all fed the same inputs (a prefill of two sequences of different lengths on fresh caches, then one decode
+step on the caches that prefill wrote):
+
+- ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime);
+- ``plugin-ref``: ``model.plugin.onnx`` on CPU, plugin nodes through their torch references
+  (``export.onnx_reference_runner``);
+- ``hf``: ``transformers``' own LlamaForCausalLM rebuilt from OUT's ``config.json`` and ``weights.safetensors``
+  (quantized weights dequantized, so quantization error is not counted), run on each sequence's full tokens;
+- ``trt``: the engine (``model.engine``) through Polygraphy's ``TrtRunner``, only where TensorRT is importable.
+
+Every runner is compared with ``onnxrt`` on the outputs both have (logits; the updated caches too between the ONNX
+flavours and the engine). Polygraphy prints its report; the summary table at the end gives the max error per
+comparison. Exit code 0: all match; 1: a mismatch; 2: OUT is incomplete or unusable (the message says what to do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REQUIRED = ("config.json", "build.json", "weights.safetensors", "model.reference.onnx", "model.reference.onnx.data",
+            "model.plugin.onnx", "model.plugin.onnx.data")
+# fp32 tiny model: our graphs and HF differ only in fp32 summation order. Observed max abs error on the tiny models is
+# ~2e-7 on logits of magnitude ~0.5 (a few fp32 ulps after 2 layers); rtol 1e-4 (the brief's bound) and atol 1e-5
+# keep a ~50x margin for other seeds/shapes while any real defect (a wrong weight, a wrong mask, a cache slot
+# off by one) moves logits by >= 1e-3.
+FP32_TOL = (1e-5, 1e-4)
+# fp16/bf16 builds: the ONNX graphs compute in the half dtype while HF runs fp32; a few layers of half-precision
+# rounding give ~1e-2 relative differences. Looser, and not validated on real checkpoints here (no GPU checks run).
+HALF_TOL = (5e-2, 5e-2)
+
+
+class VerifyError(RuntimeError):
+    """OUT cannot be verified (missing or unreadable files); the message says what to do."""
+
+
+def load_out(out) -> dict:
+    """Check OUT's files and read its build info and config (``export.checkpoint.LlamaConfig``)."""
+    from .checkpoint import LlamaConfig
+
+    out = Path(out)
+    if not out.is_dir():
+        raise VerifyError(f"{out} is not a directory; pass the OUT directory written by `python -m export.build`")
+    missing = [f for f in REQUIRED if not (out / f).exists()]
+    if missing:
+        raise VerifyError(f"{out} lacks {', '.join(missing)}; rebuild it with `python -m export.build --out {out}`")
+    try:
+        build = json.loads((out / "build.json").read_text())
+        hf_config = json.loads((out / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise VerifyError(f"cannot parse a JSON file in {out} ({e}); rebuild OUT") from e
+    config = LlamaConfig(**build["config"]) if "config" in build else LlamaConfig.from_hf(hf_config)
+    return {"out": out, "build": build, "config": config, "block_size": int(build.get("block_size", 16))}
+
+
+# --- feeds ----------------------------------------------------------------------------------------------------------
+def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), seed: int = 0, decode: bool = True,
+               prefill_runner=None):
+    """``(feeds, sequences)``: graph feeds (prefill, then a decode step) and, per feed, each sequence's full tokens.
+
+    The decode feed needs the caches that prefill wrote: ``prefill_runner(feed) -> outputs`` supplies them (ONNX
+    Runtime on the reference flavour). Block 0 is left unused so that a table entry of 0 (padding) is never a block
+    that holds a sequence's tokens.
+    """
+    from .model import make_batch
+
+    rng = np.random.default_rng(seed)
+    lens = list(lens)
+    blocks_per_seq = -(-(max(lens) + 1) // block_size)
+    num_blocks = 1 + len(lens) * blocks_per_seq
+    tokens = [rng.integers(0, config.vocab_size, n) for n in lens]
+    prefill = make_batch(lens, block_size=block_size, input_ids=np.concatenate(tokens),
+                         blocks_per_seq=blocks_per_seq, block_offset=1)
+    cache_shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    caches = {}
+    for i in range(config.num_layers):
+        caches[f"k_cache_{i}"] = np.zeros(cache_shape, cache_dtype)
+        caches[f"v_cache_{i}"] = np.zeros(cache_shape, cache_dtype)
+    feeds = [{**_batch_feed(prefill), **caches}]
+    sequences = [[t.copy() for t in tokens]]
+    if decode:
+        if prefill_runner is None:
+            raise ValueError("a decode feed needs prefill_runner to produce the prefilled caches")
+        outs = prefill_runner(feeds[0])
+        new = rng.integers(0, config.vocab_size, len(lens))
+        step = make_batch([1] * len(lens), cached_lens=lens, block_size=block_size, input_ids=new,
+                          blocks_per_seq=blocks_per_seq, block_offset=1)
+        cached = {k.replace("_out", ""): np.asarray(v) for k, v in outs.items() if "_cache_out_" in k}
+        feeds.append({**_batch_feed(step), **cached})
+        sequences.append([np.concatenate([t, [n]]) for t, n in zip(tokens, new)])
+    return feeds, sequences
+
+
+def _batch_feed(b) -> dict:
+    return {"input_ids": b.input_ids.numpy().astype(np.int64), "positions": b.positions.numpy().astype(np.int64),
+            "slot_mapping": b.slot_mapping.numpy(), "block_table": b.block_table.numpy(),
+            "seq_lens": b.seq_lens.numpy(), "cu_seqlens_q": b.cu_seqlens_q.numpy()}
+
+
+# --- the Hugging Face model -------------------------------------------------------------------------------------------
+def hf_state_dict(weights: dict, config) -> dict:
+    """HF tensor names from our internal weights (dequantized), inverting ``export.checkpoint.internal_names``."""
+    from .checkpoint import expected_shapes, internal_names
+    from .quantize import dequantize_state_dict
+
+    weights = dequantize_state_dict(weights)
+    shapes = expected_shapes(config)
+    sd = {}
+    for name, hf_names in internal_names(config).items():
+        if name not in weights:
+            continue
+        rows = [shapes[n][0] for n in hf_names]
+        for hf_name, part in zip(hf_names, torch.split(weights[name].float(), rows, dim=0)):
+            sd[hf_name] = part.contiguous()
+    return sd
+
+
+def load_hf_model(out: Path, config):
+    """transformers' LlamaForCausalLM (fp32) from OUT's config.json and weights.safetensors."""
+    import transformers
+
+    from .quantize import load_weights
+
+    hf_config = transformers.AutoConfig.from_pretrained(str(out))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32).eval()
+    sd = hf_state_dict(load_weights(out / "weights.safetensors"), config)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise VerifyError(f"weights.safetensors does not fill the HF model: missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}; rebuild OUT")
+    return model
+
+
+def _make_hf_runner(model, sequences):
+    from collections import OrderedDict
+
+    from polygraphy.backend.base import BaseRunner
+
+    class HfRunner(BaseRunner):
+        """The HF model on each sequence's full tokens; one entry of ``sequences`` per feed, in order."""
+
+        def __init__(self):
+            super().__init__(name="hf", prefix="hf-runner")
+
+        def activate_impl(self):
+            self._step = 0
+
+        def get_input_metadata_impl(self):
+            from polygraphy.common import TensorMetadata
+
+            return TensorMetadata()  # feeds are the graph's; this runner reads only which step it is
+
+        def infer_impl(self, feed_dict):
+            seqs = sequences[self._step]
+            self._step += 1
+            with torch.no_grad():
+                logits = [model(torch.as_tensor(s, dtype=torch.long)[None]).logits[0, -1] for s in seqs]
+            self.inference_time = 0.0
+            return OrderedDict(logits=torch.stack(logits).float().numpy())
+
+        def deactivate_impl(self):
+            pass
+
+    return HfRunner()
+
+
+# --- the comparison -----------------------------------------------------------------------------------------------------
+def _tolerances(build: dict, atol, rtol):
+    base = FP32_TOL if build.get("dtype", "float32") in ("float32", "fp32") else HALF_TOL
+    return (base[0] if atol is None else atol), (base[1] if rtol is None else rtol)
+
+
+def _trt_runner(out: Path):
+    """Polygraphy's TrtRunner on OUT's engine, or (None, why not)."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return None, "TensorRT is not installed: engine vs ONNX Runtime comparison skipped"
+    if not (out / "model.engine").exists():
+        return None, f"{out / 'model.engine'} does not exist (build it where TensorRT is): engine comparison skipped"
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    from trt_plugins.trt_glue import load_plugins
+
+    load_plugins()
+    return TrtRunner(EngineFromBytes((out / "model.engine").read_bytes()), name="trt"), None
+
+
+def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print) -> bool:
+    """Run every comparison on OUT; returns True when all match. Raises ``VerifyError`` for an unusable OUT."""
+    import onnxruntime as ort
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+    from polygraphy.comparator import Comparator, CompareFunc
+
+    from .onnx_reference_runner import PluginReferenceRunner
+
+    info = load_out(out)
+    out, config, build = info["out"], info["config"], info["build"]
+    atol, rtol = _tolerances(build, atol, rtol)
+    try:
+        sess = ort.InferenceSession(str(out / "model.reference.onnx"), providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises its own exception types for unreadable/invalid models
+        raise VerifyError(f"ONNX Runtime cannot load {out / 'model.reference.onnx'} ({e}); rebuild OUT") from e
+    cache_dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
+    if "bfloat16" in sess.get_inputs()[-1].type:
+        raise VerifyError("bf16 reference graphs cannot run in ONNX Runtime's CPU provider; build with --dtype "
+                          "float16 or float32 to verify")
+    names = [o.name for o in sess.get_outputs()]
+
+    def prefill_runner(feed):
+        return dict(zip(names, sess.run(None, feed)))
+
+    feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
+                                  prefill_runner=prefill_runner)
+    runners = [OnnxrtRunner(sess, name="onnxrt"),
+               PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref"),
+               _make_hf_runner(load_hf_model(out, config), sequences)]
+    trt, why = _trt_runner(out)
+    if trt is None:
+        log(why)
+    else:
+        runners.append(trt)
+    results = Comparator.run(runners, data_loader=feeds)
+    compare = CompareFunc.simple(atol=atol, rtol=rtol, check_shapes=True)
+    comparisons = [(0, i) for i in range(1, len(runners))]
+    ok = bool(Comparator.compare_accuracy(results, comparisons=comparisons, compare_func=compare))
+    log(_summary(results, comparisons, atol, rtol))
+    # compare_accuracy only compares outputs both runners produced: the logits must have been among them
+    for _, iters in results:
+        for it in iters:
+            if "logits" not in it:
+                ok = False
+    log(f"export.verify: {'PASSED' if ok else 'FAILED'} (atol={atol:g}, rtol={rtol:g}, {len(feeds)} feeds)")
+    return ok
+
+
+def _summary(results, comparisons, atol, rtol) -> str:
+    """One line per (comparison, feed, output): max abs error and max error relative to the reference's max."""
+    runs = list(results)
+    lines = [f"{'comparison':28} {'feed':>4} {'output':18} {'max_abs_err':>12} {'rel_to_max':>11}"]
+    for a, b in comparisons:
+        (name_a, iters_a), (name_b, iters_b) = runs[a], runs[b]
+        for f, (ra, rb) in enumerate(zip(iters_a, iters_b)):
+            for key in ra.keys():
+                if key not in rb:
+                    continue
+                x, y = np.asarray(ra[key], np.float64), np.asarray(rb[key], np.float64)
+                if x.shape != y.shape:
+                    lines.append(f"{name_b + ' vs ' + name_a:28} {f:>4} {key:18} shape {y.shape} != {x.shape}")
+                    continue
+                err = float(np.abs(x - y).max()) if x.size else 0.0
+                scale = float(np.abs(x).max()) if x.size else 0.0
+                lines.append(f"{name_b + ' vs ' + name_a:28} {f:>4} {key:18} {err:12.3e} "
+                             f"{err / scale if scale else 0.0:11.3e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m export.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="the directory written by `python -m export.build`")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: 1e-5 fp32, 5e-2 fp16/bf16)")
+    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-4 fp32, 5e-2 fp16/bf16)")
+    p.add_argument("--no-decode", action="store_true", help="compare the prefill feed only")
+    args = p.parse_args(argv)
+    try:
+        ok = run_verify(args.out, atol=args.atol, rtol=args.rtol, decode=not args.no_decode)
+    except VerifyError as e:
+        print(f"export.verify: error: {e}", file=sys.stderr)
+        return 2
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
