@@ -10,7 +10,7 @@ cache write) are returned as new arrays and the inputs are left untouched, as an
 from __future__ import annotations
 
 from .specs import get_spec
-from .specs._base import dtype_name
+from .specs._base import dtype_name, torch_dtype
 
 
 def _to_torch(a):
@@ -54,4 +54,7 @@ def run_reference(op_type: str, inputs: list, attrs: dict | None = None) -> list
     outs = spec.reference(work, full)
     if len(outs) != len(spec.outputs):
         raise AssertionError(f"{op_type} reference returned {len(outs)} outputs, spec says {spec.outputs}")
+    # The declared output dtypes (a reference may hand back fp32): what the engine's outputs would be.
+    out_dtypes = spec.output_dtypes(dtypes, full)
+    outs = [o.to(torch_dtype(out_dtypes[n])) for o, n in zip(outs, spec.outputs)]
     return [_to_numpy(o) for o in outs] if as_numpy else outs

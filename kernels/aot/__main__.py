@@ -36,7 +36,7 @@ def build(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool 
             (out / f"{stem}.trt.ptx").write_text(strip_hidden_params(art))
             (out / f"{stem}.cubin").write_bytes(art.cubin)
             entries.append(dict(op=name, namespace=spec.namespace, version=spec.version, kernel=art.name, sm=sm,
-                                signature=dict(art.params), constexprs=art.constexprs, div16=art.div16,
+                                signature=[list(p) for p in art.params], constexprs=art.constexprs, div16=art.div16,
                                 num_warps=art.num_warps, num_stages=art.num_stages, shared=art.shared,
                                 num_hidden_params=art.num_hidden, source_hash=art.source_hash, key=art.key,
                                 sample=dict(shapes={k: list(v) for k, v in sample.shapes.items()},

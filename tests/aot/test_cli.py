@@ -1,0 +1,64 @@
+"""``python -m kernels.aot``: every plugin kernel compiles to PTX and cubin for sm_80 and sm_90 without a GPU, and the
+manifest describes what the TensorRT glue and the launcher need. One compile per op per SM (``--first``), in a
+subprocess: compiling real kernels needs a process without TRITON_INTERPRET."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.aot.compile import entry_params
+from trt_plugins.specs import SPECS
+
+SMS = (80, 90)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot_out")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", ",".join(map(str, SMS)), "--out", str(out),
+                        "--first"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {sm: (out / f"sm_{sm}", json.loads((out / f"sm_{sm}" / "manifest.json").read_text())) for sm in SMS}
+
+
+@pytest.mark.parametrize("sm", SMS)
+@pytest.mark.parametrize("op", sorted(SPECS))
+def test_every_plugin_kernel_compiles(built, sm, op):
+    d, manifest = built[sm]
+    spec = SPECS[op]
+    entries = [e for e in manifest["kernels"] if e["op"] == op]
+    assert len(entries) == 1, f"{op} missing from the manifest"
+    e = entries[0]
+    assert e["sm"] == sm and e["kernel"] == spec.entry_name and e["namespace"] == "tritrt"
+    assert [n for n, _ in e["signature"]] == spec.entry_params, "manifest signature is not in plugin order"
+    sp = spec.specialise(spec.samples[0].shapes, spec.samples[0].dtypes, spec.samples[0].attrs)
+    assert e["constexprs"] == json.loads(json.dumps(sp.constexprs)) and e["num_warps"] == sp.num_warps
+    assert e["num_stages"] == sp.num_stages and e["shared"] >= 0 and len(e["source_hash"]) == 64
+    ptx = (d / e["ptx"]).read_text()
+    assert re.search(rf"\.target\s+sm_{sm}a?\b", ptx)
+    assert (d / e["cubin"]).read_bytes()[:4] == b"\x7fELF"
+    # The PTX TensorRT embeds takes exactly inputs, scalars, outputs: pointers as u64, scalars as u32.
+    trt = (d / e["trt_ptx"]).read_text()
+    want = ["u32" if p in spec.scalars else "u64" for p in spec.entry_params]
+    assert entry_params(trt, e["kernel"]) == want
+    assert e["num_hidden_params"] == len(entry_params(ptx, e["kernel"])) - len(want)
+
+
+def test_cli_refuses_bad_arguments(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", "75", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "not supported" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", "90", "--out", str(tmp_path), "--ops", "Nope"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "unknown ops" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", "90", "--out", str(tmp_path)], cwd=ROOT,
+                       env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert r.returncode != 0 and "TRITON_INTERPRET" in r.stderr

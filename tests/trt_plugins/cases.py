@@ -1,0 +1,78 @@
+"""Inputs for each plugin op, at small (interpreter / CPU) or model (GPU) sizes, shared by the reference, AOT and
+TensorRT tests. Fresh random values on each call; odd token counts; a KV length that is not a block multiple."""
+
+from __future__ import annotations
+
+import torch
+
+SMALL, LARGE = "small", "large"
+
+
+def _t(shape, dtype, device, scale=1.0):
+    return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)
+
+
+def _paged_batch(q_lens, ctx_lens, page, num_blocks, device):
+    """block_table / seq_lens / cu_seqlens_q for sequences whose new q_len tokens follow ctx tokens; random blocks."""
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    width = max(-(-s // page) for s in seq_lens)
+    perm = torch.randperm(num_blocks)[: width * len(q_lens)].reshape(len(q_lens), width)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    return (perm.to(torch.int32).to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            cu.to(device))
+
+
+def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
+    """(inputs, attrs) for plugin ``op``."""
+    big = size == LARGE
+    if op in ("RmsNorm", "FusedAddRmsNorm"):
+        t, h = (123, 4096) if big else (7, 123)
+        x, w = _t((t, h), dtype, device), _t((h,), dtype, device, 0.5) + 1
+        ins = [x, _t((t, h), dtype, device), w] if op == "FusedAddRmsNorm" else [x, w]
+        return ins, {"eps": 1e-5}
+    if op == "SwiGLU":
+        t, i = (123, 11008) if big else (7, 88)
+        return [_t((t, 2 * i), dtype, device, 2.0)], {}
+    if op == "Rope":
+        from kernels.rope import rope_cos_sin_cache
+
+        t, hq, hk, d, r = (123, 32, 8, 128, 128) if big else (7, 4, 2, 16, 16)
+        pos = torch.randint(0, 4096, (t,), device=device)
+        cache = rope_cos_sin_cache(r, 4096, 500000.0, device=device)
+        return [_t((t, hq, d), dtype, device), _t((t, hk, d), dtype, device), pos, cache], {"interleaved": 0}
+    if op == "WriteKvCache":
+        t, hk, d, page, nb = (123, 8, 128, 16, 64) if big else (7, 2, 16, 4, 8)
+        slots = torch.randperm(nb * page)[:t].to(torch.int32)
+        slots[1] = -1  # a padded token: skipped
+        kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
+        return [_t((t, hk, d), dtype, device), _t((t, hk, d), dtype, device), kc, vc, slots.to(device)], {}
+    if op in ("PagedAttention", "PagedDecodeAttention"):
+        hq, hk, d, page, nb = (32, 8, 128, 16, 256) if big else (4, 2, 16, 4, 32)
+        if op == "PagedAttention":
+            q_lens, ctx = ([123, 1, 300], [0, 517, 77]) if big else ([7, 1, 3], [0, 9, 5])
+        else:
+            q_lens, ctx = ([1] * 5, [1000, 17, 1, 2500, 333]) if big else ([1] * 3, [9, 0, 22])
+        bt, sl, cu = _paged_batch(q_lens, ctx, page, nb, device)
+        kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
+        ins = [_t((sum(q_lens), hq, d), dtype, device), kc, vc, bt, sl, cu]
+        attrs = {"scale": 0.0}
+        if op == "PagedDecodeAttention":
+            from kernels.decode_attention import MAX_SPLITS
+
+            s = len(q_lens)
+            ins += [torch.empty((s, hq, MAX_SPLITS, d), device=device), torch.empty((s, hq, MAX_SPLITS), device=device),
+                    torch.zeros((s, hk), dtype=torch.int32, device=device)]
+            attrs["num_splits"] = 4
+        return ins, attrs
+    if op in ("W8A16Linear", "W4A16Linear"):
+        from kernels.quant import quantize_int4, quantize_int8
+
+        m, k, n = (7, 4096, 4096) if big else (3, 256, 96)
+        w = _t((n, k), torch.float32, device, 0.05)
+        x = _t((m, k), dtype, device)
+        if op == "W8A16Linear":
+            qw = quantize_int8(w, scale_dtype=dtype)
+            return [x, qw.qweight, qw.scales], {"m_hint": 16}
+        qw = quantize_int4(w, 128, scale_dtype=dtype)
+        return [x, qw.qweight, qw.scales, qw.zeros], {"group_size": 128, "m_hint": 16}
+    raise KeyError(op)
