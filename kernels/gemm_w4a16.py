@@ -55,11 +55,22 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    qw_ptrs = qw_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :]
+    if USE_DOT:
+        # Load each packed int32 once ([BLOCK_K // 8, BLOCK_N]) and unpack in registers: the pipeliner stages loads
+        # through shared memory, where 8x repeated rows would cost 8x the space (127 KB vs 16 KB at 128x64, 4 stages).
+        offs_kp = tl.arange(0, BLOCK_K // 8)
+        shifts8 = tl.arange(0, 8) * 4
+        qw_ptrs = qw_ptr + offs_kp[:, None] * N + offs_n[None, :]
+    else:
+        # GEMV: nothing is staged in shared memory; repeated rows are L1 hits and need no reshape.
+        qw_ptrs = qw_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :]
     for t in range(t_begin, t_end):
         k0 = t * BLOCK_K
         q = tl.load(qw_ptrs + (k0 // 8) * N, mask=mask_n[None, :], other=0)
-        q = (q >> shifts[:, None]) & 0xF
+        if USE_DOT:
+            q = tl.reshape((q[:, None, :] >> shifts8[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        else:
+            q = (q >> shifts[:, None]) & 0xF
         g = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_ZEROS:

@@ -1,0 +1,115 @@
+"""Weight-only GEMM (W8A16, W4A16 g128, CUDA W4A16 GEMV) vs fp16 cuBLAS on Llama-3-8B projections, fp16 activations.
+
+Shapes (K -> N): q/k/v fused 4096->6144, o 4096->4096, gate/up fused 4096->28672, down 14336->4096, and 8192x8192;
+M = 1, 4, 16, 64, 128, 512. Each kernel and its cuBLAS baseline (``F.linear`` with the fp16 weight) are timed in the
+same run with ``benchmarks.harness.bench`` (do_bench median), cycling through enough weight copies that no call finds
+its weight in L2 (weights are the bytes that matter). Reported: time, TFLOP/s, weight GB/s (packed weight + scales
++ zeros read per call), speed-up over cuBLAS, and the relative error ||y - ref|| / ||ref|| against the fp32
+reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for alternative tile configurations.
+
+Run: ``python benchmarks/bench_gemm.py`` (writes benchmarks/results/bench_gemm_<card>.{json,md}; set
+TRITRT_RESULTS_DIR to write elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import bench, copy_bandwidth_gbs, rotating_inputs, write_results  # noqa: E402
+
+SHAPES = [(4096, 6144, "qkv"), (4096, 4096, "o"), (4096, 28672, "gate_up"), (14336, 4096, "down"), (8192, 8192, "8k")]
+MS = [1, 4, 16, 64, 128, 512]
+GROUP = 128
+
+# Alternative configurations compared under BENCH_GEMM_SWEEP=1: (label, M filter, overrides).
+SWEEP_W4 = [
+    ("gemv_bn128_bk64", lambda m: m == 1, dict(use_dot=False, block_n=128, block_k=64)),
+    ("gemv_bn32", lambda m: m == 1, dict(use_dot=False, block_n=32)),
+    ("dot", lambda m: m == 1, dict(use_dot=True)),
+    ("bn128", lambda m: 4 <= m <= 64, dict(block_n=128)),
+    ("bk64", lambda m: 4 <= m <= 64, dict(block_k=64)),
+    ("split1", lambda m: 16 <= m <= 128, dict(split_k=1)),
+    ("bm64_bn128", lambda m: m >= 128, dict(block_m=64, block_n=128, num_warps=4)),
+    ("bk128_st3", lambda m: m >= 128, dict(block_k=128, num_stages=3)),
+]
+SWEEP_W8 = [
+    ("dot", lambda m: m == 1, dict(use_dot=True)),
+    ("gemv_bn128_bk64", lambda m: m == 1, dict(use_dot=False, block_n=128, block_k=64)),
+    ("bn128", lambda m: 4 <= m <= 64, dict(block_n=128)),
+    ("bm64_bn128", lambda m: m >= 128, dict(block_m=64, block_n=128, num_warps=4)),
+]
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def main():
+    from kernels.csrc import w4a16_gemv as cu
+    from kernels.gemm_w4a16 import w4a16_gemm
+    from kernels.gemm_w8a16 import w8a16_gemm
+    from kernels.quant import dequantize, quantize_int4, quantize_int8
+
+    sweep = os.environ.get("BENCH_GEMM_SWEEP") == "1"
+    shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [
+        s for s in SHAPES if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
+    torch.manual_seed(0)
+    rows = []
+    for K, N, name in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        q8, q4 = quantize_int8(w), quantize_int4(w, GROUP)
+        w8_ref, w4_ref = dequantize(q8, torch.float32), dequantize(q4, torch.float32)
+        b16 = w.numel() * 2
+        b8, b4 = q8.nbytes(), q4.nbytes()
+        # Copies at distinct addresses: cycling through them, no call finds its weight in L2.
+        sets16 = rotating_inputs(lambda: (w.clone(),), b16)
+        sets8 = rotating_inputs(lambda: (q8.qweight.clone(), q8.scales.clone()), b8)
+        sets4 = rotating_inputs(lambda: (q4.qweight.clone(), q4.scales.clone(), q4.zeros.clone()), b4)
+        for M in MS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            flops = 2.0 * M * N * K
+            t16 = bench(lambda wt: F.linear(x, wt), sets16)
+
+            def row(kernel, ms, nbytes, err, config="default"):
+                rows.append(dict(shape=name, K=K, N=N, M=M, kernel=kernel, config=config, ms=ms,
+                                 tflops=flops / ms * 1e-9, weight_gbs=nbytes / ms * 1e-6, speedup=t16 / ms,
+                                 rel_err=err))
+
+            row("cublas_fp16", t16, b16, rel_err(F.linear(x, w), x.float() @ w.float().t()))
+            ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
+            variants8 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else [])
+            for label, ov in variants8:
+                err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
+                row("w8a16", bench(lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8), b8, err, label)
+            variants4 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else [])
+            for label, ov in variants4:
+                err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
+                row("w4a16", bench(lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4), b4, err, label)
+            if cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
+                for tn in ((4, 8) if sweep else (None,)):
+                    err = rel_err(cu.w4a16_gemv(x, q4.qweight, q4.scales, q4.zeros, GROUP, tn=tn), ref4)
+                    ms = bench(lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn), sets4)
+                    row("w4a16_cuda_gemv", ms, b4, err, f"tn={tn or cu.gemv_plan(M, N)['tn']}")
+            done = [r for r in rows if r["M"] == M and r["shape"] == name]
+            print(f"{name} M={M}: " + ", ".join(f"{r['kernel']}[{r['config']}] {r['speedup']:.2f}x" for r in done),
+                  flush=True)
+        del sets16, sets8, sets4
+        torch.cuda.empty_cache()
+
+    meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
+            "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep}
+    cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err"]
+    write_results("bench_gemm" + ("_sweep" if sweep else ""), rows, cols, meta,
+                  notes="speedup = cuBLAS fp16 time / kernel time, same run, same M; weight_gbs counts the packed "
+                        "weight + scales + zeros; rel_err vs the fp32 reference on the dequantized weight.")
+
+
+if __name__ == "__main__":
+    main()

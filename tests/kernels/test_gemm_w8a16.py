@@ -1,0 +1,106 @@
+"""W8A16 GEMM (Triton) vs the fp32 reference on the dequantized weight; the torch op and its bad-input errors.
+
+Tolerance: the kernel multiplies by the exact INT8 values and applies the per-channel scale in fp32, rounding once at
+the output, so its error is at most half an ulp of the output plus fp32 summation-order noise. PyTorch in 16 bits (the
+baseline: ``x @ dequantize(qw).T``) additionally rounds every weight to 16 bits. We allow 2x PyTorch's max error plus
+half an ulp at the largest output: enough for a correct kernel, far below what a wrong row, scale or split-K partial
+produces (errors of order |x| * |w| ~ 1).
+"""
+
+import pytest
+import torch
+
+from kernels.gemm_w8a16 import w8a16_gemm, w8a16_launch_config, w8a16_reference
+from kernels.quant import dequantize, quantize_int8
+from tests.helpers import assert_close_to_ref, poisoned
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check(y, ref, base):
+    half_ulp = 0.5 * torch.finfo(y.dtype).eps * float(ref.abs().max())
+    assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=half_ulp)
+
+
+def run_case(M, N, K, dtype, bias=False, residual=False, seed=0, **overrides):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEV)
+    qw = quantize_int8(w).to(DEV)
+    b = torch.randn(N, generator=g).to(dtype).to(DEV) if bias else None
+    r = torch.randn(M, N, generator=g).to(dtype).to(DEV) if residual else None
+    out = poisoned((M, N), dtype, DEV)
+    y = w8a16_gemm(x, qw.qweight, qw.scales, b, r, out=out, **overrides)
+    ref = w8a16_reference(x, qw.qweight, qw.scales, b, r)
+    base = x @ dequantize(qw).t()
+    base = base + b if bias else base
+    base = base + r if residual else base
+    check(y, ref, base)
+    return y, ref
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_w8a16_interpreter_odd_shapes(M, dtype):
+    # N=72 is not a multiple of BLOCK_N; the default plan splits K here, so the last-program reduction runs.
+    run_case(M, 72, 256, dtype, seed=M)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M,K,split_k", [(1, 48, 1), (5, 208, 1), (7, 256, 4)])
+def test_w8a16_interpreter_epilogue_and_splits(M, K, split_k):
+    # K=48 and 208: BLOCK_K falls back to 16 (K only a multiple of 16).
+    run_case(M, 40, K, torch.float16, bias=True, residual=True, split_k=split_k)
+
+
+def test_w8a16_plan_is_pure():
+    cfg = w8a16_launch_config(1, 4096, 4096, False, False)
+    assert cfg == w8a16_launch_config(1, 4096, 4096, False, False)
+    assert cfg.grid[1] == cfg.constexprs["SPLIT_K"]
+
+
+def test_w8a16_op_cpu_reference_path_and_shapes():
+    import kernels.ops  # noqa: F401
+
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    qw = quantize_int8(torch.randn(24, 64, dtype=torch.bfloat16))
+    r = torch.randn(2, 3, 24, dtype=torch.bfloat16)
+    y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, None, r)
+    assert y.shape == (2, 3, 24) and y.dtype == torch.bfloat16
+    ref = w8a16_reference(x.reshape(6, 64), qw.qweight, qw.scales, None, r.reshape(6, 24)).to(torch.bfloat16)
+    assert torch.equal(y, ref.reshape(2, 3, 24))
+
+
+def test_w8a16_bad_inputs():
+    x = torch.randn(2, 64, dtype=torch.float16)
+    qw = quantize_int8(torch.randn(24, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        q = quantize_int8(torch.randn(8, 40, dtype=torch.float16))
+        w8a16_gemm(torch.randn(1, 40, dtype=torch.float16), q.qweight, q.scales)
+    with pytest.raises(ValueError, match="K=64 but x has K=32"):
+        w8a16_gemm(x[:, :32].contiguous(), qw.qweight, qw.scales)
+    with pytest.raises(ValueError, match="int8"):
+        w8a16_gemm(x, qw.qweight.to(torch.int32), qw.scales)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        import kernels.ops  # noqa: F401
+
+        torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, torch.zeros(7, dtype=torch.float16), None)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_int8(torch.randn(4, 4, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16, 128, 1000])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w8a16_gpu_model_shapes(M, dtype):
+    for N, K in ((6144, 4096), (4096, 14336)):
+        y, ref = run_case(M, N, K, dtype, seed=M + N)
+        rel = float((y.float() - ref).norm() / ref.norm())
+        assert rel < 1e-3, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 9, 4096])
+def test_w8a16_gpu_epilogue(M):
+    run_case(M, 1000, 4096, torch.float16, bias=True, residual=True)
