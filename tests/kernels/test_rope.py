@@ -1,0 +1,162 @@
+"""RoPE: the cos/sin cache against transformers' own rope init functions, and the kernel (interleaved and neox,
+partial rotary, in place and out of place, strided q/k views) against the fp32 reference.
+
+Kernel tolerance as in test_rms_norm: the HF-style eager baseline rounds cos/sin to the activation dtype and rounds
+twice, the kernel rotates in fp32 with the fp32 cache and rounds once.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels.rope import (
+    rope_cos_sin_cache, rope_inv_freq, rope_launch_config, rotary_embedding, rotary_embedding_, rotary_embedding_eager,
+    rotary_embedding_ref,
+)
+from tests.helpers import assert_close_to_ref, poisoned
+from tests.kernels.test_rms_norm import DEVICES, DTYPES, rounding_atol
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+# (tokens, q heads, kv heads, head_dim, rotary_dim)
+SMALL = [(1, 4, 1, 64, 64), (7, 3, 1, 40, 32), (17, 8, 2, 128, 128)]
+LARGE = [(4099, 32, 8, 128, 128), (32768, 32, 8, 128, 128), (5, 40, 40, 80, 64)]
+CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
+CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
+
+
+def _inputs(shape, dtype, device, max_pos=4096, scaling=None):
+    T, hq, hk, d, r = shape
+    q = torch.randn(T, hq, d, device=device, dtype=dtype)
+    k = torch.randn(T, hk, d, device=device, dtype=dtype)
+    positions = torch.randint(0, max_pos, (T,), device=device, dtype=torch.int32)
+    cache = rope_cos_sin_cache(r, max_pos, 500000.0, scaling, device=device)
+    return q, k, positions, cache
+
+
+@pytest.mark.parametrize("device,shape", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_matches_reference(device, shape, dtype, interleaved):
+    q, k, positions, cache = _inputs(shape, dtype, device, scaling=LLAMA3_SCALING)
+    q_in, k_in = q.clone(), k.clone()
+    q_out, k_out = poisoned(q.shape, dtype, device), poisoned(k.shape, dtype, device)
+    rotary_embedding_(q, k, positions, cache, interleaved, q_out=q_out, k_out=k_out)
+    assert torch.equal(q, q_in) and torch.equal(k, k_in), "out-of-place call modified its inputs"
+    q_ref, k_ref = rotary_embedding_ref(q.float(), k.float(), positions, cache, interleaved)
+    q_eager, k_eager = rotary_embedding_eager(q, k, positions, cache, interleaved)
+    assert_close_to_ref(q_out, q_ref, baseline=q_eager, factor=2.0, atol=rounding_atol(q_ref, dtype))
+    assert_close_to_ref(k_out, k_ref, baseline=k_eager, factor=2.0, atol=rounding_atol(k_ref, dtype))
+
+    # In place: out aliases in; must give the same values as the out-of-place call.
+    rotary_embedding_(q, k, positions, cache, interleaved)
+    torch.testing.assert_close(q, q_out, rtol=0, atol=0)
+    torch.testing.assert_close(k, k_out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_on_views_of_fused_qkv(device):
+    # q and k as views of a [T, (Hq + 2 Hk) * D] qkv projection output: token stride (Hq + 2 Hk) * D, no copy.
+    T, hq, hk, d = 9, 4, 2, 64
+    dtype = torch.bfloat16
+    qkv = torch.randn(T, (hq + 2 * hk) * d, device=device, dtype=dtype)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(T, hk, d)
+    v_before = qkv[:, (hq + hk) * d:].clone()
+    positions = torch.arange(100, 100 + T, device=device, dtype=torch.int64)
+    cache = rope_cos_sin_cache(d, 256, 10000.0, device=device)
+    q_ref, k_ref = rotary_embedding_ref(q.float(), k.float(), positions, cache)
+    q_eager, k_eager = rotary_embedding_eager(q, k, positions, cache)
+    q_fn, k_fn = rotary_embedding(q, k, positions, cache)
+    assert q_fn.is_contiguous()
+    assert_close_to_ref(q_fn, q_ref, baseline=q_eager, atol=rounding_atol(q_ref, dtype))
+    rotary_embedding_(q, k, positions, cache)
+    assert_close_to_ref(q, q_ref, baseline=q_eager, atol=rounding_atol(q_ref, dtype))
+    assert_close_to_ref(k, k_ref, baseline=k_eager, atol=rounding_atol(k_ref, dtype))
+    assert torch.equal(qkv[:, (hq + hk) * d:], v_before), "RoPE wrote into v"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_rotary_passes_tail_through(device):
+    q, k, positions, cache = _inputs((5, 2, 1, 48, 16), torch.float16, device, max_pos=64)
+    q_out, k_out = rotary_embedding(q, k, positions, cache)
+    assert torch.equal(q_out[..., 16:], q[..., 16:]) and torch.equal(k_out[..., 16:], k[..., 16:])
+    # Position 0 is the identity rotation for every dim.
+    zero = torch.zeros_like(positions)
+    q0, k0 = rotary_embedding(q, k, zero, cache, True)
+    assert torch.equal(q0, q) and torch.equal(k0, k)
+
+
+# --------------------------------------------------------------------------------------------------- the cache
+def _hf_inv_freq(rope_type, head_dim, theta, scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": rope_type, "rope_theta": theta, **(scaling or {})}
+    cfg = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                   max_position_embeddings=131072, rope_parameters=params)
+    if rope_type == "default":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        inv_freq, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg, device="cpu")
+    else:
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    assert factor == 1.0  # these types do not scale attention; our cache has no attention factor to apply
+    return inv_freq.double()
+
+
+@pytest.mark.parametrize("rope_type,head_dim,theta,scaling", [
+    ("default", 128, 10000.0, None),
+    ("linear", 64, 10000.0, {"factor": 4.0}),
+    ("llama3", 128, 500000.0, {k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"}),
+    ("llama3", 64, 500000.0, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}),
+])
+def test_inv_freq_matches_transformers(rope_type, head_dim, theta, scaling):
+    want = _hf_inv_freq(rope_type, head_dim, theta, scaling)
+    got = rope_inv_freq(head_dim, theta, None if scaling is None else {"rope_type": rope_type, **scaling})
+    # HF computes in fp32 (a few roundings of 2^-24 each); ours in fp64.
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+
+
+def test_cache_layout_and_precision():
+    cache = rope_cos_sin_cache(8, 131072, 500000.0, LLAMA3_SCALING)
+    assert cache.shape == (131072, 8) and cache.dtype == torch.float32
+    inv = rope_inv_freq(8, 500000.0, LLAMA3_SCALING)
+    p = 131071
+    # Angles in fp64: at p = 131071 an fp32 angle p * f would already be off by ~p * 2^-24 ~ 8e-3 rad.
+    want = torch.cat([torch.cos(p * inv), torch.sin(p * inv)]).float()
+    torch.testing.assert_close(cache[p], want, rtol=0, atol=1e-7)
+    torch.testing.assert_close(cache[0], torch.tensor([1.0] * 4 + [0.0] * 4))
+    assert math.isclose(float(cache[1, 0]), math.cos(1.0), rel_tol=1e-7)  # f_0 = 1 for any base
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="not supported"):
+        rope_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="missing"):
+        rope_cos_sin_cache(64, 16, 10000.0, {"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="even"):
+        rope_cos_sin_cache(63, 16)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        rope_launch_config(1, 1, 1, 64, 128, False, False)
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    cache = rope_cos_sin_cache(16, 8)
+    with pytest.raises(ValueError, match="positions must be"):
+        rotary_embedding_(q, k, torch.arange(4), cache)
+    with pytest.raises(ValueError, match="fp32"):
+        rotary_embedding_(q, k, torch.arange(3), cache.half())
+    with pytest.raises(ValueError, match=r"\[tokens, heads, head_dim\]"):
+        rotary_embedding_(q[0], k, torch.arange(3), cache)
+    with pytest.raises(ValueError, match="contiguous"):
+        rotary_embedding_(torch.randn(3, 16, 2).transpose(1, 2), k, torch.arange(3), cache)
+
+
+def test_launch_config():
+    cfg = rope_launch_config(4096, 32, 8, 128, 128, False, False)
+    assert cfg == rope_launch_config(4096, 32, 8, 128, 128, False, False)
+    bh = cfg.constexprs["BLOCK_H"]
+    assert cfg.grid == (4096, -(-32 // bh) + -(-8 // bh)) and cfg.constexprs["COPY_PASS"] is False
+    assert rope_launch_config(1, 2, 1, 48, 16, True, True).constexprs["COPY_PASS"] is True
