@@ -1,0 +1,180 @@
+"""Build a TensorRT engine from the plugin-flavour ONNX: thin glue over the documented TensorRT >= 10.9 Python API.
+
+The network is strongly typed (the ONNX graph fixes every dtype), the plugins are our AOT QDP plugins (registered by
+``trt_plugins.trt_glue.load_plugins()`` before parsing, so the engine embeds their PTX), and two optimization profiles
+cover the two kinds of step: ``decode`` (one token per sequence) and ``prefill`` (many tokens, chunked prefill included).
+Profile ranges come from ``build.json`` and are applied to the graph's named dynamic dimensions (``num_tokens``,
+``num_seqs``, ...), read from the ONNX file itself, so this module needs no knowledge of the graph's inputs. The timing
+cache is loaded and saved across builds; the engine is written under a temporary name and renamed.
+
+Nothing here runs without TensorRT: ``build_engine`` raises ``TensorRTNotFound``, whose message says what is ready and
+where to build. Everything TensorRT consumes (profiles, the ONNX, the PTX) is computed and tested without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+MIN_TENSORRT = (10, 9)
+PROFILE_NAMES = ("decode", "prefill")
+
+
+class TensorRTNotFound(RuntimeError):
+    """TensorRT (>= 10.9) cannot be imported here."""
+
+
+def tensorrt_missing_reason() -> Optional[str]:
+    """None if TensorRT >= 10.9 is importable, else why not."""
+    try:
+        import tensorrt as trt
+    except ImportError as e:
+        return f"TensorRT is not installed ({e})"
+    major, minor = (int(p) for p in trt.__version__.split(".")[:2])
+    if (major, minor) < MIN_TENSORRT:
+        return f"TensorRT {trt.__version__} is older than 10.9 (AOT Python plugins need >= 10.9)"
+    return None
+
+
+def not_found_message(out_dir, reason: str) -> str:
+    return (f"TensorRT not found ({reason}): the ONNX and kernels in {out_dir} are ready; build the engine on a "
+            f"machine with TensorRT >= 10.9 and a GPU via `python -m export.build --from-onnx {out_dir}` "
+            f"(pip install 'tritrt[tensorrt]')")
+
+
+def dim_ranges(build: dict) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """(min, opt, max) of each named dynamic dimension, per profile, from build.json's limits."""
+    toks, seqs = int(build["max_num_tokens"]), int(build["max_num_seqs"])
+    blocks, per_seq = int(build["num_blocks"]), int(build["max_blocks_per_seq"])
+    common = {"max_blocks": (1, per_seq, per_seq), "num_blocks": (1, blocks, blocks)}
+    # Decode: one new token per sequence, so num_tokens == num_seqs; tuned for a mid-size batch.
+    d_opt = min(seqs, 16)
+    decode = {"num_tokens": (1, d_opt, seqs), "num_seqs": (1, d_opt, seqs),
+              "num_seqs_plus_1": (2, d_opt + 1, seqs + 1), **common}
+    # Prefill: up to max_num_tokens packed tokens of up to max_num_seqs sequences; tuned for one long chunk.
+    prefill = {"num_tokens": (1, toks, toks), "num_seqs": (1, 1, seqs), "num_seqs_plus_1": (2, 2, seqs + 1),
+               **common}
+    return {"decode": decode, "prefill": prefill}
+
+
+def onnx_input_dims(onnx_path) -> dict[str, list]:
+    """Each graph input's dims: an int (fixed) or the name of a dynamic dimension. Reads only the graph (no weights)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    dims = {}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        dims[inp.name] = [d.dim_param if d.dim_param else int(d.dim_value) for d in inp.type.tensor_type.shape.dim]
+    return dims
+
+
+def profile_shapes(onnx_path, build: dict) -> dict[str, dict[str, tuple[tuple, tuple, tuple]]]:
+    """profile name -> input name -> (min, opt, max) shapes, for every input with a dynamic dimension."""
+    ranges = dim_ranges(build)
+    inputs = onnx_input_dims(onnx_path)
+    unknown = sorted({d for dims in inputs.values() for d in dims if isinstance(d, str) and d not in ranges["decode"]})
+    if unknown:
+        raise ValueError(f"{onnx_path} has dynamic dimension(s) {unknown} that build.json gives no range for "
+                         f"(known: {sorted(ranges['decode'])}); re-export the ONNX with this version of tritrt")
+    out = {}
+    for name in PROFILE_NAMES:
+        r = ranges[name]
+        out[name] = {inp: tuple(tuple(r[d][k] if isinstance(d, str) else d for d in dims) for k in range(3))
+                     for inp, dims in inputs.items() if any(isinstance(d, str) for d in dims)}
+    return out
+
+
+def _progress_monitor(trt):
+    """A ``trt.IProgressMonitor`` that shows each build phase as a tqdm bar (nested phases indented)."""
+    from tqdm import tqdm
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.bars, self.depth = {}, {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            self.depth[phase_name] = self.depth.get(parent_phase, -1) + 1 if parent_phase else 0
+            self.bars[phase_name] = tqdm(total=num_steps, desc="  " * self.depth[phase_name] + phase_name,
+                                         position=self.depth[phase_name], leave=self.depth[phase_name] == 0)
+
+        def step_complete(self, phase_name, step):
+            bar = self.bars.get(phase_name)
+            if bar is not None:
+                bar.n = step + 1
+                bar.refresh()
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            bar = self.bars.pop(phase_name, None)
+            if bar is not None:
+                bar.n = bar.total
+                bar.close()
+
+    return Monitor()
+
+
+def build_engine(onnx_path, engine_path, build: dict, *, timing_cache=None, workspace_gib: Optional[float] = None,
+                 progress: bool = True, log: Callable[[str], None] = print, out_dir=None) -> Path:
+    """Parse ``onnx_path`` (plugin flavour) into a strongly typed network, build it with the decode and prefill
+    profiles, and write ``engine_path`` atomically. ``timing_cache``: a file read if present and rewritten after.
+    ``out_dir``: the directory the error message names (default: the engine's)."""
+    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    reason = tensorrt_missing_reason()
+    if reason:
+        raise TensorRTNotFound(not_found_message(out_dir or engine_path.parent, reason))
+    import tensorrt as trt
+
+    from trt_plugins.trt_glue import load_plugins
+
+    load_plugins()  # registers the QDP plugins (with their AOT PTX) before the parser meets their nodes
+    shapes = profile_shapes(onnx_path, build)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # resolves model.plugin.onnx.data beside the file
+        errors = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}:\n{errors}")
+    config = builder.create_builder_config()
+    if workspace_gib:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
+    # The KV-cache plugins write their cache inputs in place (outputs alias inputs).
+    if hasattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03"):
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    net_inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+    for name in PROFILE_NAMES:
+        profile = builder.create_optimization_profile()
+        for inp, (lo, opt, hi) in shapes[name].items():
+            if inp in net_inputs:
+                profile.set_shape(inp, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    cache_bytes = Path(timing_cache).read_bytes() if timing_cache and Path(timing_cache).exists() else b""
+    cache = config.create_timing_cache(cache_bytes)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    if progress:
+        config.progress_monitor = _progress_monitor(trt)
+    log(f"building TensorRT {trt.__version__} engine from {onnx_path.name} (profiles: {', '.join(PROFILE_NAMES)})")
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError("TensorRT failed to build the engine; the log above says why")
+    _write_atomic(engine_path, memoryview(serialized))
+    if timing_cache:
+        Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(Path(timing_cache), memoryview(config.get_timing_cache().serialize()))
+    return engine_path
+
+
+def _write_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def default_timing_cache() -> Path:
+    return Path(os.environ.get("TRITRT_TIMING_CACHE", Path.home() / ".cache" / "tritrt" / "trt_timing.cache"))
