@@ -36,6 +36,7 @@ def _decode_attention_kernel(
     stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,24 +96,23 @@ def _decode_attention_kernel(
         counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == num_splits - 1:
-            offs_s = tl.arange(0, MAX_SPLITS)
+            # One vector load per head of all its splits' partials (independent loads, issued together): a loop
+            # over splits would pay one L2 round trip per split, ~20 us at 33 splits on H200 (first sweep).
+            offs_s = tl.arange(0, SPLITS_POW2)
             smask = offs_s < num_splits
-            lse_rows = (seq * (NUM_KV_HEADS * GROUP) + heads) * MAX_SPLITS
-            # .cg: read other programs' partials from L2, never a stale L1 line.
-            lses = tl.load(part_lse_ptr + lse_rows[:, None] + offs_s[None, :],
-                           mask=gmask[:, None] & smask[None, :], other=float("-inf"), cache_modifier=".cg")
-            m_all = tl.max(lses, 1)
-            m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
-            w = tl.math.exp2(lses - m_all[:, None])  # [BLOCK_G, MAX_SPLITS]
-            w_sum = tl.sum(w, 1)
-            merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-            for s in range(0, num_splits):
-                w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
-                part = tl.load(part_o_ptr + (lse_rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                               mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                merged += w_s[:, None] * part
-            merged = merged / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-            tl.store(o_ptrs, merged.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+            for g in tl.static_range(GROUP):
+                head_g = kv_head * GROUP + g
+                row = (seq * (NUM_KV_HEADS * GROUP) + head_g) * MAX_SPLITS + offs_s
+                # .cg: read other programs' partials from L2, never a stale L1 line.
+                lses = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                parts = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None],
+                                other=0.0, cache_modifier=".cg")
+                m_all = tl.max(lses, 0)
+                w = tl.math.exp2(lses - tl.where(m_all > float("-inf"), m_all, 0.0))
+                w_sum = tl.sum(w, 0)
+                merged = tl.sum(w[:, None] * parts, 0) / tl.where(w_sum > 0, w_sum, 1.0)
+                tl.store(o_ptr + q_row.to(tl.int64) * stride_ot + head_g * HEAD_DIM + offs_d,
+                         merged.to(o_ptr.dtype.element_ty))
             tl.store(counter, 0)
 
 
@@ -146,10 +146,11 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}; got {splits}")
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                       NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=64,
-                      MAX_SPLITS=MAX_SPLITS)
-    warps = 4
+                      MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=triton.next_power_of_2(splits))
+    # 4 warps, 2 stages (64 KB of K/V tiles in flight per program, 3 programs per SM): 4157 GB/s vs 3286 with 3
+    # stages at bs 64 x 4k on H200 (first sweep).
     return LaunchConfig(_decode_attention_kernel, (num_seqs, num_kv_heads, splits), constexprs,
-                        num_warps=warps, num_stages=3)
+                        num_warps=4, num_stages=2)
 
 
 def alloc_decode_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device) -> tuple:

@@ -139,10 +139,14 @@ def _prefill_attention_kernel(
 
 
 def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim, from the H100 sweep in benchmarks/bench_attention.py."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim, from the sweep in benchmarks/bench_attention.py.
+
+    H200, causal bf16, 32q/8kv: d128 128/128/w8/s3 481 TFLOP/s at S=16k (128/64/w8/s3: 452); d64 128/64/w8/s3
+    398 (128/64/w4/s3: 371).
+    """
     if head_dim <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 3
+        return 128, 64, 8, 3
+    return 128, 128, 8, 3
 
 
 def prefill_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
