@@ -86,3 +86,25 @@ def test_launch_config():
     assert cfg == gated_act_launch_config(4096, 14336, 2, "silu")
     assert cfg.grid == (4096, 7) and cfg.constexprs["BLOCK_N"] == 2048
     assert cfg.constexprs["BLOCK_N"] // (32 * cfg.num_warps) >= 8  # 16-byte bf16 vectors per thread
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ops(device):
+    import kernels.ops  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(2, 5, 246, device=device, dtype=torch.bfloat16)
+    gate, up = x[..., :123].contiguous(), x[..., 123:].contiguous()
+    cpu = device == "cpu"
+    assert torch.equal(torch.ops.tritrt.swiglu(x, None), swiglu_ref(x) if cpu else swiglu(x))
+    assert torch.equal(torch.ops.tritrt.swiglu(gate, up), swiglu_ref(gate, up) if cpu else swiglu(gate, up))
+    for approx in ("tanh", "none"):
+        assert torch.equal(torch.ops.tritrt.geglu(x, None, approx), geglu_ref(x, None, approx) if cpu else geglu(x, None, approx))
+    assert torch.equal(torch.ops.tritrt.geglu(x, None), torch.ops.tritrt.geglu(x, None, "tanh"))  # the default
+    torch.library.opcheck(torch.ops.tritrt.swiglu, (x, None))
+    torch.library.opcheck(torch.ops.tritrt.swiglu, (gate, up))
+    torch.library.opcheck(torch.ops.tritrt.geglu, (x, None, "none"))
+    with FakeTensorMode() as mode:
+        assert torch.ops.tritrt.swiglu(mode.from_tensor(x), None).shape == (2, 5, 123)
+        with pytest.raises(ValueError, match="approximate"):
+            torch.ops.tritrt.geglu(mode.from_tensor(x), None, "bad")

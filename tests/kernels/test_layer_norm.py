@@ -55,3 +55,16 @@ def test_launch_config():
     cfg = layer_norm_launch_config(10, 123, 2, 1e-5, has_bias=False)
     assert cfg == layer_norm_launch_config(10, 123, 2, 1e-5, has_bias=False)
     assert cfg.constexprs["HAS_BIAS"] is False and cfg.constexprs["N"] == 123 and cfg.constexprs["BLOCK_N"] == 128
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_op(device):
+    import kernels.ops  # noqa: F401
+
+    x = torch.randn(3, 5, 123, device=device, dtype=torch.float16)
+    w, b = torch.randn(123, device=device, dtype=torch.float16), torch.randn(123, device=device, dtype=torch.float16)
+    for bias in (b, None):
+        y = torch.ops.tritrt.layer_norm(x, w, bias, 1e-5)
+        want = layer_norm_ref(x, w, bias, 1e-5) if device == "cpu" else layer_norm(x, w, bias, 1e-5)
+        assert torch.equal(y, want)
+        torch.library.opcheck(torch.ops.tritrt.layer_norm, (x, w, bias, 1e-5))

@@ -144,3 +144,31 @@ def test_reference_matches_formula():
     torch.testing.assert_close(rms_norm_ref(x, w, 1e-6), want, rtol=1e-6, atol=1e-6)
     y, r = fused_add_rms_norm_ref(x, x, w, 1e-6)
     torch.testing.assert_close(r, 2 * x, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- torch custom ops
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ops(device):
+    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dtype = torch.bfloat16
+    x = torch.randn(2, 7, 123, device=device, dtype=dtype)
+    res = torch.randn(2, 7, 123, device=device, dtype=dtype)
+    w = torch.randn(123, device=device, dtype=dtype)
+    y = torch.ops.tritrt.rms_norm(x, w, 1e-6)
+    y2, r2 = torch.ops.tritrt.fused_add_rms_norm(x, res, w, 1e-6)
+    if device == "cpu":  # CPU tensors run the reference, bit for bit
+        assert torch.equal(y, rms_norm_ref(x, w, 1e-6))
+        assert all(torch.equal(a, b) for a, b in zip((y2, r2), fused_add_rms_norm_ref(x, res, w, 1e-6)))
+    else:  # CUDA tensors run the Triton kernel
+        assert torch.equal(y, rms_norm(x, w, 1e-6))
+        assert all(torch.equal(a, b) for a, b in zip((y2, r2), fused_add_rms_norm(x, res, w, 1e-6)))
+    torch.library.opcheck(torch.ops.tritrt.rms_norm, (x, w, 1e-6))
+    torch.library.opcheck(torch.ops.tritrt.fused_add_rms_norm, (x, res, w, 1e-6))
+    with FakeTensorMode() as mode:
+        fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+        fy, fr = torch.ops.tritrt.fused_add_rms_norm(fx, fx, fw, 1e-6)
+        assert fy.shape == x.shape and fr.dtype == dtype
+        with pytest.raises(ValueError, match="weight must have shape"):
+            torch.ops.tritrt.rms_norm(fx, mode.from_tensor(torch.ones(5, device=device)), 1e-6)

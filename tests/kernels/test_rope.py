@@ -160,3 +160,27 @@ def test_launch_config():
     bh = cfg.constexprs["BLOCK_H"]
     assert cfg.grid == (4096, -(-32 // bh) + -(-8 // bh)) and cfg.constexprs["COPY_PASS"] is False
     assert rope_launch_config(1, 2, 1, 48, 16, True, True).constexprs["COPY_PASS"] is True
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ops(device):
+    import kernels.ops  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, positions, cache = _inputs((7, 4, 2, 64, 32), torch.bfloat16, device, max_pos=64)
+    for interleaved in (False, True):
+        q_out, k_out = torch.ops.tritrt.rotary_embedding(q, k, positions, cache, interleaved)
+        want = (rotary_embedding_ref if device == "cpu" else rotary_embedding)(q, k, positions, cache, interleaved)
+        assert torch.equal(q_out, want[0]) and torch.equal(k_out, want[1])
+        q2, k2 = q.clone(), k.clone()
+        assert torch.ops.tritrt.rotary_embedding_(q2, k2, positions, cache, interleaved) is None
+        assert torch.equal(q2, q_out) and torch.equal(k2, k_out)
+    torch.library.opcheck(torch.ops.tritrt.rotary_embedding, (q, k, positions, cache, False))
+    torch.library.opcheck(torch.ops.tritrt.rotary_embedding_, (q.clone(), k.clone(), positions, cache, True))
+    short_positions = positions[:3]
+    with FakeTensorMode() as mode:
+        fq, fk = torch.ops.tritrt.rotary_embedding(*(mode.from_tensor(t) for t in (q, k, positions, cache)), False)
+        assert fq.shape == q.shape and fk.shape == k.shape
+        with pytest.raises(ValueError, match="positions must have shape"):
+            torch.ops.tritrt.rotary_embedding(mode.from_tensor(q), mode.from_tensor(k),
+                                              mode.from_tensor(short_positions), mode.from_tensor(cache), False)
