@@ -25,9 +25,10 @@ def compile_plugin(spec: PluginSpec | str, shapes: dict, dtypes: dict, attrs: di
     return art, sp
 
 
-def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, use_ptx: bool = False, cache=None) -> list:
+def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: list | None = None,
+            use_ptx: bool = False, cache=None) -> list:
     """Run plugin ``op_type`` on CUDA tensors through the AOT launcher; returns its outputs (aliased outputs are the
-    input tensors themselves, updated in place)."""
+    input tensors themselves, updated in place). ``outputs``: preallocated buffers for the non-aliased outputs."""
     import torch
 
     from kernels.aot.launcher import AotKernel
@@ -46,12 +47,23 @@ def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, use_ptx: b
     by_name = dict(zip(spec.inputs, inputs))
     out_dtypes = spec.output_dtypes(dtypes, full)
     outs = []
+    given = list(outputs) if outputs is not None else None
     for o in spec.output_specs:
         if o.alias is not None:
             outs.append(by_name[o.alias])
-        else:
-            shape = tuple(int(d) for d in o.shape(shapes, full))
-            outs.append(torch.empty(shape, dtype=torch_dtype(out_dtypes[o.name]), device=inputs[0].device))
+            continue
+        shape = tuple(int(d) for d in o.shape(shapes, full))
+        dt = torch_dtype(out_dtypes[o.name])
+        if given is None:
+            outs.append(torch.empty(shape, dtype=dt, device=inputs[0].device))
+            continue
+        if not given:
+            raise ValueError(f"{op_type}: outputs must hold one buffer per non-aliased output")
+        buf = given.pop(0)
+        if tuple(buf.shape) != shape or buf.dtype != dt or not buf.is_contiguous():
+            raise ValueError(f"{op_type}: output {o.name} must be a contiguous {shape} {dt} tensor, got "
+                             f"{tuple(buf.shape)} {buf.dtype}")
+        outs.append(buf)
     for n, t in by_name.items():
         if not t.is_contiguous():
             raise ValueError(f"{op_type}: input {n} must be contiguous (a plugin sees dense tensors); pass .contiguous()")

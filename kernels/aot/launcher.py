@@ -50,8 +50,13 @@ class AotKernel:
         import torch
 
         drv = _driver()
-        torch.cuda.init()  # makes torch's primary context current, so our module lives in the same context
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.init()
+        _check(drv.cuInit(0))
+        # The module must live in torch's context (the device's primary context), or torch's pointers and stream
+        # would be foreign to it; make it current on this thread if the runtime has not yet.
+        if int(_check(drv.cuCtxGetCurrent())) == 0:
+            dev = _check(drv.cuDeviceGet(torch.cuda.current_device()))
+            _check(drv.cuCtxSetCurrent(_check(drv.cuDevicePrimaryCtxRetain(dev))))
         major, minor = torch.cuda.get_device_capability()
         sm = 10 * major + minor
         if self.art.sm != sm and not (self.use_ptx and self.art.sm < sm):

@@ -76,3 +76,91 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         qw = quantize_int4(w, 128, scale_dtype=dtype)
         return [x, qw.qweight, qw.scales, qw.zeros], {"group_size": 128, "m_hint": 16}
     raise KeyError(op)
+
+
+def fp32_reference(op, ins, attrs):
+    """The kernels' own fp32 references (or plain torch math), called directly: what every run is judged against."""
+    if op == "RmsNorm":
+        from kernels.rms_norm import rms_norm_ref
+
+        return [rms_norm_ref(ins[0], ins[1], attrs["eps"])]
+    if op == "FusedAddRmsNorm":
+        from kernels.rms_norm import fused_add_rms_norm_ref
+
+        return list(fused_add_rms_norm_ref(*ins, attrs["eps"]))
+    if op == "SwiGLU":
+        x = ins[0].float()
+        i = x.shape[1] // 2
+        return [torch.nn.functional.silu(x[:, :i]) * x[:, i:]]
+    if op == "Rope":
+        from kernels.rope import rotary_embedding_ref
+
+        return list(rotary_embedding_ref(*ins, interleaved=bool(attrs["interleaved"])))
+    if op == "WriteKvCache":
+        k, v, kc, vc, slots = ins
+        kc, vc = kc.clone(), vc.clone()
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                kc.view(-1, *kc.shape[2:])[s] = k[t]
+                vc.view(-1, *vc.shape[2:])[s] = v[t]
+        return [kc, vc]
+    if op in ("PagedAttention", "PagedDecodeAttention"):
+        from kernels.attention_ref import paged_attention_ref
+
+        q, kc, vc, bt, sl, cu = ins[:6]
+        max_q = int((cu[1:] - cu[:-1]).max())
+        return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, q.shape[2] ** -0.5)]
+    if op == "W8A16Linear":
+        x, qw, s = ins
+        return [x.float() @ (qw.float() * s.float()[None, :])]
+    if op == "W4A16Linear":
+        from kernels.quant import unpack_int4
+
+        x, qw, s, z = ins
+        g = attrs["group_size"]
+        w = (unpack_int4(qw).float() - z.float().repeat_interleave(g, 0)) * s.float().repeat_interleave(g, 0)
+        return [x.float() @ w]
+    raise KeyError(op)
+
+
+def jit_run(op, ins, attrs):
+    """The same kernels through their torch launchers (Triton JIT), as the torch model runs them."""
+    if op == "RmsNorm":
+        from kernels.rms_norm import rms_norm
+
+        return [rms_norm(ins[0], ins[1], attrs["eps"])]
+    if op == "FusedAddRmsNorm":
+        from kernels.rms_norm import fused_add_rms_norm
+
+        return list(fused_add_rms_norm(*ins, attrs["eps"]))
+    if op == "SwiGLU":
+        from kernels.activation import swiglu
+
+        return [swiglu(ins[0])]
+    if op == "Rope":
+        from kernels.rope import rotary_embedding
+
+        return list(rotary_embedding(*ins, interleaved=bool(attrs["interleaved"])))
+    if op == "WriteKvCache":
+        from kernels.kv_cache import write_kv_cache
+
+        write_kv_cache(*ins)
+        return [ins[2], ins[3]]
+    if op == "PagedAttention":
+        from kernels.prefill_attention import paged_prefill_attention
+
+        return [paged_prefill_attention(*ins, scale=ins[0].shape[2] ** -0.5)]
+    if op == "PagedDecodeAttention":
+        from kernels.decode_attention import decode_attention
+
+        return [decode_attention(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
+                                 num_splits=attrs["num_splits"])]
+    if op == "W8A16Linear":
+        from kernels.gemm_w8a16 import w8a16_gemm
+
+        return [w8a16_gemm(*ins)]
+    if op == "W4A16Linear":
+        from kernels.gemm_w4a16 import w4a16_gemm
+
+        return [w4a16_gemm(*ins, attrs["group_size"])]
+    raise KeyError(op)
