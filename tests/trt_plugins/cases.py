@@ -52,6 +52,8 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
             q_lens, ctx = ([123, 1, 300], [0, 517, 77]) if big else ([7, 1, 3], [0, 9, 5])
         else:
             q_lens, ctx = ([1] * 5, [1000, 17, 1, 2500, 333]) if big else ([1] * 3, [9, 0, 22])
+        width = max(-(-(q + c) // page) for q, c in zip(q_lens, ctx))
+        nb = max(nb, width * len(q_lens))  # distinct blocks for every sequence's table row
         bt, sl, cu = _paged_batch(q_lens, ctx, page, nb, device)
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         ins = [_t((sum(q_lens), hq, d), dtype, device), kc, vc, bt, sl, cu]
