@@ -1,0 +1,196 @@
+"""ONNX export, both flavours: ORT on the reference flavour == transformers; the plugin flavour on the CPU reference
+ops == ORT (logits and the written caches), for none / int8 / int4 weights; graph contract and bad input.
+
+Tolerances: the tiny models are fp32 end to end, so every path differs only in fp32 summation order. Observed max abs
+error on logits of magnitude ~0.5 is ~2e-7 (a few ulps); we allow rel 1e-4 of the logits' max (the brief's bound,
+~100x the observed error) while a real defect (wrong weight, mask, cache slot, rope table) moves logits by >= 1e-3.
+"""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from tests.helpers import assert_close_to_ref
+
+REL = 1e-4  # see the module docstring
+BLOCK = 4  # small blocks so that the 7-token sequence spans two blocks, one partly filled
+
+
+def _ort(path):
+    from export.verify import ort_session
+
+    return ort_session(path)  # QDQ fusions off: see its docstring
+
+
+def _run(sess, feed):
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+
+
+def _weights(ckpt, quant):
+    from export.quantize import quantize_state_dict
+
+    w = dict(ckpt.state_dict)
+    w.setdefault("lm_head", w["embed"])
+    # group 32: the tiny model's K are 64 and 160, which 128 does not divide
+    return w if quant == "none" else quantize_state_dict(w, quant, group_size=32)
+
+
+def _hf_logits(ckpt_dir, config, weights, sequences):
+    """transformers' logits of each sequence's last token, with the (dequantized) weights the export used."""
+    import transformers
+
+    from export.verify import hf_state_dict
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt_dir), torch_dtype=torch.float32).eval()
+    sd = hf_state_dict(weights, config)
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    model.load_state_dict(sd, strict=False)
+    with torch.no_grad():
+        return np.stack([model(torch.as_tensor(s)[None]).logits[0, -1].numpy() for s in sequences])
+
+
+def _assert_rel(actual, expected, rel=REL):
+    a, e = torch.from_numpy(np.asarray(actual, np.float32)), torch.from_numpy(np.asarray(expected, np.float32))
+    assert_close_to_ref(a, e, atol=rel * float(e.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_dirs, tmp_path_factory):
+    """``get(variant, quant)`` -> (ckpt, weights, {flavour: path}), exported once per module."""
+    from export.checkpoint import load_checkpoint
+    from export.onnx_export import export_onnx
+
+    made = {}
+
+    def get(variant="llama", quant="none"):
+        if (variant, quant) not in made:
+            ckpt = load_checkpoint(tiny_dirs(variant))
+            w = _weights(ckpt, quant)
+            out = tmp_path_factory.mktemp(f"onnx_{variant}_{quant}")
+            paths = {f: export_onnx(w, ckpt.config, out / f"model.{f}.onnx", f, block_size=BLOCK, quant=quant)
+                     for f in ("plugin", "reference")}
+            made[variant, quant] = (ckpt, w, paths)
+        return made[variant, quant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant,quant", [("llama", "none"), ("tied", "none"), ("llama3", "none"), ("qwen2", "none"),
+                                           ("llama", "int8"), ("llama", "int4")])
+def test_flavours_match_hf_and_each_other(exported, tiny_dirs, variant, quant):
+    """Prefill of 2 sequences (7 and 1 new tokens) on fresh caches, then a decode step on the written caches."""
+    from export.onnx_reference_runner import make_evaluator
+    from export.verify import make_feeds
+
+    ckpt, w, paths = exported(variant, quant)
+    sess = _ort(paths["reference"])
+    feeds, sequences = make_feeds(ckpt.config, BLOCK, lens=(7, 1), seed=1, prefill_runner=lambda f: _run(sess, f))
+    plugin = make_evaluator(paths["plugin"])
+    for feed, seqs in zip(feeds, sequences):
+        ref = _run(sess, feed)
+        _assert_rel(ref["logits"], _hf_logits(tiny_dirs(variant), ckpt.config, w, seqs))
+        got = dict(zip(plugin.output_names, plugin.run(None, feed)))
+        assert set(got) == set(ref)
+        for name in ref:
+            _assert_rel(got[name], ref[name])
+
+
+def test_graph_contract(exported):
+    """Dynamic dims and I/O names as documented, plugin nodes as the specs say, external data beside the model."""
+    from export.onnx_ops import plugin_contract
+
+    ckpt, _, paths = exported("llama", "int4")
+    c = ckpt.config
+    for flavour, path in paths.items():
+        model = onnx.load(path, load_external_data=False)
+        onnx.checker.check_model(path)  # path form: checks a model with external data without loading it
+        dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+        assert dims["input_ids"] == ["num_tokens"] and dims["block_table"] == ["num_seqs", "max_blocks"]
+        assert dims["k_cache_1"] == ["num_blocks", BLOCK, c.num_kv_heads, c.head_dim]
+        outs = [o.name for o in model.graph.output]
+        assert outs[0] == "logits" and f"v_cache_out_{c.num_layers - 1}" in outs
+        big = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        assert not big, f"initializers stored inline: {[t.name for t in big][:3]}"
+        plugin_nodes = [n for n in model.graph.node if n.domain == "tritrt"]
+        if flavour == "reference":
+            assert not plugin_nodes and all(n.domain == "" for n in model.graph.node)
+            continue
+        kinds = {n.op_type for n in plugin_nodes}
+        assert kinds == {"RmsNorm", "FusedAddRmsNorm", "SwiGLU", "Rope", "WriteKvCache", "PagedAttention",
+                         "W4A16Linear"}
+        for n in plugin_nodes:
+            in_names, attr_names, n_out = plugin_contract(n.op_type)
+            assert len(n.input) == len(in_names) and len(n.output) == n_out, n.op_type
+            assert {a.name for a in n.attribute} <= set(attr_names), n.op_type
+        # the cache write's outputs are the graph's cache outputs (aliased in place by the engine)
+        writes = [n for n in plugin_nodes if n.op_type == "WriteKvCache"]
+        assert [list(n.output) for n in writes] == [[f"k_cache_out_{i}", f"v_cache_out_{i}"] for i in range(c.num_layers)]
+
+
+def test_skipped_slots_leave_cache_untouched(exported):
+    """A padding token (slot -1, as a padded decode batch has) writes nothing, in both flavours."""
+    from export.onnx_reference_runner import make_evaluator
+    from export.verify import make_feeds
+
+    ckpt, _, paths = exported("llama", "none")
+    sess = _ort(paths["reference"])
+    feeds, _ = make_feeds(ckpt.config, BLOCK, lens=(3, 2), seed=2, prefill_runner=lambda f: _run(sess, f))
+    feed = dict(feeds[1])  # the decode step: one token per sequence
+    feed["slot_mapping"] = np.array([feed["slot_mapping"][0], -1], np.int32)
+    rng = np.random.default_rng(3)
+    for k in [k for k in feed if "_cache_" in k]:  # random caches, so an unwanted write cannot go unseen
+        feed[k] = rng.standard_normal(feed[k].shape).astype(np.float32)
+    ref = _run(sess, feed)
+    plugin = make_evaluator(paths["plugin"])
+    got = dict(zip(plugin.output_names,
+                   plugin.run(None, feed)))
+    for layer in range(ckpt.config.num_layers):
+        for kv in "kv":
+            slot = int(feed["slot_mapping"][0])
+            before = feed[f"{kv}_cache_{layer}"]
+            for after in (ref[f"{kv}_cache_out_{layer}"], got[f"{kv}_cache_out_{layer}"]):
+                changed = np.argwhere((before != after).any(axis=(2, 3)))
+                assert [tuple(x) for x in changed] == [(slot // BLOCK, slot % BLOCK)]
+            _assert_rel(got[f"{kv}_cache_out_{layer}"], ref[f"{kv}_cache_out_{layer}"])
+
+
+def test_atomic_write_keeps_old_model_on_failure(exported, tmp_path, monkeypatch):
+    from export import onnx_graph
+    from export.onnx_export import export_onnx
+
+    ckpt, w, _ = exported("llama", "none")
+    path = tmp_path / "model.reference.onnx"
+    export_onnx(w, ckpt.config, path, "reference", block_size=BLOCK)
+    before = path.read_bytes(), (tmp_path / "model.reference.onnx.data").read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(onnx_graph.onnx, "save_model", boom)
+    with pytest.raises(OSError, match="disk full"):
+        export_onnx(w, ckpt.config, path, "reference", block_size=BLOCK)
+    assert (path.read_bytes(), (tmp_path / "model.reference.onnx.data").read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.reference.onnx", "model.reference.onnx.data"]
+
+
+def test_bad_input_errors(exported, tmp_path):
+    from export.onnx_export import export_onnx
+
+    ckpt, w, _ = exported("llama", "none")
+    c = ckpt.config
+    with pytest.raises(ValueError, match="flavour must be one of"):
+        export_onnx(w, c, tmp_path / "m.onnx", "tensorrt")
+    with pytest.raises(KeyError, match="layers.1.w2"):
+        export_onnx({k: v for k, v in w.items() if k != "layers.1.w2"}, c, tmp_path / "m.onnx", "reference")
+    with pytest.raises(ValueError, match="quantize them first"):
+        export_onnx(w, c, tmp_path / "m.onnx", "plugin", quant="int4")
+    with pytest.raises(ValueError, match="quant must be"):
+        export_onnx(w, c, tmp_path / "m.onnx", "plugin", quant="fp8")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_onnx(w, c, tmp_path / "missing" / "m.onnx", "reference")
+    with pytest.raises(ValueError, match="needs its LlamaConfig"):
+        export_onnx(w, None, tmp_path / "m.onnx", "reference")
+    with pytest.raises(ValueError, match="block_size"):
+        export_onnx(w, c, tmp_path / "m.onnx", "reference", block_size=0)
