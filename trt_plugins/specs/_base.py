@@ -1,10 +1,11 @@
 """The pieces a plugin spec is made of, and what is derived from a spec (the plugin entry kernel, a specialisation).
 
-A spec's shape functions (output shapes, int32 scalar args, grid) receive ``shapes: {input name: dims}`` whose dims
-are ints when the model runs and TensorRT shape expressions when an engine is built, so they may only use ``+``,
-``-``, ``*`` and ``cdiv`` (no ``//``, ``max``, ``if`` on a dim). Dims listed in ``static_dims`` are build-time
-constants (hidden size, head_dim...): they choose constexprs, so the TensorRT glue requires them constant and passes
-them as ints. Launch choices (constexprs, warps, stages) come from the kernel's own ``*_launch_config`` via
+A spec's shape functions (output shapes, int32 scalar args, grid) receive ``shapes: {input name: dims}`` whose
+dynamic dims are ints when the model runs and TensorRT shape expressions when an engine is built, so on those they
+may only use ``+``, ``-``, ``*`` and ``cdiv``, with the dim expression as the left operand (TensorRT's ``ShapeExpr``
+has no reflected operators; no ``max``, no ``if`` on a dim). Dims listed in ``static_dims`` are build-time constants
+(hidden size, head_dim...): they choose constexprs, so the TensorRT glue requires them constant and passes them as
+plain ints, on which any int arithmetic is fine. Launch choices (constexprs, warps, stages) come from the kernel's own ``*_launch_config`` via
 ``spec.launch``, called with int shapes; they must not depend on dynamic dims (checked in the tests).
 """
 
@@ -54,11 +55,10 @@ def cdiv(a, b):
         import tensorrt.plugin as trtp
 
         return trtp.cdiv(a, b)
-    if mod.startswith("sympy"):
-        import sympy
-
-        return sympy.ceiling(sympy.Rational(1, 1) * a / b)
-    raise TypeError(f"cdiv: unsupported operand types {type(a).__name__}, {type(b).__name__}")
+    if isinstance(a, (int, float)) or isinstance(b, float):
+        raise TypeError(f"cdiv: unsupported operand types {type(a).__name__}, {type(b).__name__} (a dim expression "
+                        "must be the left operand)")
+    return (a + (b - 1)) // b  # any other expression type with + and //, dim on the left
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,8 @@ class PluginSpec:
     reference: Callable  # (list of torch tensors, attrs) -> list of torch tensors (fp32-upcast torch math)
     samples: tuple  # Sample, ...
     div16: Callable = lambda shapes, dtypes, attrs: ()  # entry params (pointers, scalars) hinted divisible by 16
+    tactics: tuple = ()  # TensorRT autotune tactics (ints); each sets attribute ``tactic_attr`` at build time
+    tactic_attr: str | None = None
     check: Callable = lambda shapes, dtypes, attrs: None  # cross-input checks (raise ValueError/TypeError saying what)
     namespace: str = "tritrt"
     version: str = "1"
@@ -180,11 +182,12 @@ class PluginSpec:
     def output_dtypes(self, dtypes: dict, attrs: dict) -> dict:
         return {o.name: o.dtype(dtypes, attrs) for o in self.output_specs}
 
-    def specialise(self, shapes: dict, dtypes: dict, attrs: dict | None = None) -> Specialisation:
+    def specialise(self, shapes: dict, dtypes: dict, attrs: dict | None = None, check: bool = True) -> Specialisation:
         """Constexprs, warps, stages (from the kernel's launch config), entry signature, grid and scalars at int
-        shapes."""
+        shapes. ``check=False`` skips the input checks (the TensorRT glue passes placeholder dynamic dims)."""
         attrs = self.full_attrs(attrs)
-        self.check_inputs(shapes, dtypes, attrs)
+        if check:
+            self.check_inputs(shapes, dtypes, attrs)
         cfg = self.launch(shapes, dtypes, attrs)
         all_dtypes = {**dtypes, **self.output_dtypes(dtypes, attrs)}
         sig = {}

@@ -80,6 +80,8 @@ W8A16_LINEAR = PluginSpec(
     samples=_w8_samples(),
     div16=lambda s, d, a: ("x", "qweight", "scales", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ()),
     check=_w8_check,
+    tactics=TACTICS,
+    tactic_attr="m_hint",
 )
 
 
@@ -144,4 +146,6 @@ W4A16_LINEAR = PluginSpec(
     samples=_w4_samples(),
     div16=lambda s, d, a: ("x", "qweight", "scales", "zeros", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ()),
     check=_w4_check,
+    tactics=TACTICS,
+    tactic_attr="m_hint",
 )
