@@ -1,0 +1,242 @@
+"""End-to-end LLaMA-3-8B-shaped generation: our runtime (torch backend, CUDA-graph decode) vs plain PyTorch (HF).
+
+Random fp16 weights are made directly on the GPU in our internal layout (no checkpoint, no download); the HF
+baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors. Measured in one run on one card:
+
+- prefill tokens/s, batch 1, 2048-token prompt (one forward; ours returns the last token's logits, HF is asked for
+  ``logits_to_keep=1`` so both skip the 2048 x 128k logits);
+- decode tokens/s at batch 1 / 8 / 32 with a 512-token context, fp16 / int8 / int4 weights: "step" is one decode
+  step timed by ``bench`` (device events, median), "loop" the whole generation loop (scheduling, sampling, one host
+  sync per token) by wall clock over 128 tokens;
+- time to first token (2048-token prompt, wall clock, loop included);
+- HF eager ``generate`` (and ``torch.compile`` with a static cache, batch 1, when time allows): decode time is
+  ``generate(N+1) - generate(1)`` so that prefill is not counted;
+- peak GPU memory of each configuration (weights included).
+
+Quantized modes have no HF counterpart: their ratios are against HF fp16, the plain-PyTorch way to run the model.
+Usage: ``python benchmarks/bench_e2e.py [--budget-s 330] [--layers 32]``; writes ``results/bench_e2e_<card>.*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+try:
+    from benchmarks.harness import bench, write_results
+except ImportError:  # run as a script from the repository root
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.harness import bench, write_results
+
+PREFILL_LEN, DECODE_CTX, DECODE_NEW, BATCHES = 2048, 512, 128, (1, 8, 32)
+BLOCK_SIZE = 16
+GROUP_SIZE = 128
+HF_DECODE_TOKENS = 32  # HF eager is slow; 32 tokens give a stable per-step time
+DEVICE = "cuda"
+
+
+def ratio(ref_ms, ms):
+    """HF time / our time (> 1: we are faster); "" when the baseline was not measured."""
+    return ref_ms / ms if ref_ms and ms else ""
+
+
+def llama3_8b_config(num_layers: int = 32):
+    from export.checkpoint import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=num_layers,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
+                       attention_bias=False, torch_dtype="float16")
+
+
+def random_weights(config, device=DEVICE, dtype=torch.float16, seed=0) -> dict:
+    """Internal-name weights with LLaMA-like scales (std 0.02 linears, norms near 1) so activations stay finite."""
+    from export.checkpoint import expected_shapes, internal_names
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = expected_shapes(config)
+    w = {}
+    for name, hf_names in internal_names(config).items():
+        rows = sum(shapes[n][0] for n in hf_names)
+        shape = (rows,) + tuple(shapes[hf_names[0]][1:])
+        t = torch.empty(shape, device=device, dtype=dtype)
+        if len(shape) == 1:
+            t.normal_(1.0, 0.05, generator=g)
+        else:
+            t.normal_(0.0, 0.02, generator=g)
+        w[name] = t
+    return w
+
+
+def sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def decode_batch(bs: int, ctx: int, vocab: int):
+    from export.model import make_batch
+
+    return make_batch([1] * bs, cached_lens=[ctx] * bs, block_size=BLOCK_SIZE,
+                      input_ids=torch.randint(0, vocab, (bs,)))
+
+
+def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: float):
+    from export.model import LlamaModel, make_batch
+    from export.runtime import Generator, SamplingParams
+    from export.runtime.backends import TorchBackend
+
+    torch.cuda.reset_peak_memory_stats()
+    model = LlamaModel(config, weights, quant=quant, group_size=GROUP_SIZE)
+    tokens_needed = max(BATCHES) * (DECODE_CTX + DECODE_NEW + BLOCK_SIZE)
+    backend = TorchBackend(model, num_blocks=tokens_needed // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
+                           max_model_len=PREFILL_LEN + DECODE_NEW + BLOCK_SIZE, graph_batch_sizes=BATCHES)
+    impl = "tritrt torch+graphs"
+    prefill = make_batch([PREFILL_LEN], block_size=BLOCK_SIZE, input_ids=torch.randint(0, config.vocab_size, (PREFILL_LEN,)))
+    ms = bench(lambda: backend.forward(prefill), [()])
+    rows.append(dict(impl=impl, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
+                     tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
+    gen = Generator(backend, max_num_seqs=max(BATCHES), max_num_batched_tokens=PREFILL_LEN)
+    prompt = torch.randint(0, config.vocab_size, (PREFILL_LEN,)).tolist()
+    gen.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm: JIT + graph capture
+    gen.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    ttft = gen.stats.time_to_first_token_s * 1e3
+    rows.append(dict(impl=impl, quant=quant, phase="ttft", batch=1, ctx=PREFILL_LEN, ms=ttft,
+                     vs_hf=ratio(hf_ref.get(("ttft", 1)), ttft)))
+    for bs in BATCHES:
+        if time.perf_counter() > deadline:
+            rows.append(dict(impl=impl, quant=quant, phase="decode", batch=bs, note="not run (time budget)"))
+            continue
+        batch = decode_batch(bs, DECODE_CTX, config.vocab_size)
+        ms = bench(lambda: backend.forward(batch), [()])
+        ref = hf_ref.get(("decode", bs))
+        rows.append(dict(impl=impl, quant=quant, phase="decode step", batch=bs, ctx=DECODE_CTX, ms=ms,
+                         tok_s=bs / ms * 1e3, vs_hf=ratio(ref, ms)))
+        prompts = [torch.randint(0, config.vocab_size, (DECODE_CTX,)).tolist() for _ in range(bs)]
+        gen.generate(prompts, SamplingParams(max_new_tokens=DECODE_NEW, ignore_eos=True))
+        loop_ms = gen.stats.decode_s / (gen.stats.decode_tokens / bs) * 1e3
+        rows.append(dict(impl=impl, quant=quant, phase="decode loop", batch=bs, ctx=DECODE_CTX, ms=loop_ms,
+                         tok_s=gen.stats.decode_tokens_per_s, vs_hf=ratio(ref, loop_ms)))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    for r in rows:
+        if r.get("impl") == impl and r.get("quant") == quant:
+            r["peak_gib"] = peak
+    del backend, model, gen
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def run_hf(config, weights, rows: list, deadline: float) -> dict:
+    """HF eager (and compiled) baseline on the same fp16 weights; returns {(phase, batch): ms} for ratios."""
+    from export.runtime.hf_baseline import hf_model
+
+    torch.cuda.reset_peak_memory_stats()
+    hf = hf_model(weights, config)
+    ref = {}
+    ids = torch.randint(0, config.vocab_size, (1, PREFILL_LEN), device=DEVICE)
+    ms = bench(lambda: hf(ids, use_cache=False, logits_to_keep=1), [()])
+    ref[("prefill", 1)] = ms
+    rows.append(dict(impl="hf eager", quant="none", phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
+                     tok_s=PREFILL_LEN / ms * 1e3))
+
+    def gen(x, n, **kw):
+        return _hf_generate(hf, x, n, **kw)
+
+    gen(ids, 2)  # warm
+    ttft = sync_time(lambda: gen(ids, 1)) * 1e3
+    ref[("ttft", 1)] = ttft
+    rows.append(dict(impl="hf eager", quant="none", phase="ttft", batch=1, ctx=PREFILL_LEN, ms=ttft))
+    n = HF_DECODE_TOKENS
+    for bs in BATCHES:
+        if time.perf_counter() > deadline:
+            rows.append(dict(impl="hf eager", quant="none", phase="decode", batch=bs, note="not run (time budget)"))
+            continue
+        x = torch.randint(0, config.vocab_size, (bs, DECODE_CTX), device=DEVICE)
+        gen(x, 2)
+        ms = (sync_time(lambda: gen(x, n + 1)) - sync_time(lambda: gen(x, 1))) / n * 1e3
+        ref[("decode", bs)] = ms
+        rows.append(dict(impl="hf eager", quant="none", phase="decode loop", batch=bs, ctx=DECODE_CTX, ms=ms,
+                         tok_s=bs / ms * 1e3))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    for r in rows:
+        if r.get("impl") == "hf eager":
+            r["peak_gib"] = peak
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ref
+
+
+def _hf_generate(hf, x, n, **kw):
+    return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+
+
+@torch.no_grad()
+def run_hf_compiled(config, weights, rows: list, deadline: float) -> None:
+    """HF ``generate`` with a static cache, which transformers compiles with ``torch.compile``; batch 1 only."""
+    from export.runtime.hf_baseline import hf_model
+
+    impl = "hf static+compile"
+    if time.perf_counter() > deadline - 120:  # compiling 32 layers takes a minute or two
+        rows.append(dict(impl=impl, quant="none", phase="decode loop", batch=1, note="not run (time budget)"))
+        return
+    hf = hf_model(weights, config)
+    x = torch.randint(0, config.vocab_size, (1, DECODE_CTX), device=DEVICE)
+    n, kw = HF_DECODE_TOKENS, dict(cache_implementation="static")
+    try:
+        _hf_generate(hf, x, 8, **kw)  # compiles
+        _hf_generate(hf, x, 8, **kw)
+        ms = (sync_time(lambda: _hf_generate(hf, x, n + 1, **kw)) - sync_time(lambda: _hf_generate(hf, x, 1, **kw))) / n * 1e3
+        rows.append(dict(impl=impl, quant="none", phase="decode loop", batch=1, ctx=DECODE_CTX, ms=ms, tok_s=1e3 / ms))
+    except Exception as e:  # noqa: BLE001 - a baseline that fails to compile is reported, not fatal
+        rows.append(dict(impl=impl, quant="none", phase="decode loop", batch=1,
+                         note=f"failed: {type(e).__name__}: {str(e)[:80]}"))
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float, default=330, help="skip remaining configurations after this")
+    ap.add_argument("--layers", type=int, default=32, help="fewer layers for a quick smoke run")
+    ap.add_argument("--quant", default="none,int8,int4")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_e2e needs a CUDA GPU")
+    t0 = time.perf_counter()
+    deadline = t0 + args.budget_s
+    torch.manual_seed(0)
+    config = llama3_8b_config(args.layers)
+    weights = random_weights(config)
+    rows: list[dict] = []
+    hf_ref = run_hf(config, weights, rows, deadline)
+    for quant in args.quant.split(","):
+        if time.perf_counter() > deadline:
+            rows.append(dict(impl="tritrt torch+graphs", quant=quant, note="not run (time budget)"))
+            continue
+        run_ours(config, weights, quant, rows, hf_ref, deadline)
+        print(f"[{time.perf_counter() - t0:.0f}s] {quant} done", flush=True)
+    if not args.no_compile:
+        run_hf_compiled(config, weights, rows, deadline)
+    meta = dict(model=f"Llama-3-8B shape ({args.layers} layers), random fp16 weights", block_size=BLOCK_SIZE,
+                targets="H100 fp16 decode bs1 >= 170 tok/s, int4 >= 400 tok/s",
+                wall_s=round(time.perf_counter() - t0))
+    write_results("bench_e2e", rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf", "peak_gib",
+                                      "note"], meta,
+                  notes="vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). decode step: one "
+                        "step, device-event median; decode loop: whole generation loop, wall clock.")
+
+
+if __name__ == "__main__":
+    main()
