@@ -3,7 +3,8 @@
 Shapes (K -> N): q/k/v fused 4096->6144, o 4096->4096, gate/up fused 4096->28672, down 14336->4096, and 8192x8192;
 M = 1, 4, 16, 64, 128, 512. Each kernel and its cuBLAS baseline (``F.linear`` with the fp16 weight) are timed in the
 same run with ``benchmarks.harness.bench`` (do_bench median), cycling through enough weight copies that no call finds
-its weight in L2 (weights are the bytes that matter). Reported: time, TFLOP/s, weight GB/s (packed weight + scales
+its weight in L2 (weights are the bytes that matter). The headline time is a CUDA graph of back-to-back calls (how a
+decode step runs: graph or TensorRT engine, no Python per kernel); single eager calls are reported beside it. Reported: time, TFLOP/s, weight GB/s (packed weight + scales
 + zeros read per call), speed-up over cuBLAS, and the relative error ||y - ref|| / ||ref|| against the fp32
 reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for alternative tile configurations.
 
@@ -29,21 +30,37 @@ MS = [1, 4, 16, 64, 128, 512]
 GROUP = 128
 
 # Alternative configurations compared under BENCH_GEMM_SWEEP=1: (label, M filter, overrides).
+_GEMV = lambda m: m == 1  # noqa: E731
+_SMALL = lambda m: 4 <= m <= 64  # noqa: E731
+_LARGE = lambda m: m >= 128  # noqa: E731
 SWEEP_W4 = [
-    ("gemv_bn128_bk64", lambda m: m == 1, dict(use_dot=False, block_n=128, block_k=64)),
-    ("gemv_bn32", lambda m: m == 1, dict(use_dot=False, block_n=32)),
-    ("dot", lambda m: m == 1, dict(use_dot=True)),
-    ("bn128", lambda m: 4 <= m <= 64, dict(block_n=128)),
-    ("bk64", lambda m: 4 <= m <= 64, dict(block_k=64)),
-    ("split1", lambda m: 16 <= m <= 128, dict(split_k=1)),
-    ("bm64_bn128", lambda m: m >= 128, dict(block_m=64, block_n=128, num_warps=4)),
-    ("bk128_st3", lambda m: m >= 128, dict(block_k=128, num_stages=3)),
+    ("gemv_u2", _GEMV, dict(use_dot=False, unroll=2)),
+    ("gemv_u4", _GEMV, dict(use_dot=False, unroll=4)),
+    ("gemv_bn32_u4", _GEMV, dict(use_dot=False, block_n=32, unroll=4)),
+    ("gemv_bn128_bk64_u2", _GEMV, dict(use_dot=False, block_n=128, block_k=64, unroll=2)),
+    ("dot_bk64_u2", _GEMV, dict(use_dot=True, block_k=64, unroll=2)),
+    ("u2", _SMALL, dict(unroll=2)),
+    ("bk64", _SMALL, dict(block_k=64)),
+    ("bk64_u2", _SMALL, dict(block_k=64, unroll=2)),
+    ("bn32_bk64_u2", _SMALL, dict(block_n=32, block_k=64, unroll=2)),
+    ("bk64_st2", _SMALL, dict(block_k=64, num_stages=2)),
+    ("bm64_bn128_w4", _LARGE, dict(block_m=64, block_n=128, num_warps=4)),
+    ("bm64_bn64_w4", _LARGE, dict(block_m=64, block_n=64, num_warps=4)),
+    ("bm128_bn64_w4", _LARGE, dict(block_m=128, block_n=64, num_warps=4)),
+    ("bk128_st3", _LARGE, dict(block_k=128, num_stages=3)),
+    ("st4", _LARGE, dict(num_stages=4)),
 ]
 SWEEP_W8 = [
-    ("dot", lambda m: m == 1, dict(use_dot=True)),
-    ("gemv_bn128_bk64", lambda m: m == 1, dict(use_dot=False, block_n=128, block_k=64)),
-    ("bn128", lambda m: 4 <= m <= 64, dict(block_n=128)),
-    ("bm64_bn128", lambda m: m >= 128, dict(block_m=64, block_n=128, num_warps=4)),
+    ("gemv_u2", _GEMV, dict(use_dot=False, unroll=2)),
+    ("gemv_u4", _GEMV, dict(use_dot=False, unroll=4)),
+    ("gemv_bn128_bk64_u4", _GEMV, dict(use_dot=False, block_n=128, block_k=64, unroll=4)),
+    ("dot_u2", _GEMV, dict(use_dot=True, unroll=2)),
+    ("u2", _SMALL, dict(unroll=2)),
+    ("bk64_u2", _SMALL, dict(block_k=64, unroll=2)),
+    ("bn128", _SMALL, dict(block_n=128)),
+    ("bm64_bn128_w4", _LARGE, dict(block_m=64, block_n=128, num_warps=4)),
+    ("bm128_bn64_w4", _LARGE, dict(block_m=128, block_n=64, num_warps=4)),
+    ("st4", _LARGE, dict(num_stages=4)),
 ]
 
 
@@ -75,28 +92,33 @@ def main():
         for M in MS:
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             flops = 2.0 * M * N * K
-            t16 = bench(lambda wt: F.linear(x, wt), sets16)
+            t16 = bench(lambda wt: F.linear(x, wt), sets16, cuda_graph=True)
+            t16_eager = bench(lambda wt: F.linear(x, wt), sets16)
 
-            def row(kernel, ms, nbytes, err, config="default"):
-                rows.append(dict(shape=name, K=K, N=N, M=M, kernel=kernel, config=config, ms=ms,
-                                 tflops=flops / ms * 1e-9, weight_gbs=nbytes / ms * 1e-6, speedup=t16 / ms,
-                                 rel_err=err))
+            def row(kernel, fn, sets, nbytes, err, config="default"):
+                ms = bench(fn, sets, cuda_graph=True)
+                r = dict(shape=name, K=K, N=N, M=M, kernel=kernel, config=config, ms=ms, tflops=flops / ms * 1e-9,
+                         weight_gbs=nbytes / ms * 1e-6, speedup=t16 / ms, rel_err=err)
+                if config == "default" or config.startswith("tn="):  # eager (host launch included): defaults only
+                    r["ms_eager"] = bench(fn, sets)
+                    r["speedup_eager"] = t16_eager / r["ms_eager"]
+                rows.append(r)
 
-            row("cublas_fp16", t16, b16, rel_err(F.linear(x, w), x.float() @ w.float().t()))
+            row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16, rel_err(F.linear(x, w), x.float() @ w.float().t()))
             ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
             variants8 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else [])
             for label, ov in variants8:
                 err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
-                row("w8a16", bench(lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8), b8, err, label)
+                row("w8a16", lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8, b8, err, label)
             variants4 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else [])
             for label, ov in variants4:
                 err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
-                row("w4a16", bench(lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4), b4, err, label)
+                row("w4a16", lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4, b4, err, label)
             if cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 for tn in ((4, 8) if sweep else (None,)):
                     err = rel_err(cu.w4a16_gemv(x, q4.qweight, q4.scales, q4.zeros, GROUP, tn=tn), ref4)
-                    ms = bench(lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn), sets4)
-                    row("w4a16_cuda_gemv", ms, b4, err, f"tn={tn or cu.gemv_plan(M, N)['tn']}")
+                    row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn), sets4, b4, err,
+                        f"tn={tn or cu.gemv_plan(M, N)['tn']}")
             done = [r for r in rows if r["M"] == M and r["shape"] == name]
             print(f"{name} M={M}: " + ", ".join(f"{r['kernel']}[{r['config']}] {r['speedup']:.2f}x" for r in done),
                   flush=True)
@@ -105,10 +127,14 @@ def main():
 
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
             "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep}
-    cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err"]
+    cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
+            "speedup_eager"]
     write_results("bench_gemm" + ("_sweep" if sweep else ""), rows, cols, meta,
-                  notes="speedup = cuBLAS fp16 time / kernel time, same run, same M; weight_gbs counts the packed "
-                        "weight + scales + zeros; rel_err vs the fp32 reference on the dequantized weight.")
+                  notes="ms/speedup: CUDA-graph replay of back-to-back calls over rotating weights (no host launch "
+                        "overhead), speedup = cuBLAS fp16 time / kernel time, same run, same M. ms_eager/speedup_eager: "
+                        "do_bench of single eager calls (host launch included, L2 flushed between calls). weight_gbs "
+                        "counts the packed weight + scales + zeros; rel_err vs the fp32 reference on the dequantized "
+                        "weight.")
 
 
 if __name__ == "__main__":

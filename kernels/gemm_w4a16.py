@@ -31,7 +31,7 @@ def _w4a16_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_rm,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -46,8 +46,9 @@ def _w4a16_gemm_kernel(
     mask_n = offs_n < N
     shifts = (offs_k % 8) * 4
 
+    # Each split owns a whole number of UNROLL-tile steps; the last split may own fewer tiles (or none).
     k_tiles = K // BLOCK_K
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K * UNROLL) * UNROLL
     t_begin = pid_k * per_split
     t_end = tl.minimum(t_begin + per_split, k_tiles)
 
@@ -64,29 +65,35 @@ def _w4a16_gemm_kernel(
     else:
         # GEMV: nothing is staged in shared memory; repeated rows are L1 hits and need no reshape.
         qw_ptrs = qw_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :]
-    for t in range(t_begin, t_end):
-        k0 = t * BLOCK_K
-        q = tl.load(qw_ptrs + (k0 // 8) * N, mask=mask_n[None, :], other=0)
-        if USE_DOT:
-            q = tl.reshape((q[:, None, :] >> shifts8[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        else:
-            q = (q >> shifts[:, None]) & 0xF
-        g = k0 // GROUP_SIZE
-        s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.int32)
-            w = q - z[None, :]
-        else:
-            w = q - 8
-        if USE_DOT:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-            if DOT_IN_FP32:
-                acc += tl.dot(x.to(tl.float32), w.to(tl.float32)) * s[None, :]
+    for t0 in range(t_begin, t_end, UNROLL):
+        # UNROLL tiles per trip, unrolled: their loads are independent, so they are all in flight together.
+        for u in tl.static_range(UNROLL):
+            t = t0 + u
+            live = t < t_end  # a dead tile loads nothing and adds 0 (its x is masked to 0)
+            k0 = t * BLOCK_K
+            q = tl.load(qw_ptrs + (k0 // 8) * N, mask=mask_n[None, :] & live, other=0)
+            if USE_DOT:
+                q = tl.reshape((q[:, None, :] >> shifts8[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
             else:
-                acc += tl.dot(x, w.to(x.dtype)) * s[None, :]
-        else:
-            x = tl.load(x_ptr + pid_m * stride_xm + k0 + offs_k).to(tl.float32)
-            acc2 += x[:, None] * (w.to(tl.float32) * s[None, :])
+                q = (q >> shifts[:, None]) & 0xF
+            g = k0 // GROUP_SIZE
+            s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + g * N + offs_n, mask=mask_n & live, other=0).to(tl.int32)
+                w = q - z[None, :]
+            else:
+                w = q - 8
+            if USE_DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=mask_m[:, None] & live, other=0.0)
+                if DOT_IN_FP32:
+                    acc += tl.dot(x.to(tl.float32), w.to(tl.float32)) * s[None, :]
+                else:
+                    acc += tl.dot(x, w.to(x.dtype)) * s[None, :]
+            else:
+                x = tl.load(x_ptr + pid_m * stride_xm + k0 + offs_k, mask=(offs_k < BLOCK_K) & live,
+                            other=0.0).to(tl.float32)
+                acc2 += x[:, None] * (w.to(tl.float32) * s[None, :])
     if not USE_DOT:
         acc = tl.sum(acc2, axis=0)[None, :]
     _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
@@ -106,7 +113,7 @@ def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool
     p = plan_tiles(M, N, K, group_size, **overrides)
     constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, HAS_RES=has_res,
                       USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-                      SPLIT_K=p["SPLIT_K"], DOT_IN_FP32=dot_in_fp32)
+                      SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32)
     return LaunchConfig(_w4a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 

@@ -27,7 +27,7 @@ def _w8a16_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -41,8 +41,9 @@ def _w8a16_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
 
+    # Each split owns a whole number of UNROLL-tile steps; the last split may own fewer tiles (or none).
     k_tiles = K // BLOCK_K
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K * UNROLL) * UNROLL
     t_begin = pid_k * per_split
     t_end = tl.minimum(t_begin + per_split, k_tiles)
 
@@ -51,18 +52,24 @@ def _w8a16_gemm_kernel(
     else:
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     qw_ptrs = qw_ptr + offs_k[:, None] * N + offs_n[None, :]
-    for t in range(t_begin, t_end):
-        k0 = t * BLOCK_K
-        q = tl.load(qw_ptrs + k0 * N, mask=mask_n[None, :], other=0)
-        if USE_DOT:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-            if DOT_IN_FP32:
-                acc = tl.dot(x.to(tl.float32), q.to(tl.float32), acc)
+    for t0 in range(t_begin, t_end, UNROLL):
+        # UNROLL tiles per trip, unrolled: their loads are independent, so they are all in flight together.
+        for u in tl.static_range(UNROLL):
+            t = t0 + u
+            live = t < t_end  # a dead tile loads nothing and adds 0 (its x is masked to 0)
+            k0 = t * BLOCK_K
+            q = tl.load(qw_ptrs + k0 * N, mask=mask_n[None, :] & live, other=0)
+            if USE_DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=mask_m[:, None] & live, other=0.0)
+                if DOT_IN_FP32:
+                    acc = tl.dot(x.to(tl.float32), q.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(x, q.to(x.dtype), acc)
             else:
-                acc = tl.dot(x, q.to(x.dtype), acc)
-        else:
-            x = tl.load(x_ptr + pid_m * stride_xm + k0 + offs_k).to(tl.float32)
-            acc2 += x[:, None] * q.to(tl.float32)
+                x = tl.load(x_ptr + pid_m * stride_xm + k0 + offs_k, mask=(offs_k < BLOCK_K) & live,
+                            other=0.0).to(tl.float32)
+                acc2 += x[:, None] * q.to(tl.float32)
     if not USE_DOT:
         acc = tl.sum(acc2, axis=0)[None, :]
     # Per-channel scale: linear, so it commutes with the split-K sum; apply before the partial store.
@@ -91,7 +98,7 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
     """
     p = plan_tiles(M, N, K, _block_k_cap(K), **overrides)
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"],
-                      BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], DOT_IN_FP32=dot_in_fp32)
+                      BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32)
     return LaunchConfig(_w8a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 

@@ -60,7 +60,7 @@ def _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, of
 
 
 def plan_tiles(M: int, N: int, K: int, block_k_cap: int, *, use_dot=None, block_m=None, block_n=None, block_k=None,
-               split_k=None, num_warps=None, num_stages=None) -> dict:
+               split_k=None, num_warps=None, num_stages=None, unroll=None) -> dict:
     """Tile sizes, split-K and warps for an ``[M, K] x [K, N]`` weight-only GEMM: a pure function of shapes.
 
     ``block_k_cap`` bounds BLOCK_K (INT4: the group size, so one K tile never spans two groups). Any keyword that is
@@ -68,6 +68,7 @@ def plan_tiles(M: int, N: int, K: int, block_k_cap: int, *, use_dot=None, block_
     - M == 1: the GEMV path (no tensor cores): ``BLOCK_M = 1``, an fp32 ``[BLOCK_K, BLOCK_N]`` accumulator reduced once.
     - M > 1: ``tl.dot`` tiles; BLOCK_M the next power of two >= M (16..128), so small M wastes MMA work, not bytes.
     - split-K until there are ~TARGET_PROGRAMS programs, keeping >= 2 K tiles per split.
+    - UNROLL K tiles per loop trip (their loads in flight together).
     """
     if use_dot is None:
         use_dot = M > 1
@@ -93,9 +94,10 @@ def plan_tiles(M: int, N: int, K: int, block_k_cap: int, *, use_dot=None, block_
         while tiles * split_k < TARGET_PROGRAMS and split_k < MAX_SPLIT_K and k_tiles // (2 * split_k) >= 2:
             split_k *= 2
     split_k = max(1, min(split_k, k_tiles))
+    unroll = unroll or 1
     if split_k > 1 and tiles > MAX_TICKETS:
         split_k = 1
-    return dict(USE_DOT=bool(use_dot), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
+    return dict(USE_DOT=bool(use_dot), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k, UNROLL=unroll,
                 grid=(tiles, split_k), num_warps=warps, num_stages=stages)
 
 

@@ -10,7 +10,7 @@
 // fp32 summation order. Threads along K reduce through shared memory at the end; one launch, no memset.
 //
 // Compile-time: GEMV_M (max rows, 1..8; runtime M <= GEMV_M), GEMV_TN (threads across N: 4 or 8). Requirements the
-// Python launcher checks: N % 4 == 0, K % (8 * ROWS) == 0, group_size % 8 == 0, x rows 16-byte aligned.
+// Python launcher checks: N % 4 == 0, K % 64 == 0, group_size % 32 == 0, x rows 16-byte aligned.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -27,7 +27,6 @@ constexpr int kTN = GEMV_TN;               // threads across N, 4 columns each
 constexpr int kTK = kThreads / kTN;        // threads across K
 constexpr int kCols = 4 * kTN;             // output columns per block
 constexpr int kRows = 8;                   // packed rows (64 k) per thread per step
-constexpr float kMagic = 8388608.0f;       // 2^23
 
 __device__ __forceinline__ float nibble(uint32_t q, int j) {
   return __int_as_float(((q >> (4 * j)) & 0xFu) | 0x4B000000u);  // 2^23 + nibble j, exact
@@ -56,23 +55,25 @@ w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const ha
 #pragma unroll
       for (int u = 0; u < kRows; ++u)
         q[u] = __ldg(reinterpret_cast<const int4*>(qweight + (size_t)(r0 + u) * N + col0));
+      // group_size >= 32 (4 packed rows) and r0 % 8 == 0: rows r0..r0+3 share a group, and so do r0+4..r0+7.
+      float s[2][4], zm[2][4];
 #pragma unroll
-      for (int u = 0; u < kRows; ++u) {
-        const int k0 = 8 * (r0 + u);
-        const int g = k0 / group_size;
+      for (int h = 0; h < 2; ++h) {
+        const int g = 8 * (r0 + 4 * h) / group_size;
         const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(scales + (size_t)g * N + col0));
         const float2 s01 = __half22float2(*reinterpret_cast<const half2*>(&sraw.x));
         const float2 s23 = __half22float2(*reinterpret_cast<const half2*>(&sraw.y));
-        const float s[4] = {s01.x, s01.y, s23.x, s23.y};
-        float zm[4];
-        if (has_zeros) {
-          const uint32_t zraw = __ldg(reinterpret_cast<const unsigned int*>(zeros + (size_t)g * N + col0));
+        s[h][0] = s01.x; s[h][1] = s01.y; s[h][2] = s23.x; s[h][3] = s23.y;
+        // 2^23 + z by the same exponent trick as the weights (no int->float conversion).
+        const uint32_t zraw = has_zeros ? __ldg(reinterpret_cast<const unsigned int*>(zeros + (size_t)g * N + col0))
+                                        : 0x08080808u;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) zm[c] = kMagic + (float)((zraw >> (8 * c)) & 0xFFu);
-        } else {
+        for (int c = 0; c < 4; ++c) zm[h][c] = __int_as_float(((zraw >> (8 * c)) & 0xFFu) | 0x4B000000u);
+      }
 #pragma unroll
-          for (int c = 0; c < 4; ++c) zm[c] = kMagic + 8.0f;
-        }
+      for (int u = 0; u < kRows; ++u) {
+        const int k0 = 8 * (r0 + u);
+        const int h = u / 4;
         const uint32_t qc[4] = {(uint32_t)q[u].x, (uint32_t)q[u].y, (uint32_t)q[u].z, (uint32_t)q[u].w};
 #pragma unroll
         for (int m = 0; m < GEMV_M; ++m) {
@@ -81,17 +82,17 @@ w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const ha
             const half2* xh = reinterpret_cast<const half2*>(&xraw);
             float xf[8];
 #pragma unroll
-            for (int h = 0; h < 4; ++h) {
-              const float2 f = __half22float2(xh[h]);
-              xf[2 * h] = f.x;
-              xf[2 * h + 1] = f.y;
+            for (int p = 0; p < 4; ++p) {
+              const float2 f = __half22float2(xh[p]);
+              xf[2 * p] = f.x;
+              xf[2 * p + 1] = f.y;
             }
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               float part = 0.f;
 #pragma unroll
-              for (int j = 0; j < 8; ++j) part = fmaf(xf[j], nibble(qc[c], j) - zm[c], part);
-              acc[m][c] = fmaf(part, s[c], acc[m][c]);
+              for (int j = 0; j < 8; ++j) part = fmaf(xf[j], nibble(qc[c], j) - zm[h][c], part);
+              acc[m][c] = fmaf(part, s[h][c], acc[m][c]);
             }
           }
         }

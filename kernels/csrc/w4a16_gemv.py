@@ -33,8 +33,9 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
         return f"M={M} is outside 1..{MAX_M}"
     if N % 4:
         return f"N={N} is not a multiple of 4 (16-byte weight loads)"
-    if K % (8 * ROWS_PER_STEP) or group_size % 8:
-        return f"K={K} must be a multiple of {8 * ROWS_PER_STEP} and group_size={group_size} of 8"
+    if K % (8 * ROWS_PER_STEP) or group_size % 32:
+        # A thread's 8-row step must hold whole halves of groups (the .cu loads one scale per 4 rows).
+        return f"K={K} must be a multiple of {8 * ROWS_PER_STEP} and group_size={group_size} of 32"
     return None
 
 

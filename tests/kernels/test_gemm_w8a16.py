@@ -48,10 +48,11 @@ def test_w8a16_interpreter_odd_shapes(M, dtype):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("M,K,split_k", [(1, 48, 1), (5, 208, 1), (7, 256, 4)])
-def test_w8a16_interpreter_epilogue_and_splits(M, K, split_k):
-    # K=48 and 208: BLOCK_K falls back to 16 (K only a multiple of 16).
-    run_case(M, 40, K, torch.float16, bias=True, residual=True, split_k=split_k)
+@pytest.mark.parametrize("M,K,split_k,unroll", [(1, 48, 1, 1), (5, 208, 1, 2), (7, 256, 4, 1), (1, 256, 2, 3),
+                                                (3, 256, 2, 3)])
+def test_w8a16_interpreter_epilogue_and_splits(M, K, split_k, unroll):
+    # K=48 and 208: BLOCK_K falls back to 16 (K only a multiple of 16). unroll=3 with 2 splits: a dead tile.
+    run_case(M, 40, K, torch.float16, bias=True, residual=True, split_k=split_k, unroll=unroll)
 
 
 def test_w8a16_plan_is_pure():
@@ -97,7 +98,8 @@ def test_w8a16_gpu_model_shapes(M, dtype):
     for N, K in ((6144, 4096), (4096, 14336)):
         y, ref = run_case(M, N, K, dtype, seed=M + N)
         rel = float((y.float() - ref).norm() / ref.norm())
-        assert rel < 1e-3, rel
+        # The brief's bound (1e-3) is for fp16; bf16's output rounding alone is ~2^-9 relative, so allow 2^-8 there.
+        assert rel < (1e-3 if dtype == torch.float16 else 2**-8), rel
 
 
 @pytest.mark.gpu
