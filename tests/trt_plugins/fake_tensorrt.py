@@ -1,0 +1,220 @@
+"""A stand-in for ``tensorrt`` / ``tensorrt.plugin`` with just the API surface ``trt_plugins.trt_glue`` uses, and the
+schema rules TensorRT validates (argument names and order, annotations), so that the glue's logic is exercised on a
+machine without TensorRT. It proves the glue is self-consistent with the documented API, not that TensorRT runs it.
+
+``python -m tests.trt_plugins.fake_tensorrt`` registers every spec, then for each spec's first sample calls the
+registered describe / autotune / aot_impl functions with symbolic token dims and prints a JSON summary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import types
+import typing
+
+
+class DataType:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"DataType.{self.name}"
+
+
+class ShapeExpr:
+    """Dynamic (env-evaluated) or constant dim; +, -, *, // with the expression on the left, like TensorRT's."""
+
+    def __init__(self, fn=None, const=None):
+        self.fn, self.const = fn, const
+        self.is_fake = False
+
+    @property
+    def is_constant(self):
+        return self.const is not None
+
+    def constant_value(self):
+        if self.const is None:
+            raise RuntimeError("not constant")
+        return self.const
+
+    def eval(self, env):
+        return self.const if self.const is not None else self.fn(env)
+
+    def _op(self, o, f):
+        if isinstance(o, ShapeExpr):
+            return ShapeExpr(lambda e: f(self.eval(e), o.eval(e)))
+        if isinstance(o, int):
+            return ShapeExpr(lambda e: f(self.eval(e), o))
+        return NotImplemented
+
+    def __add__(self, o):
+        return self._op(o, lambda a, b: a + b)
+
+    def __sub__(self, o):
+        return self._op(o, lambda a, b: a - b)
+
+    def __mul__(self, o):
+        return self._op(o, lambda a, b: a * b)
+
+    def __floordiv__(self, o):
+        return self._op(o, lambda a, b: a // b)
+
+    def __bool__(self):
+        raise TypeError("ShapeExpr has no truth value")
+
+
+class TensorDesc:
+    def __init__(self, shape_expr=(), dtype=None):
+        self.shape_expr, self.dtype, self.alias_of = list(shape_expr), dtype, None
+
+    def aliased(self):
+        d = TensorDesc(self.shape_expr, self.dtype)
+        d.alias_of = self
+        return d
+
+
+class Tensor:
+    pass
+
+
+class KernelLaunchParams:
+    grid_x = grid_y = grid_z = block_x = block_y = block_z = 1
+    shared_mem = 0
+
+
+class SymExprs(tuple):
+    pass
+
+
+class SymIntExprs(SymExprs):
+    @classmethod
+    def from_tuple(cls, items):
+        return cls(items)
+
+
+class SymInt32:
+    def __init__(self, v):
+        if not isinstance(v, (int, ShapeExpr)):
+            raise TypeError(f"SymInt32 takes an int or a ShapeExpr, got {type(v).__name__}")
+        self.v = v
+
+
+class AutoTuneCombination:
+    def __init__(self, types_=""):
+        self.types, self.tactic_list = types_, []
+
+    def tactics(self, t):
+        self.tactic_list = list(t)
+
+
+REGISTRY: dict = {}
+
+
+def _check_schema(kind, fn, plugin):
+    names = list(inspect.signature(fn).parameters)
+    tail = {"autotune": ["outputs"], "aot_impl": ["outputs", "tactic"], "impl": ["outputs", "stream"]}[kind]
+    want = plugin["tensors"] + plugin["attrs"] + tail
+    if names != want:
+        raise ValueError(f"{kind} schema {names} != {want}")
+
+
+def register(name):
+    def deco(fn):
+        sig = inspect.signature(fn)
+        tensors, attrs = [], []
+        for n, p in sig.parameters.items():
+            if p.annotation is inspect.Parameter.empty or p.default is not inspect.Parameter.empty:
+                raise ValueError(f"{n}: annotation required, no default")
+            if isinstance(p.annotation, type) and issubclass(p.annotation, TensorDesc):
+                if attrs:
+                    raise ValueError("tensors and attributes interspersed")
+                tensors.append(n)
+            elif p.annotation in (int, float, bool, str, bytes):
+                attrs.append(n)
+            else:
+                raise ValueError(f"{n}: unsupported annotation {p.annotation}")
+        ret = sig.return_annotation
+        if not (ret is TensorDesc or typing.get_origin(ret) is tuple):
+            raise ValueError(f"bad return annotation {ret}")
+        REGISTRY[name] = {"register": fn, "tensors": tensors, "attrs": attrs}
+        return fn
+    return deco
+
+
+def _hook(kind):
+    def outer(name):
+        def deco(fn):
+            _check_schema(kind, fn, REGISTRY[name])
+            REGISTRY[name][kind] = fn
+            return fn
+        return deco
+    return outer
+
+
+autotune, aot_impl, impl = _hook("autotune"), _hook("aot_impl"), _hook("impl")
+
+
+def from_shape_expr(shape, dtype):
+    return TensorDesc(shape, dtype)
+
+
+def cdiv(a, b):
+    return (a + (b - 1)) // b
+
+
+def install():
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.13.0"
+    for n in ("bfloat16", "float16", "float32", "int32", "int8", "uint8", "int64"):
+        setattr(trt, n, DataType(n))
+    plugin = types.ModuleType("tensorrt.plugin")
+    for n in ("TensorDesc", "Tensor", "KernelLaunchParams", "SymExprs", "SymIntExprs", "SymInt32",
+              "AutoTuneCombination", "register", "autotune", "aot_impl", "impl", "from_shape_expr", "cdiv"):
+        setattr(plugin, n, globals()[n])
+    trt.plugin = plugin
+    sys.modules["tensorrt"], sys.modules["tensorrt.plugin"] = trt, plugin
+    return trt
+
+
+def main():
+    import torch
+
+    trt = install()
+    torch.cuda.get_device_capability = lambda *a: (9, 0)  # the build GPU the glue compiles for
+    from trt_plugins.specs import SPECS
+    from trt_plugins.trt_glue import load_plugins
+
+    ids = load_plugins()
+    summary = {}
+    for op, spec in SPECS.items():
+        entry = REGISTRY[spec.qualified_name]
+        s = spec.samples[0]
+        env = {"T": 37}
+        descs = {}
+        static = set(spec.static_dims)
+        for n in spec.inputs:
+            dims = [ShapeExpr(const=d) if (n, i) in static else ShapeExpr(lambda e, d=d: e["T"] * d)
+                    for i, d in enumerate(s.shapes[n])]
+            descs[n] = TensorDesc(dims, getattr(trt, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+                                                .get(s.dtypes[n], s.dtypes[n])))
+        attrs = spec.full_attrs(s.attrs)
+        outs = entry["register"](*descs.values(), **attrs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        combos = entry["autotune"](*descs.values(), **attrs, outputs=outs)
+        tactic = spec.tactics[0] if spec.tactics else 0
+        name, ptx, launch, extra = entry["aot_impl"](*descs.values(), **attrs, outputs=outs, tactic=tactic)
+        ev = lambda v: v.eval(env) if isinstance(v, ShapeExpr) else v  # noqa: E731
+        summary[op] = dict(
+            kernel=name, ptx_has_entry=f".entry {name}" in ptx,
+            out_shapes=[[ev(d) for d in o.shape_expr] for o in outs],
+            aliased=[o.alias_of is not None for o in outs],
+            combos=[c.types for c in combos], tactics=[c.tactic_list for c in combos],
+            grid=[ev(launch.grid_x), ev(launch.grid_y), ev(launch.grid_z)], block=launch.block_x,
+            shared=launch.shared_mem, extra=[ev(x.v) for x in extra])
+    print(json.dumps({"ids": ids, "ops": summary}))
+
+
+if __name__ == "__main__":
+    main()

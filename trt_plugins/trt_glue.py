@@ -1,0 +1,207 @@
+"""Registration of every plugin spec with TensorRT's Python plugin API (``tensorrt.plugin``, TensorRT >= 10.9).
+
+For each spec this generates, with the signatures TensorRT validates (inputs, then attributes, then ``outputs`` ...):
+
+- ``@trtp.register("tritrt::<Op>")``: output descriptors from the spec's shape / dtype functions; an aliased output
+  (``WriteKvCache``'s caches) is ``input.aliased()``.
+- ``@trtp.autotune``: the supported dtype combinations and, where a block size matters (the GEMMs' ``m_hint``), the
+  tactics TensorRT times on the profile's shapes.
+- ``@trtp.aot_impl``: compiles the spec's entry kernel for this GPU (``kernels.aot``), returns its name, the PTX
+  without Triton's hidden scratch parameters (TensorRT passes exactly inputs, int32 extra args, outputs), launch
+  parameters whose grid is a shape expression of the dynamic dims, and the scalars as ``SymInt32``. The engine then
+  embeds the PTX and runs without Python.
+- ``@trtp.impl``: a torch fallback (the spec's fp32 reference on the GPU), used only if the AOT path is not taken.
+
+Usage (Python): ``load_plugins()`` once per process before building or deserializing an engine; with the ONNX
+parser the ``tritrt`` plugin nodes then resolve to these plugins, and in a network built by hand
+``network.add_plugin(trtp.op.tritrt.RmsNorm(x, w, eps=1e-5), aot=True)`` picks the AOT implementation. An engine
+built from the AOT implementations embeds the PTX: ``trtexec --loadEngine`` or a C++ runtime can run it with no
+Python and without ``--dynamicPlugins`` (no plugin library to load); an engine that took the ``impl`` fallback needs
+this module's ``load_plugins()`` in a Python process.
+
+Caveats (not verifiable here, TensorRT is not installable on our machines): kernels needing more than 48 KB of dynamic
+shared memory (PagedAttention's prefill tiles on sm_90) rely on TensorRT raising the function's shared memory limit
+for the embedded PTX; plugin attributes are not serialized with AOT plugins, which is fine because every attribute is
+baked into the PTX.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from typing import Tuple, Union
+
+from .specs import SPECS, PluginSpec
+from .specs._base import FLOATS
+
+_TRT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "int8": "int8",
+              "uint8": "uint8", "int64": "int64"}
+_TYPESTR = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32", "int32": "INT32", "int8": "INT8", "uint8": "UINT8",
+            "int64": "INT64"}
+_REGISTERED: set = set()
+
+
+def _trt():
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp
+    except ImportError:
+        raise ImportError("trt_plugins.trt_glue needs TensorRT >= 10.9 (pip install 'tritrt[tensorrt]' on a machine "
+                          "with an NVIDIA GPU). Without it, run plugin nodes on the CPU with "
+                          "trt_plugins.reference.run_reference.") from None
+    major, minor = (int(p) for p in trt.__version__.split(".")[:2])
+    if (major, minor) < (10, 9):
+        raise ImportError(f"TensorRT {trt.__version__} is too old: AOT Python plugins need >= 10.9")
+    return trt, trtp
+
+
+def _our_dtype(trt, dt) -> str:
+    for ours, name in _TRT_NAMES.items():
+        if dt == getattr(trt, name):
+            return ours
+    raise TypeError(f"TensorRT dtype {dt} is not a plugin dtype ({sorted(_TRT_NAMES)})")
+
+
+def _shapes(spec: PluginSpec, descs: dict, strict: bool) -> dict:
+    """Input dims: static dims as ints (they choose constexprs), the others as TensorRT shape expressions."""
+    shapes = {n: list(d.shape_expr) for n, d in descs.items()}
+    for n, i in spec.static_dims:
+        e = shapes[n][i]
+        if e.is_fake:
+            continue  # TensorRT probes dtypes with fake expressions; nothing is launched from them
+        if not e.is_constant:
+            if strict:
+                raise ValueError(f"{spec.op_type}: dim {i} of input {n} must be a build-time constant (it selects "
+                                 "the kernel's constexprs); give it a fixed size in the ONNX graph / profile")
+            continue
+        shapes[n][i] = e.constant_value()
+    return shapes
+
+
+def _placeholder_ints(spec: PluginSpec, shapes: dict) -> dict:
+    """Int shapes for the kernel's launch config: dynamic dims replaced by 1 (its choices must not depend on them,
+    which tests/trt_plugins/test_specs.py checks for every spec)."""
+    return {n: tuple(d if isinstance(d, int) else 1 for d in dims) for n, dims in shapes.items()}
+
+
+def _combinations(trtp, spec: PluginSpec) -> list:
+    """One AutoTuneCombination per dtype choice: float inputs share one dtype; outputs follow the spec."""
+    floats = [d for d in spec.input_specs[0].dtypes if d in FLOATS] or [None]
+    combos = []
+    for f in floats:
+        choices = []
+        for t in spec.input_specs:
+            if f is not None and f in t.dtypes and set(t.dtypes) <= set(FLOATS):
+                choices.append((f,))
+            else:
+                choices.append(t.dtypes)
+        for pick in itertools.product(*choices):
+            dtypes = dict(zip(spec.inputs, pick))
+            outs = [o.dtype(dtypes, spec.full_attrs(None)) for o in spec.output_specs]
+            c = trtp.AutoTuneCombination(", ".join(_TYPESTR[d] for d in (*pick, *outs)))
+            if spec.tactics:
+                c.tactics(list(spec.tactics))
+            combos.append(c)
+    return combos
+
+
+def _signature(params, ret=inspect.Signature.empty):
+    return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=a)
+                              for n, a in params], return_annotation=ret)
+
+
+def _register(spec: PluginSpec) -> None:
+    trt, trtp = _trt()
+    attr_params = [(a, spec.attrs[a].type) for a in spec.attrs]
+    n_out = len(spec.outputs)
+
+    def split(args, kwargs, names):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        return bound
+
+    in_names = list(spec.inputs) + list(spec.attrs)
+
+    def describe(*args, **kwargs):
+        b = split(args, kwargs, in_names)
+        descs = {n: b[n] for n in spec.inputs}
+        attrs = spec.full_attrs({a: b[a] for a in spec.attrs})
+        shapes = _shapes(spec, descs, strict=False)
+        dtypes = {n: _our_dtype(trt, d.dtype) for n, d in descs.items()}
+        outs = []
+        for o in spec.output_specs:
+            if o.alias is not None:
+                outs.append(descs[o.alias].aliased())
+            else:
+                dt = getattr(trt, _TRT_NAMES[o.dtype(dtypes, attrs)])
+                outs.append(trtp.from_shape_expr(tuple(o.shape(shapes, attrs)), dtype=dt))
+        return outs[0] if n_out == 1 else tuple(outs)
+
+    ret = trtp.TensorDesc if n_out == 1 else Tuple[tuple([trtp.TensorDesc] * n_out)]
+    describe.__signature__ = _signature([(n, trtp.TensorDesc) for n in spec.inputs] + attr_params, ret)
+    trtp.register(spec.qualified_name)(describe)
+
+    def autotune(*args, **kwargs):
+        return _combinations(trtp, spec)
+
+    autotune.__signature__ = _signature([(n, trtp.TensorDesc) for n in spec.inputs] + attr_params +
+                                        [("outputs", Tuple[tuple([trtp.TensorDesc] * n_out)])])
+    trtp.autotune(spec.qualified_name)(autotune)
+
+    def aot_impl(*args, **kwargs):
+        import torch
+
+        from kernels.aot.compile import compile_triton, strip_hidden_params
+
+        b = split(args, kwargs, in_names + ["outputs", "tactic"])
+        descs = {n: b[n] for n in spec.inputs}
+        attrs = {a: b[a] for a in spec.attrs}
+        if spec.tactic_attr and b.get("tactic") in spec.tactics:
+            attrs[spec.tactic_attr] = b["tactic"]
+        attrs = spec.full_attrs(attrs)
+        shapes = _shapes(spec, descs, strict=True)
+        dtypes = {n: _our_dtype(trt, d.dtype) for n, d in descs.items()}
+        sp = spec.specialise(_placeholder_ints(spec, shapes), dtypes, attrs, check=False)
+        major, minor = torch.cuda.get_device_capability()
+        art = compile_triton(spec.entry_kernel(), sp.signature, sp.constexprs, sm=10 * major + minor,
+                             num_warps=sp.num_warps, num_stages=sp.num_stages, div16=sp.div16)
+        launch = trtp.KernelLaunchParams()
+        grid = list(spec.grid(shapes, attrs, sp.constexprs)) + [1, 1]
+        launch.grid_x, launch.grid_y, launch.grid_z = grid[:3]
+        launch.block_x = art.block
+        launch.shared_mem = art.shared
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(f(shapes, attrs)) for f in spec.scalars.values()])
+        return art.name, strip_hidden_params(art), launch, extra
+
+    aot_impl.__signature__ = _signature(
+        [(n, trtp.TensorDesc) for n in spec.inputs] + attr_params +
+        [("outputs", Tuple[tuple([trtp.TensorDesc] * n_out)]), ("tactic", int)],
+        Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs])
+    trtp.aot_impl(spec.qualified_name)(aot_impl)
+
+    def impl(*args, **kwargs):
+        import torch
+
+        b = split(args, kwargs, in_names + ["outputs", "stream"])
+        with torch.cuda.stream(torch.cuda.ExternalStream(b["stream"])):
+            ins = [torch.as_tensor(b[n], device="cuda") for n in spec.inputs]
+            outs = spec.reference(ins, spec.full_attrs({a: b[a] for a in spec.attrs}))
+            for o, buf, os_ in zip(outs, b["outputs"], spec.output_specs):
+                if os_.alias is None:  # aliased outputs were updated in place by the reference
+                    torch.as_tensor(buf, device="cuda").copy_(o)
+
+    impl.__signature__ = _signature([(n, trtp.Tensor) for n in spec.inputs] + attr_params +
+                                    [("outputs", Tuple[tuple([trtp.Tensor] * n_out)]), ("stream", int)])
+    trtp.impl(spec.qualified_name)(impl)
+
+
+def load_plugins(ops=None) -> list:
+    """Register the plugins (all, or ``ops``) with TensorRT in this process; idempotent. Returns their ids."""
+    _trt()
+    names = list(SPECS) if ops is None else list(ops)
+    for name in names:
+        spec = SPECS[name]
+        if spec.qualified_name not in _REGISTERED:
+            _register(spec)
+            _REGISTERED.add(spec.qualified_name)
+    return [SPECS[n].qualified_name for n in names]
