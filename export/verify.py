@@ -244,7 +244,11 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print) -> boo
     else:
         runners.append(trt)
     results = Comparator.run(runners, data_loader=feeds)
-    compare = CompareFunc.simple(atol=atol, rtol=rtol, check_shapes=True)
+    try:  # Polygraphy >= 0.53 spells it as a class; CompareFunc.simple is deprecated there
+        from polygraphy.comparator.compare import SimpleCompareFunc
+    except ImportError:
+        SimpleCompareFunc = CompareFunc.simple
+    compare = SimpleCompareFunc(atol=atol, rtol=rtol, check_shapes=True)
     comparisons = [(0, i) for i in range(1, len(runners))]
     ok = bool(Comparator.compare_accuracy(results, comparisons=comparisons, compare_func=compare))
     log(_summary(results, comparisons, atol, rtol))

@@ -1,0 +1,120 @@
+"""``python -m export.verify OUT``: exit 0 on a good build, 1 when any file's weights were tampered with, 2 (with a
+message saying what to do) when OUT is missing or incomplete.
+
+The OUT is made once by the real ``python -m export.build`` (tiny LLaMA, int4 g32, no engine) and copied per test.
+A tampered weight is scaled by 1.5: a change far above the fp32 tolerance (1e-4 relative, see export.verify) yet
+small enough to keep everything finite, so the test sees the comparison fail rather than a crash.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def built_out(tmp_path_factory):
+    from export.build import main as build_main
+
+    out = tmp_path_factory.mktemp("verify") / "out"
+    assert build_main(["--quant", "int4", "--group-size", "32", "--out", str(out), "--no-engine"]) == 0
+    return out
+
+
+@pytest.fixture
+def out_copy(built_out, tmp_path):
+    dst = tmp_path / "out"
+    shutil.copytree(built_out, dst, ignore=shutil.ignore_patterns("kernels"))  # verify does not read the PTX
+    return dst
+
+
+def _scale_initializer(onnx_path, name, factor=1.5):
+    """Scale one externally stored float initializer in place in its .data file."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    (t,) = [t for t in model.graph.initializer if t.name == name]
+    info = {e.key: e.value for e in t.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    data_path = onnx_path.parent / info["location"]
+    raw = bytearray(data_path.read_bytes())
+    off, n = int(info["offset"]), int(info["length"])
+    values = np.frombuffer(bytes(raw[off:off + n]), dtype=dtype) * dtype.type(factor)
+    raw[off:off + n] = values.astype(dtype).tobytes()
+    data_path.write_bytes(bytes(raw))
+
+
+def _verify(out, *extra):
+    from export.verify import main
+
+    return main([str(out), *extra])
+
+
+def test_good_out_passes(built_out, capsys):
+    assert _verify(built_out) == 0
+    text = capsys.readouterr().out
+    assert "export.verify: PASSED" in text
+    assert "TensorRT" in text  # the engine comparison says why it was skipped (no TensorRT here) or ran
+    # every comparison of the summary table is present: plugin-ref and hf against onnxrt, for both feeds
+    for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    1 logits"):
+        assert row in text
+
+
+@pytest.mark.parametrize("where", ["reference", "plugin", "weights"])
+def test_tampered_weight_fails(out_copy, where, capsys):
+    if where == "reference":
+        _scale_initializer(out_copy / "model.reference.onnx", "layers.1.wo.dq_scales")
+    elif where == "plugin":
+        _scale_initializer(out_copy / "model.plugin.onnx", "layers.0.mlp_norm")
+    else:
+        from export.quantize import load_weights, save_weights
+
+        w = load_weights(out_copy / "weights.safetensors")
+        w["norm"] = w["norm"] * 1.5
+        save_weights(w, out_copy / "weights.safetensors")
+    assert _verify(out_copy, "--no-decode") == 1
+    assert "export.verify: FAILED" in capsys.readouterr().out
+
+
+def test_missing_out_and_files(tmp_path, out_copy, capsys):
+    assert _verify(tmp_path / "nope") == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (out_copy / "model.plugin.onnx.data").unlink()
+    assert _verify(out_copy) == 2
+    err = capsys.readouterr().err
+    assert "model.plugin.onnx.data" in err and "python -m export.build" in err
+
+
+def test_broken_build_json(out_copy, capsys):
+    (out_copy / "build.json").write_text("{not json")
+    assert _verify(out_copy) == 2
+    assert "cannot parse" in capsys.readouterr().err
+
+
+def test_bad_arguments(out_copy):
+    with pytest.raises(SystemExit) as e:
+        _verify(out_copy, "--atol", "tight")
+    assert e.value.code == 2
+
+
+def test_feeds_have_the_documented_layout(built_out):
+    """The decode feed continues the prefill: its caches are prefill's outputs and its tokens are one past the end."""
+    from export.verify import load_out, make_feeds, ort_session
+
+    info = load_out(built_out)
+    sess = ort_session(built_out / "model.reference.onnx")
+    names = [o.name for o in sess.get_outputs()]
+    calls = []
+
+    def prefill(feed):
+        calls.append(feed)
+        return dict(zip(names, sess.run(None, feed)))
+
+    feeds, seqs = make_feeds(info["config"], info["block_size"], lens=(5, 3), prefill_runner=prefill)
+    assert len(calls) == 1 and calls[0] is feeds[0]
+    assert [len(s) for s in seqs[0]] == [5, 3] and [len(s) for s in seqs[1]] == [6, 4]
+    np.testing.assert_array_equal(feeds[1]["seq_lens"], [6, 4])
+    np.testing.assert_array_equal(feeds[1]["positions"], [5, 3])
+    np.testing.assert_array_equal(feeds[1]["input_ids"], [seqs[1][0][-1], seqs[1][1][-1]])
+    assert feeds[0]["block_table"].min() >= 1  # block 0 stays unused (a padding entry never aliases data)
+    assert json.loads((built_out / "build.json").read_text())["block_size"] == info["block_size"]
