@@ -133,3 +133,50 @@ def test_bad_inputs(tiny_llama_dir):
         model(make_batch([3]), model.allocate_kv_cache(2, 4)[:1])
     with pytest.raises(ValueError, match="blocks_per_seq=1 cannot hold"):
         make_batch([9], block_size=4, blocks_per_seq=1)
+
+
+# --- GPU: the Triton kernels in half precision ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant, group_size", [("none", 128), ("int8", 128), ("int4", 32)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_model_vs_hf(tiny_dirs, quant, group_size, dtype):
+    """Our kernels in fp16/bf16 on CUDA vs HF in fp32 on the same (dequantized) weights, over prefill, decode and
+    chunked prefill. Bound: 3x HF's own error when it runs in the same half dtype, + 1e-2 abs (logits are O(1)): fused
+    kernels round at different points than eager PyTorch, which is of the same size as HF's own rounding error; a
+    wiring error (head, position, block) moves logits by O(1)."""
+    import kernels.quant as kq
+    from tests.helpers import assert_close_to_ref
+
+    path = tiny_dirs("qwen2" if quant == "none" else "llama")
+    model = LlamaModel.from_checkpoint(path, quant=quant, group_size=group_size, dtype=dtype, device="cuda")
+    c = model.config
+    hf32 = _hf(path).cuda()
+    if quant != "none":  # HF runs the weights our model runs: quantization error is not counted
+        with torch.no_grad():
+            for i, layer in enumerate(hf32.model.layers):
+                q, k, v = kq.dequantize(model.weights[f"layers.{i}.wqkv"]).float().split([c.q_size, c.kv_size, c.kv_size])
+                gate, up = kq.dequantize(model.weights[f"layers.{i}.w13"]).float().split([c.intermediate_size] * 2)
+                layer.self_attn.q_proj.weight.copy_(q), layer.self_attn.k_proj.weight.copy_(k)
+                layer.self_attn.v_proj.weight.copy_(v), layer.mlp.gate_proj.weight.copy_(gate)
+                layer.mlp.up_proj.weight.copy_(up)
+                layer.self_attn.o_proj.weight.copy_(kq.dequantize(model.weights[f"layers.{i}.wo"]).float())
+                layer.mlp.down_proj.weight.copy_(kq.dequantize(model.weights[f"layers.{i}.w2"]).float())
+    hf_half = type(hf32)(hf32.config).to(device="cuda", dtype=dtype).eval()
+    hf_half.load_state_dict(hf32.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    steps, block_size, blocks_per_seq = [[37, 123], [1, 1], [17, 1]], 16, 12
+    full = [torch.randint(0, c.vocab_size, (sum(s[i] for s in steps),), generator=gen) for i in range(2)]
+    kv = model.allocate_kv_cache(2 * blocks_per_seq, block_size, "cuda", dtype)
+    done = [0, 0]
+    for step, new in enumerate(steps):
+        ids = torch.cat([full[i][done[i]:done[i] + new[i]] for i in range(2)])
+        batch = make_batch(new, cached_lens=done, block_size=block_size, input_ids=ids, blocks_per_seq=blocks_per_seq,
+                           device="cuda")
+        got = model(batch, kv).float()
+        with torch.no_grad():
+            for i in range(2):
+                seq = full[i][: done[i] + new[i]][None].cuda()
+                want = hf32(seq).logits[0, -1]
+                base = hf_half(seq).logits[0, -1].float()
+                assert_close_to_ref(got[i], want, baseline=base, factor=3.0, atol=1e-2)
+        done = [d + n for d, n in zip(done, new)]
