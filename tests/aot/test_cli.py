@@ -16,6 +16,7 @@ from trt_plugins.specs import SPECS
 
 SMS = (80, 90)
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # one subprocess compiling every plugin twice: ~30 s on 2 CPU cores
 
 
 @pytest.fixture(scope="module")

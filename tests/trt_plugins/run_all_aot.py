@@ -1,0 +1,23 @@
+"""Run every plugin once through the AOT launcher at small, odd shapes and check it against the fp32 reference:
+a quick end-to-end smoke run, small enough for ``compute-sanitizer --tool memcheck python -m
+tests.trt_plugins.run_all_aot`` on the GPU machine (the pytest GPU tier is the real check)."""
+
+import torch
+
+from tests.trt_plugins.cases import SMALL, fp32_reference, make_case
+from trt_plugins.aot import run_aot
+from trt_plugins.specs import SPECS
+
+
+def main():
+    for op in SPECS:
+        ins, attrs = make_case(op, SMALL, torch.float16, "cuda")
+        ref = fp32_reference(op, [t.clone() for t in ins], attrs)
+        outs = run_aot(op, ins, attrs)
+        torch.cuda.synchronize()
+        err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, ref))
+        print(f"{op:22s} max |aot - ref| = {err:.3e}")
+
+
+if __name__ == "__main__":
+    main()
