@@ -9,11 +9,10 @@ from export.runtime.backends import TorchBackend, pad_decode_batch
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from export.checkpoint import make_tiny_llama
+def tiny_model(tiny_dir):
     from export.model import LlamaModel
 
-    return LlamaModel.from_checkpoint(make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=1), dtype=torch.float32)
+    return LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
 
 
 def _decode_batch(seq_lens, block_size, tables):

@@ -19,13 +19,6 @@ PROMPTS = [[1, 17, 42, 99, 3], [250], [7, 7, 7, 8, 9, 10, 11, 12, 13, 200, 201, 
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from export.checkpoint import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=5)
-
-
 def _fp32_weights(weights):
     from kernels.quant import dequantize
 

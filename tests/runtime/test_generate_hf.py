@@ -19,16 +19,9 @@ TIE_MARGIN = 1e-4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from export.checkpoint import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=3)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny):
+def hf_model(tiny_dir):
     transformers = pytest.importorskip("transformers")
-    return transformers.LlamaForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    return transformers.LlamaForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new: int, eos: int) -> list[int]:
@@ -50,11 +43,11 @@ def assert_same_tokens(hf_model, prompt_ids, ours, want):
 
 
 @pytest.mark.parametrize("num_blocks,block_size", [(None, 4), (24, 2)])
-def test_greedy_batched_equals_hf_generate(tiny, hf_model, num_blocks, block_size):
+def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block_size):
     from export.model import LlamaModel
 
-    tok = load_tokenizer(tiny)
-    model = LlamaModel.from_checkpoint(tiny, dtype=torch.float32)
+    tok = load_tokenizer(tiny_dir)
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
     # (24 blocks of 2 tokens cannot hold all four sequences at once: the scheduler queues and preempts.)
     backend = TorchBackend(model, num_blocks=num_blocks, block_size=block_size)
     gen = Generator(backend, tok, max_num_seqs=4)
@@ -71,10 +64,10 @@ def test_greedy_batched_equals_hf_generate(tiny, hf_model, num_blocks, block_siz
         assert any(r.num_preemptions for r in res), "the small cache should have forced a preemption"
 
 
-def test_seeded_sampling_is_reproducible_through_the_loop(tiny):
+def test_seeded_sampling_is_reproducible_through_the_loop(tiny_dir):
     from export.model import LlamaModel
 
-    model = LlamaModel.from_checkpoint(tiny, dtype=torch.float32)
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
     backend = TorchBackend(model, block_size=4)
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
     a = Generator(backend).generate([[5, 6, 7], [9]], params)
@@ -82,11 +75,11 @@ def test_seeded_sampling_is_reproducible_through_the_loop(tiny):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-def test_cli_prints_generated_text(tiny, tmp_path):
+def test_cli_prints_generated_text(tiny_dir, tmp_path, capsys):
     from export.model import LlamaModel
 
     # The CLI reads a build output dir; the torch backend needs only config, weights and tokenizer from it.
-    out = _torch_output_dir(tiny, tmp_path / "out")
+    out = _torch_output_dir(tiny_dir, tmp_path / "out")
     model = LlamaModel.from_output_dir(out)
     want = Generator(TorchBackend(model, block_size=16), load_tokenizer(out)).generate(
         ["The quick brown"], SamplingParams(max_new_tokens=6))[0].text
@@ -94,12 +87,13 @@ def test_cli_prints_generated_text(tiny, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert want in proc.stdout and "tok/s" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "export.run", str(tmp_path / "nope"), "--prompt", "x"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "python -m export.build" in bad.stderr
+    from export.run import main
+
+    assert main([str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "python -m export.build" in capsys.readouterr().err
 
 
-def _torch_output_dir(tiny, out):
+def _torch_output_dir(tiny_dir, out):
     """What ``export.build`` writes that the torch backend reads, without building ONNX (not this test's subject)."""
     import json
     import shutil
@@ -108,11 +102,11 @@ def _torch_output_dir(tiny, out):
     from export.quantize import save_weights
 
     out.mkdir(parents=True)
-    for f in tiny.iterdir():
+    for f in tiny_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("config.json", "special_tokens_map.json",
                                                         "generation_config.json"):
             shutil.copy(f, out / f.name)
-    ckpt = load_checkpoint(tiny)
+    ckpt = load_checkpoint(tiny_dir)
     save_weights({k: v for k, v in ckpt.state_dict.items()}, out / "weights.safetensors")
     (out / "build.json").write_text(json.dumps({"quant": "none", "group_size": 128, "block_size": 16,
                                                 "config": ckpt.config.to_dict()}))

@@ -12,13 +12,6 @@ from export.runtime.backends import TorchBackend
 from export.runtime.trt_backend import TrtBackend, check_profile, engine_feeds
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from export.checkpoint import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=2)
-
-
 def test_feeds_drive_the_exported_graph_like_the_torch_backend(tiny_dir, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     from export.model import LlamaModel, make_batch
