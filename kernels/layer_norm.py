@@ -7,6 +7,7 @@ over memory, which is both exact-ish and free), one rounding on the store.
 
 from __future__ import annotations
 
+import functools
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +42,7 @@ def _layer_norm_fwd_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def layer_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float, has_bias: bool) -> LaunchConfig:
     """The launch of ``_layer_norm_fwd_kernel`` as data. Runtime args: ``x, weight, bias, y, n_rows, stride_xm,
     stride_ym`` (without a bias pass ``weight`` as ``bias``; it is not read)."""

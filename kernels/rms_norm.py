@@ -11,6 +11,7 @@ still moves enough bytes); a whole row lives in registers, which is what makes a
 
 from __future__ import annotations
 
+import functools
 import torch
 import triton
 import triton.language as tl
@@ -69,6 +70,7 @@ def _blocks(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     return block_m, block_n, min(warps, 16)
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def rms_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float, has_residual: bool = False) -> LaunchConfig:
     """The launch of ``_rms_norm_fwd_kernel`` as data (pure function of ints/attrs; used by JIT, AOT and plugins).
 

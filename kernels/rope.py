@@ -11,6 +11,7 @@ Grid: (tokens, head blocks of q + head blocks of k); the cos/sin row of a token 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -72,25 +73,32 @@ def _rotate_heads(x_ptr, o_ptr, row, head0, n_heads, stride_xt, stride_xh, strid
                   HALF: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
     heads = head0 + tl.arange(0, BLOCK_H)
-    i = tl.arange(0, BLOCK_HALF)
-    if INTERLEAVED:
-        d1 = 2 * i
-        d2 = 2 * i + 1
-    else:
-        d1 = i
-        d2 = i + HALF
-    mask = (heads < n_heads)[:, None] & (i < HALF)[None, :]
+    head_mask = (heads < n_heads)[:, None]
     x_row = x_ptr + row * stride_xt + heads[:, None] * stride_xh
     o_row = o_ptr + row * stride_ot + heads[:, None] * stride_oh
-    x1 = tl.load(x_row + d1[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + d2[None, :], mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(o_row + d1[None, :], o1.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_row + d2[None, :], o2.to(o_ptr.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        # Load the rotated dims as one contiguous [BLOCK_H, 2 * HALF] tile (16-byte vectors) and split the
+        # (even, odd) pairs in registers; strided 2-byte loads of each half would be 8x more load instructions.
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        mask = head_mask & (d < 2 * HALF)[None, :]
+        x = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_HALF, 2]))
+        o1 = x1 * cos[None, :] - x2 * sin[None, :]
+        o2 = x2 * cos[None, :] + x1 * sin[None, :]
+        o = tl.reshape(tl.join(o1, o2), [BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(o_row + d[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
+    else:
+        i = tl.arange(0, BLOCK_HALF)
+        mask = head_mask & (i < HALF)[None, :]
+        x1 = tl.load(x_row + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * cos[None, :] - x2 * sin[None, :]
+        o2 = x2 * cos[None, :] + x1 * sin[None, :]
+        tl.store(o_row + i[None, :], o1.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_row + HALF + i[None, :], o2.to(o_ptr.dtype.element_ty), mask=mask)
     if COPY_PASS:
         p = 2 * HALF + tl.arange(0, BLOCK_PASS)
-        pmask = (heads < n_heads)[:, None] & (p < D)[None, :]
+        pmask = head_mask & (p < D)[None, :]
         tl.store(o_row + p[None, :], tl.load(x_row + p[None, :], mask=pmask), mask=pmask)
 
 
@@ -118,8 +126,9 @@ def _rope_kernel(
                       BLOCK_PASS)
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
-                       interleaved: bool, copy_pass: bool) -> LaunchConfig:
+                       interleaved: bool, copy_pass: bool, elem_bytes: int = 2) -> LaunchConfig:
     """The launch of ``_rope_kernel`` as data.
 
     Runtime args: ``q, k, q_out, k_out, positions, cos_sin_cache, n_q_heads, n_k_heads`` and the token/head strides
@@ -128,16 +137,21 @@ def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: 
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim must be even and in 2..head_dim={head_dim}, got {rotary_dim}")
     half = rotary_dim // 2
-    # 8 heads x 64 pairs x 2 = 1024 elements per program: at d128 q (32 heads) gives 4 programs + 1 for k per token.
-    block_h = max(1, min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), max(1, 1024 // (2 * triton.next_power_of_2(half)))))
+    block_half = triton.next_power_of_2(half)
+    # ~2048 rotated elements per program: at d128 that is 16 heads, so Llama-3-8B (32 q + 8 kv heads) takes
+    # 2 + 1 programs per token; the cos/sin row is loaded once per program.
+    block_h = max(1, min(triton.next_power_of_2(max(n_q_heads, n_k_heads)), 2048 // (2 * block_half)))
+    # Warps such that each thread moves 16 bytes per load of each half: BLOCK_H * BLOCK_HALF / (16 / elem) / 32.
+    vec = max(1, 16 // elem_bytes)
+    warps = max(1, min(8, block_h * block_half // (vec * 32)))
     grid = (n_tokens, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
     return LaunchConfig(
         kernel=_rope_kernel,
         grid=grid,
         constexprs=dict(HALF=half, D=head_dim, INTERLEAVED=bool(interleaved), COPY_PASS=bool(copy_pass and rotary_dim < head_dim),
-                        BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
+                        BLOCK_H=block_h, BLOCK_HALF=block_half,
                         BLOCK_PASS=triton.next_power_of_2(max(1, head_dim - rotary_dim))),
-        num_warps=4,
+        num_warps=1 << (warps.bit_length() - 1),
         num_stages=1,
     )
 
@@ -179,7 +193,7 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if T == 0:
         return
     copy_pass = q_out.data_ptr() != q.data_ptr() or k_out.data_ptr() != k.data_ptr()
-    cfg = rope_launch_config(T, Hq, k.shape[1], D, rotary_dim, interleaved, copy_pass)
+    cfg = rope_launch_config(T, Hq, k.shape[1], D, rotary_dim, interleaved, copy_pass, q.element_size())
     cfg.launch(q, k, q_out, k_out, positions, cos_sin_cache, Hq, k.shape[1],
                q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 
 # (rows, I): odd widths below and above one column block (2048), so masks and the column grid both get exercised.
 SMALL = [(1, 123), (7, 1000), (33, 2500)]
-LARGE = [(4099, 14336), (32768, 1024), (3, 28672)]
+LARGE = [(1031, 14336), (32768, 512), (3, 28672)]
 CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
 CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
 
@@ -85,7 +85,7 @@ def test_launch_config():
     cfg = gated_act_launch_config(4096, 14336, 2, "silu")
     assert cfg == gated_act_launch_config(4096, 14336, 2, "silu")
     assert cfg.grid == (4096, 7) and cfg.constexprs["BLOCK_N"] == 2048
-    assert cfg.constexprs["BLOCK_N"] // (32 * cfg.num_warps) >= 8  # 16-byte bf16 vectors per thread
+    assert cfg.constexprs["BLOCK_N"] // (32 * cfg.num_warps) >= 8  # >= one 16-byte bf16 vector per thread
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -32,7 +32,7 @@ def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
 # (rows, hidden): 1 row; odd rows with a non-power-of-two hidden (several rows per program); a full LLaMA-7B row.
 SMALL = [(1, 123), (7, 1000), (33, 4096)]
-LARGE = [(4099, 5120), (32768, 4096), (257, 8192), (3, 16384)]
+LARGE = [(4099, 5120), (32768, 1024), (257, 8192), (3, 16384)]  # 32k tokens at a narrow row keeps the check quick
 CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
 CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
 
