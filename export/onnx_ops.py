@@ -35,6 +35,10 @@ FALLBACK_CONTRACT = {
 }
 
 
+# Attributes on every plugin node that are for TensorRT's ONNX parser, not for the op (CPU runners drop them).
+TRT_PARSER_ATTRS = {"plugin_namespace": PLUGIN_DOMAIN, "plugin_version": "1", "aot": 1}
+
+
 def _names(items) -> list[str]:
     """Names from a spec's ``inputs``/``outputs``/``attrs``: plain strings, objects with ``.name``, or dict keys."""
     if isinstance(items, dict):
@@ -79,6 +83,9 @@ class OpEmitter:
         while ordered and ordered[-1] == "":  # trailing optional inputs may simply be left out in ONNX
             ordered.pop()
         node_attrs = {k: v for k, v in attrs.items() if k in attr_names}
+        # How TensorRT's ONNX parser finds a Python (QDP) plugin: op_type == the plugin name, plus these attributes
+        # (namespace, version, and aot=1 to take the ahead-of-time kernel, so the engine runs without Python).
+        node_attrs.update(TRT_PARSER_ATTRS)
         return self.g.op(op_type, ordered, n_out, domain=PLUGIN_DOMAIN, name=name, outputs=outputs, **node_attrs)
 
     # -- small helpers ------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from .onnx_graph import PLUGIN_DOMAIN
+from .onnx_ops import TRT_PARSER_ATTRS
 
 
 def _torch_fallback(op_type: str, inputs: list, attrs: dict) -> list:
@@ -93,7 +94,7 @@ def plugin_op_classes(model: onnx.ModelProto) -> list[type]:
 
     def _run(self, *inputs, **attrs):
         # only the node's own attributes: OpRun may add defaults of a same-named op from another schema
-        own = {a.name for a in self.onnx_node.attribute}
+        own = {a.name for a in self.onnx_node.attribute} - set(TRT_PARSER_ATTRS)
         attrs = {k: v for k, v in attrs.items() if k in own and v is not None}
         return tuple(run_plugin_op(self.op_type, list(inputs), attrs))
 

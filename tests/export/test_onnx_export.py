@@ -100,6 +100,7 @@ def test_flavours_match_hf_and_each_other(exported, tiny_dirs, variant, quant):
 def test_graph_contract(exported):
     """Dynamic dims and I/O names as documented, plugin nodes as the specs say, external data beside the model."""
     from export.onnx_ops import plugin_contract
+    from trt_plugins.specs import SPECS
 
     ckpt, _, paths = exported("llama", "int4")
     c = ckpt.config
@@ -123,7 +124,11 @@ def test_graph_contract(exported):
         for n in plugin_nodes:
             in_names, attr_names, n_out = plugin_contract(n.op_type)
             assert len(n.input) == len(in_names) and len(n.output) == n_out, n.op_type
-            assert {a.name for a in n.attribute} <= set(attr_names), n.op_type
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            # what TensorRT's ONNX parser needs to pick our AOT plugin: tritrt::<op_type>, version 1, aot
+            assert attrs.pop("plugin_namespace") == b"tritrt" and attrs.pop("aot") == 1, n.op_type
+            assert attrs.pop("plugin_version") == SPECS[n.op_type].version.encode(), n.op_type
+            assert set(attrs) <= set(attr_names), n.op_type
         # the cache write's outputs are the graph's cache outputs (aliased in place by the engine)
         writes = [n for n in plugin_nodes if n.op_type == "WriteKvCache"]
         assert [list(n.output) for n in writes] == [[f"k_cache_out_{i}", f"v_cache_out_{i}"] for i in range(c.num_layers)]
