@@ -79,14 +79,14 @@ class LlamaModel(torch.nn.Module):
         repacked with ``kernels.quant``'s importers (its own quant mode and group size win over ``quant``)."""
         ckpt = load_checkpoint(path, dtype=dtype)
         weights = {k: v.to(device) for k, v in ckpt.state_dict.items()}
+        if ckpt.state_dict["lm_head"] is ckpt.state_dict["embed"]:
+            weights["lm_head"] = weights["embed"]  # .to(device) made two copies of the tied tensor; keep one
         if ckpt.quantized_parts:
             from .quantize import import_quantized
 
             imported, quant, group_size = import_quantized(ckpt, device=device)
             weights.update(imported)
             return cls(ckpt.config, weights, quant=quant, group_size=group_size, quantized=True)
-        if ckpt.config.tie_word_embeddings and "lm_head" not in ckpt.state_dict:
-            weights["lm_head"] = weights["embed"]
         return cls(ckpt.config, weights, quant=quant, group_size=group_size)
 
     @classmethod
