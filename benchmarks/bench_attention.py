@@ -131,11 +131,11 @@ def bench_decode(rows_out, copy_gbs):
             torch.cuda.empty_cache()
 
 
-def sweep(rows_out):
-    """Time tile configs of both kernels on representative shapes (no defaults are changed by this)."""
+def sweep(rows_out, prefill: bool):
+    """Time tile configs on representative shapes (no defaults are changed by this)."""
     for hq, hk, d, configs in ((32, 8, 128, [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 128, 4, 3)]),
                                (32, 8, 64, [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 4), (64, 64, 4, 4)])):
-        for seq in (2048, 16384):
+        for seq in (2048, 16384) if prefill else ():
             b, q, k, v, cu = _prefill_inputs(seq, hq, hk, d)
             out = torch.empty_like(q)
             base = prefill_attention_launch_config(q.shape[0], b, hq, hk, d, d ** -0.5, True, paged=False)
@@ -154,19 +154,21 @@ def sweep(rows_out):
     for bs, kv in ((1, 16384), (16, 1024), (16, 4096), (64, 1024), (64, 4096)):
         sets = rotating_inputs(lambda: _decode_set(bs, kv, hq, hk, d, page), 2 * bs * kv * hk * d * 2)
         auto = decode_attention_launch_config(bs, hq, hk, d, page, kv // page, d ** -0.5).grid[2]
-        for bn, w, st, splits in ((64, 4, 2, auto), (64, 4, 3, auto), (32, 4, 3, auto), (32, 4, 2, auto),
-                                  (64, 4, 2, 2 * auto), (64, 4, 2, max(1, auto // 2)), (128, 8, 2, auto),
-                                  (64, 4, 2, 4 * auto)):
+        for bn, w, st, splits, pf in ((64, 4, 2, auto, True), (64, 4, 2, auto, False), (64, 4, 3, auto, True),
+                                      (64, 4, 3, auto, False), (32, 4, 3, auto, True), (128, 8, 2, auto, True),
+                                      (64, 8, 2, auto, True), (64, 4, 2, 2 * auto, True)):
             splits = min(64, splits)
             base = decode_attention_launch_config(bs, hq, hk, d, page, kv // page, d ** -0.5, num_splits=splits)
-            cfg = dataclasses.replace(base, num_warps=w, num_stages=st, constexprs={**base.constexprs, "BLOCK_N": bn})
+            cfg = dataclasses.replace(base, num_warps=w, num_stages=st,
+                                      constexprs={**base.constexprs, "BLOCK_N": bn, "PREFETCH_PAGES": pf})
 
             def run(q, kc, vc, bt, sl, cu, out, scratch, cfg=cfg):
                 cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.stride(0), out.stride(0), bt.stride(0))
 
             ms = bench(_replay, _graphed(run, sets))
             gbs = (2 * bs * kv * hk * d * 2 + 2 * bs * hq * d * 2) / ms / 1e6
-            rows_out.append(dict(kernel="decode", shape=f"bs{bs} kv{kv}", cfg=f"N{bn}/w{w}/s{st}/splits{splits}", metric=gbs))
+            rows_out.append(dict(kernel="decode", shape=f"bs{bs} kv{kv}", cfg=f"N{bn}/w{w}/s{st}/splits{splits}/pf{int(pf)}",
+                                 metric=gbs))
             print(rows_out[-1], flush=True)
         del sets
         torch.cuda.empty_cache()
@@ -174,14 +176,15 @@ def sweep(rows_out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time tile configurations")
+    parser.add_argument("--sweep", action="store_true", help="also time decode tile configurations")
+    parser.add_argument("--sweep-prefill", action="store_true", help="with --sweep: prefill tiles too")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
     if args.sweep:
         rows = []
-        sweep(rows)
+        sweep(rows, args.sweep_prefill)
         write_results("bench_attention_sweep", rows, ["kernel", "shape", "cfg", "metric", "error"],
                       notes="metric: TFLOP/s (prefill, causal bf16) or GB/s (decode, bf16, 32q/8kv d128 block 16).")
     decode_rows = []
