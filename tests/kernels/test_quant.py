@@ -1,0 +1,177 @@
+"""Quantizers, packing, dequantize, linear, and the GPTQ/AWQ importers (exact round trips from known integers).
+
+The GPTQ/AWQ tensors are built here, independently of the importer, with plain loops over the formats' documented
+bit layouts from known integer weights / zeros; an import must then dequantize to exactly ``(q - z) * s``.
+"""
+
+import pytest
+import torch
+
+from kernels.quant import QuantizedWeight, dequantize, linear, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from kernels.quant_import import AWQ_ORDER, import_awq, import_gptq
+
+
+def _to_i32(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def pack_rows_loop(q):  # [K, N] -> [K/8, N], GPTQ qweight: row 8i+j at bits 4j
+    k, n = q.shape
+    out = torch.zeros(k // 8, n, dtype=torch.int64)
+    for i in range(k // 8):
+        for j in range(8):
+            out[i] |= q[8 * i + j].to(torch.int64) << (4 * j)
+    return _to_i32(out)
+
+
+def pack_cols_loop(q, order=range(8)):  # [R, C] -> [R, C/8]: nibble i holds column 8c + order[i]
+    r, c = q.shape
+    out = torch.zeros(r, c // 8, dtype=torch.int64)
+    for cc in range(c // 8):
+        for i, o in enumerate(order):
+            out[:, cc] |= q[:, 8 * cc + o].to(torch.int64) << (4 * i)
+    return _to_i32(out)
+
+
+def known_ints(K, N, G, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (K, N), generator=g)
+    z = torch.randint(0, 16, (K // G, N), generator=g)
+    s = (torch.rand(K // G, N, generator=g) * 0.1 + 0.01).half()
+    return q, z, s
+
+
+def expected_weight(q, z, s, G, rows=None):
+    """[N, K] fp16 weight (q - z) * s, with ``rows[k]`` the group of input k (default k // G)."""
+    K = q.shape[0]
+    rows = torch.arange(K) // G if rows is None else rows
+    return ((q.float() - z[rows].float()) * s[rows].float()).half().t().contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ quantizers
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_int8_round_trip_error_and_layout(dtype):
+    w = torch.randn(72, 123, dtype=dtype)
+    qw = quantize_int8(w)
+    assert qw.qweight.shape == (123, 72) and qw.qweight.dtype == torch.int8 and qw.scales.shape == (72,)
+    assert int(qw.qweight.abs().max()) <= 127
+    back = dequantize(qw)
+    assert back.shape == w.shape
+    # Rounding to the nearest step: |w - w_hat| <= s / 2 per element (plus the 16-bit rounding of w_hat).
+    step = qw.scales.float()[:, None]
+    assert bool(((back.float() - w.float()).abs() <= step * 0.5 + back.float().abs() * 2**-7 + 1e-6).all())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_round_trip_error_and_layout(group_size, symmetric):
+    w = torch.randn(40, 256, dtype=torch.float16)
+    qw = quantize_int4(w, group_size, symmetric)
+    assert qw.qweight.shape == (32, 40) and qw.qweight.dtype == torch.int32
+    assert qw.scales.shape == (256 // group_size, 40)
+    assert (qw.zeros is None) == symmetric
+    back = dequantize(qw).float()
+    s = qw.scales.float().repeat_interleave(group_size, 0).t()
+    # Asymmetric: the [min, max] range is covered, so error <= s/2 (+ zero-point rounding s/2); symmetric: <= s/2
+    # except the clamp at -8..7 (max|w| maps to 7, never clamped). Plus fp16 rounding of the dequantized value.
+    bound = (1.0 if not symmetric else 0.5) * s + back.abs() * 2**-10 + 1e-6
+    assert bool(((back - w.float()).abs() <= bound).all())
+
+
+def test_pack_unpack_int4_exact_and_sign_bit():
+    q = torch.randint(0, 16, (64, 9))
+    q[7] = 15  # top nibble set: the int32 is negative, unpacking must still give 15
+    packed = pack_int4(q)
+    assert torch.equal(packed, pack_rows_loop(q))
+    assert torch.equal(unpack_int4(packed), q.to(torch.int32))
+
+
+def test_linear_cpu_matches_dequantized_matmul():
+    x = torch.randn(3, 5, 128, dtype=torch.float16)
+    w = torch.randn(24, 128, dtype=torch.float16)
+    b = torch.randn(24, dtype=torch.float16)
+    for qw in (quantize_int8(w), quantize_int4(w, 64), quantize_int4(w, 32, symmetric=True)):
+        y = linear(x, qw, b)
+        ref = (x.float() @ dequantize(qw, torch.float32).t() + b.float()).half()
+        assert y.shape == (3, 5, 24)
+        assert torch.equal(y, ref)
+
+
+def test_bad_input_messages():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_int4(torch.randn(4, 8, 128))
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_int8(torch.randint(0, 3, (4, 16)))
+    qw = quantize_int8(torch.randn(8, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="in_features=32"):
+        linear(torch.randn(2, 16, dtype=torch.float16), qw)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        linear(torch.randn(2, 32, dtype=torch.bfloat16), qw)
+
+
+# ------------------------------------------------------------------------------------------------ importers
+@pytest.mark.parametrize("zero_offset", [1, 0])
+def test_gptq_import_exact(zero_offset):
+    K, N, G = 256, 48, 64
+    q, z, s = known_ints(K, N, G)
+    z = z.clamp(min=zero_offset)  # v1 stores z - 1, which must be >= 0
+    qw = import_gptq(pack_rows_loop(q), pack_cols_loop(z - zero_offset), s, zero_offset=zero_offset)
+    assert qw.perm is None and qw.group_size == G and (qw.in_features, qw.out_features) == (K, N)
+    assert torch.equal(unpack_int4(qw.qweight), q.to(torch.int32))
+    assert torch.equal(qw.zeros, z.to(torch.uint8))
+    assert torch.equal(dequantize(qw), expected_weight(q, z, s, G))
+
+
+def test_gptq_trivial_g_idx_stores_no_perm():
+    K, N, G = 128, 16, 32
+    q, z, s = known_ints(K, N, G, seed=1)
+    qw = import_gptq(pack_rows_loop(q), pack_cols_loop(z - 1).clamp(min=0), s,
+                     torch.arange(K, dtype=torch.int32) // G)
+    assert qw.perm is None
+
+
+def test_gptq_act_order_import_and_linear():
+    K, N, G = 256, 32, 64
+    q, z, s = known_ints(K, N, G, seed=2)
+    z = z.clamp(min=1)
+    g = torch.Generator().manual_seed(3)
+    g_idx = (torch.randperm(K, generator=g) // G).to(torch.int32)  # act-order: every group G inputs, scattered
+    qw = import_gptq(pack_rows_loop(q), pack_cols_loop(z - 1), s, g_idx)
+    assert qw.perm is not None and torch.equal(torch.sort(qw.perm).values, torch.arange(K))
+    want = expected_weight(q, z, s, G, rows=g_idx.long())  # GPTQ's own dequantization, original input order
+    assert torch.equal(dequantize(qw), want)
+    x = torch.randn(3, K, dtype=torch.float16)
+    y = linear(x, qw)  # gathers x[..., perm] before the op
+    ref = x.float() @ ((q.float() - z[g_idx.long()].float()) * s[g_idx.long()].float())  # [K, N]
+    assert torch.allclose(y.float(), ref, rtol=2**-10, atol=1e-3 * float(ref.abs().max()))
+
+
+def test_gptq_bad_g_idx_rejected():
+    K, N, G = 128, 16, 32
+    q, z, s = known_ints(K, N, G)
+    g_idx = torch.zeros(K, dtype=torch.int32)
+    g_idx[: K // 2] = 1  # two groups of 64, two empty: not GPTQ act-order
+    with pytest.raises(ValueError, match="exactly group_size"):
+        import_gptq(pack_rows_loop(q), pack_cols_loop(z), s, g_idx)
+    with pytest.raises(ValueError, match="zero_offset"):
+        import_gptq(pack_rows_loop(q), pack_cols_loop(torch.full_like(z, 15)), s, zero_offset=2)
+    with pytest.raises(ValueError, match="int32"):
+        import_gptq(pack_rows_loop(q).to(torch.int64), pack_cols_loop(z), s)
+
+
+def test_awq_import_exact():
+    K, N, G = 256, 40, 128
+    q, z, s = known_ints(K, N, G, seed=4)
+    qw = import_awq(pack_cols_loop(q, AWQ_ORDER), pack_cols_loop(z, AWQ_ORDER), s)
+    assert qw.group_size == G and qw.perm is None
+    assert torch.equal(unpack_int4(qw.qweight), q.to(torch.int32))
+    assert torch.equal(qw.zeros, z.to(torch.uint8))
+    assert torch.equal(dequantize(qw), expected_weight(q, z, s, G))
+    # The AWQ order matters: reading it as sequential packing would give a different weight.
+    wrong = import_awq(pack_cols_loop(q), pack_cols_loop(z), s)
+    assert not torch.equal(unpack_int4(wrong.qweight), q.to(torch.int32))
+
+
+def test_quantized_weight_dataclass_is_stable():
+    fields = [f for f in QuantizedWeight.__dataclass_fields__]
+    assert fields[:7] == ["bits", "qweight", "scales", "zeros", "group_size", "in_features", "out_features"]
