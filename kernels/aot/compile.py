@@ -230,7 +230,7 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
     """
     _check_sm(sm)
     text = Path(source).read_text()
-    if f'extern "C"' not in text:
+    if 'extern "C"' not in text:
         raise AotError(f"{source}: kernels must be extern \"C\" so that {kernel_name} keeps an unmangled name")
     cache = cache if cache is not None else AotCache()
     import hashlib

@@ -79,7 +79,7 @@ def test_bad_specialisation_is_refused(bad, match):
         compile_triton(_axpb_kernel, args["signature"], args["constexprs"], sm=args["sm"], div16=bad.get("div16", ()))
 
 
-def test_kernel_needing_scratch_is_refused(monkeypatch):
+def test_kernel_needing_scratch_is_refused(monkeypatch, tmp_path):
     """A kernel whose metadata asks for global scratch cannot run as a plugin: refused, with the fix in the message."""
     import triton
 
@@ -92,13 +92,7 @@ def test_kernel_needing_scratch_is_refused(monkeypatch):
 
     monkeypatch.setattr(triton, "compile", with_scratch)
     with pytest.raises(AotError, match="explicit tensor argument"):
-        compile_triton(_axpb_kernel, SIG, CONST, sm=90, cache=AotCache(_tmp_dir(monkeypatch)))
-
-
-def _tmp_dir(monkeypatch):
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="aot-scratch-")
+        compile_triton(_axpb_kernel, SIG, CONST, sm=90, cache=AotCache(tmp_path))
 
 
 @pytest.mark.parametrize("sm", [80, 90])
