@@ -52,36 +52,64 @@ def dequantize_state_dict(state: dict) -> dict:
 
 # --- GPTQ / AWQ ---------------------------------------------------------------------------------------------------
 def import_quantized(ckpt, device="cpu"):
-    """Repack a GPTQ/AWQ checkpoint's ``quantized_parts`` into ``QuantizedWeight``s.
+    """Repack a GPTQ/AWQ checkpoint's ``quantized_parts`` into ``QuantizedWeight``s (``kernels.quant_import``).
 
-    Returns ``(weights, quant, group_size)``: the internal linear weights (and q|k|v biases), "int4"/"int8" from the
-    checkpoint's bits, and its group size. Projections that we fuse (q|k|v, gate|up) are imported one by one and
-    concatenated along the output features, which weight-only formats allow without touching any value.
+    Returns ``(weights, "int4", group_size)``: the internal linear weights (and q|k|v biases) and the checkpoint's group
+    size. Projections that we fuse (q|k|v, gate|up) are imported one by one and concatenated along the output features,
+    which moves no value (``concat_output``).
     """
-    from kernels import quant as kq
+    from kernels import quant_import as qi
 
     qcfg = ckpt.quantization_config or {}
     method = qcfg.get("quant_method")
     bits = int(qcfg.get("bits", qcfg.get("w_bit", 4)))
     group_size = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
+    if bits != 4:
+        raise ValueError(f"{method} checkpoint with bits={bits}: only 4-bit GPTQ/AWQ is supported; for 8 bit, use the "
+                         f"original fp16/bf16 checkpoint with --quant int8")
     if group_size <= 0:
-        raise ValueError(f"{method} checkpoint with group_size {group_size} (per-channel) is not supported; "
+        raise ValueError(f"{method} checkpoint with group_size {group_size} (one group per row) is not supported; "
                          f"use a group-wise quantized checkpoint (e.g. group_size 128)")
     if method == "gptq":
-        importer = lambda p: kq.import_gptq(p["qweight"], p["qzeros"], p["scales"], p.get("g_idx"),  # noqa: E731
-                                            bits=bits, group_size=group_size)
+        # v1 checkpoints (AutoGPTQ, most of the Hub) store zero - 1; "gptq_v2" (GPTQModel) stores the zero itself.
+        offset = 0 if qcfg.get("checkpoint_format", "gptq") == "gptq_v2" else 1
+        importer = lambda p: qi.import_gptq(p["qweight"], p["qzeros"], p["scales"], p.get("g_idx"),  # noqa: E731
+                                            group_size=group_size, zero_offset=offset)
     elif method == "awq":
-        importer = lambda p: kq.import_awq(p["qweight"], p["qzeros"], p["scales"], bits=bits,  # noqa: E731
-                                           group_size=group_size)
+        version = str(qcfg.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"AWQ version '{version}' is not supported; use an AWQ checkpoint in GEMM format")
+        importer = lambda p: qi.import_awq(p["qweight"], p["qzeros"], p["scales"], group_size=group_size)  # noqa: E731
     else:
         raise ValueError(f"quant_method {method!r} is not supported (gptq, awq)")
     weights = {}
     for name, parts in ckpt.quantized_parts.items():
         qws = [importer({k: v.to(device) for k, v in p.items()}) for p in parts]
-        weights[name] = qws[0] if len(qws) == 1 else kq.concat_output(qws)
-        if all("bias" in p for p in parts) and name.endswith(".wqkv"):
+        weights[name] = qws[0] if len(qws) == 1 else concat_output(qws, name)
+        if name.endswith(".wqkv") and all("bias" in p for p in parts):
             weights[name[: -len("wqkv")] + "bqkv"] = torch.cat([p["bias"].to(device) for p in parts])
-    return weights, ("int8" if bits == 8 else "int4"), group_size
+    return weights, "int4", group_size
+
+
+def concat_output(qws: list, name: str = "weight"):
+    """One ``QuantizedWeight`` whose output features are those of ``qws`` in order (the q|k|v or gate|up fusion).
+
+    The packed layout is K-major (``qweight [K // 8, N]``, ``scales`` / ``zeros`` ``[K // G, N]``), so fusing along N
+    is a concatenation of columns. All parts must share in_features, group size and input permutation (GPTQ act
+    order): they read the same activations.
+    """
+    first = qws[0]
+    for q in qws[1:]:
+        if (q.bits, q.in_features, q.group_size, q.dtype) != (first.bits, first.in_features, first.group_size,
+                                                              first.dtype):
+            raise ValueError(f"{name}: cannot fuse projections with different bits/in_features/group size/dtype")
+        if (q.perm is None) != (first.perm is None) or (q.perm is not None and not torch.equal(q.perm, first.perm)):
+            raise ValueError(f"{name}: the fused projections (q|k|v or gate|up) have different GPTQ act-order "
+                             f"permutations (g_idx), which one fused GEMM cannot serve; re-quantize with "
+                             f"desc_act=False or static_groups=True")
+    cat = lambda f: None if getattr(first, f) is None else torch.cat([getattr(q, f) for q in qws], dim=1)  # noqa: E731
+    return dataclasses.replace(first, qweight=cat("qweight"), scales=cat("scales"), zeros=cat("zeros"),
+                               out_features=sum(q.out_features for q in qws))
 
 
 # --- (de)serialisation --------------------------------------------------------------------------------------------

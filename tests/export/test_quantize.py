@@ -88,3 +88,115 @@ def test_quantized_weights_are_smaller(state):
     sizes = {q: weights_nbytes(state if q == "none" else quantize_state_dict(state, q, group_size=32))
              for q in ("none", "int8", "int4")}
     assert sizes["int4"] < sizes["int8"] < sizes["none"]
+
+
+# --- GPTQ / AWQ checkpoints: repacked, never re-quantized --------------------------------------------------------
+GROUP = 32
+PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Projections that read the same activations share one act-order permutation (they are fused into one GEMM).
+INPUT_GROUP = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gu", "up_proj": "gu",
+               "down_proj": "down"}
+
+
+def _pack_cols(q, order=tuple(range(8))):
+    """int [R, C] in 0..15 -> int32 [R, C // 8], nibble i of column block c = column 8c + order[i]."""
+    r, c = q.shape
+    q = q.to(torch.int64).reshape(r, c // 8, 8)
+    out = torch.zeros(r, c // 8, dtype=torch.int64)
+    for i, col in enumerate(order):
+        out |= q[:, :, col] << (4 * i)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def _quantize_like_gptq(w, perm):
+    """Asymmetric int4 over groups of inputs given by ``perm`` (act order): (q [K, N] in original order, scales,
+    zeros [K // G, N], g_idx [K], the dequantized weight [N, K] the checkpoint stands for)."""
+    qw = kq.quantize_int4(w[:, perm], group_size=GROUP, scale_dtype=w.dtype)
+    q = torch.empty(w.shape[1], w.shape[0], dtype=torch.int32)
+    q[perm] = kq.unpack_int4(qw.qweight)
+    deq = torch.empty_like(w)
+    deq[:, perm] = kq.dequantize(qw)
+    g_idx = torch.empty(w.shape[1], dtype=torch.int32)
+    g_idx[perm] = torch.arange(w.shape[1], dtype=torch.int32) // GROUP
+    return q, qw.scales, qw.zeros.to(torch.int32), g_idx, deq
+
+
+def _make_quantized_checkpoint(src, dst, method, act_order=False, same_perm=True, bits=4):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    perms, dequantized = {}, {}
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in PROJ and n.endswith(".weight")]:
+        prefix, proj = name[: -len(".weight")], name.rsplit(".", 2)[-2]
+        w = tensors.pop(name)
+        key = (name.split(".")[2], INPUT_GROUP[proj] if same_perm else proj)
+        if key not in perms:
+            perms[key] = torch.randperm(w.shape[1], generator=gen) if act_order else torch.arange(w.shape[1])
+        q, scales, zeros, g_idx, dequantized[name] = _quantize_like_gptq(w, perms[key])
+        if method == "gptq":
+            tensors.update({prefix + ".qweight": kq.pack_int4(q), prefix + ".qzeros": _pack_cols(zeros - 1),
+                            prefix + ".scales": scales, prefix + ".g_idx": g_idx})
+        else:
+            order = (0, 2, 4, 6, 1, 3, 5, 7)
+            tensors.update({prefix + ".qweight": _pack_cols(q, order), prefix + ".qzeros": _pack_cols(zeros, order),
+                            prefix + ".scales": scales})
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = ({"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": act_order,
+                                   "sym": False, "checkpoint_format": "gptq"} if method == "gptq" else
+                                  {"quant_method": "awq", "bits": bits, "group_size": GROUP, "version": "gemm",
+                                   "zero_point": True})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+@pytest.mark.parametrize("method, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_gptq_awq_import_is_exact(tiny_dirs, tmp_path, method, act_order):
+    """Imported (and fused) weights dequantize bit-exactly to what the checkpoint encodes, and the model on them gives
+    the logits of the float model on those dequantized weights (fp32 everywhere: differences are fp32 summation
+    order only, ~1e-7; 1e-5 relative leaves 100x margin while a wrong nibble order or zero offset is ~1e-2)."""
+    from export.model import LlamaModel, make_batch
+
+    src = tiny_dirs("llama")
+    deq = _make_quantized_checkpoint(src, tmp_path / "q", method, act_order)
+    model = LlamaModel.from_checkpoint(tmp_path / "q")
+    assert model.quant == "int4" and model.group_size == GROUP
+    c = model.config
+    ref_state = dict(load_checkpoint(src).state_dict)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for name, parts in (("wqkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                            ("wo", ["self_attn.o_proj"]), ("w13", ["mlp.gate_proj", "mlp.up_proj"]),
+                            ("w2", ["mlp.down_proj"])):
+            qw = model.weights[f"layers.{i}.{name}"]
+            assert isinstance(qw, kq.QuantizedWeight) and (qw.perm is not None) == act_order
+            want = torch.cat([deq[p + part + ".weight"] for part in parts])
+            assert torch.equal(kq.dequantize(qw), want), f"layers.{i}.{name}"
+            ref_state[f"layers.{i}.{name}"] = want
+    ref = LlamaModel(c, ref_state)
+    ids = torch.randint(0, c.vocab_size, (11,))
+    batch = make_batch([4, 7], block_size=4, input_ids=ids)
+    got, want = model(batch, model.allocate_kv_cache(8, 4)), ref(batch, ref.allocate_kv_cache(8, 4))
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_gptq_act_order_must_match_across_fused_projections(tiny_dirs, tmp_path):
+    from export.model import LlamaModel
+
+    _make_quantized_checkpoint(tiny_dirs("llama"), tmp_path / "q", "gptq", act_order=True, same_perm=False)
+    with pytest.raises(ValueError, match="different GPTQ act-order permutations"):
+        LlamaModel.from_checkpoint(tmp_path / "q")
+
+
+def test_gptq_8bit_is_refused(tiny_dirs, tmp_path):
+    from export.model import LlamaModel
+
+    _make_quantized_checkpoint(tiny_dirs("llama"), tmp_path / "q", "gptq", bits=8)
+    with pytest.raises(ValueError, match="only 4-bit GPTQ/AWQ"):
+        LlamaModel.from_checkpoint(tmp_path / "q")
