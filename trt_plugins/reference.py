@@ -13,6 +13,9 @@ from .specs import get_spec
 from .specs._base import dtype_name, torch_dtype
 
 
+_PARSER_ATTRS = ("plugin_namespace", "plugin_version", "aot")
+
+
 def _to_torch(a):
     import numpy as np
     import torch
@@ -44,6 +47,8 @@ def run_reference(op_type: str, inputs: list, attrs: dict | None = None) -> list
         raise ValueError(f"{op_type} takes {len(spec.inputs)} inputs {spec.inputs}, got {len(inputs)}")
     as_numpy = not isinstance(inputs[0], torch.Tensor)
     tensors = [_to_torch(a) for a in inputs]
+    # Attributes addressed to TensorRT's ONNX parser, not to the op, may ride along on an exported node.
+    attrs = {k: v for k, v in (attrs or {}).items() if k not in _PARSER_ATTRS}
     full = spec.full_attrs(attrs)
     shapes = {n: tuple(t.shape) for n, t in zip(spec.inputs, tensors)}
     dtypes = {n: dtype_name(t.dtype) for n, t in zip(spec.inputs, tensors)}

@@ -205,3 +205,6 @@ def load_plugins(ops=None) -> list:
             _register(spec)
             _REGISTERED.add(spec.qualified_name)
     return [SPECS[n].qualified_name for n in names]
+
+
+register_all = load_plugins  # the name export.runtime.trt_backend looks for

@@ -49,6 +49,9 @@ def test_attribute_defaults_apply():
     b = run_reference("RmsNorm", ins, {"eps": 1e-6})[0]
     c = run_reference("RmsNorm", ins, {"eps": 0.5})[0]
     assert torch.equal(a, b) and not torch.equal(a, c)
+    # TensorRT ONNX-parser attributes on an exported node are not op attributes: ignored.
+    d = run_reference("RmsNorm", ins, {"eps": 1e-6, "plugin_namespace": "tritrt", "plugin_version": "1", "aot": 1})[0]
+    assert torch.equal(a, d)
 
 
 def test_bad_calls_say_what_to_do():
