@@ -30,6 +30,9 @@ Dims other than T / M / S (and the cache's num_blocks, the block table's width) 
 choose constexprs (``spec.static_dims``). No bias / residual inputs: LLaMA has none, and a residual add is fused
 into FusedAddRmsNorm.
 
+Exporters: write every attribute of ``spec.attrs`` on the node (``spec.full_attrs(given)`` fills the defaults):
+TensorRT's Python plugins have no attribute defaults, so a missing attribute cannot be filled in at engine build.
+
 The plugin kernel's parameters are, as TensorRT's AOT plugins pass them: input pointers, the int32 scalars in
 ``spec.scalars`` order, output pointers (an aliased output gets its own, equal, pointer). The kernels in
 ``kernels/`` keep their own parameter order; ``kernels.aot.wrapper`` generates the entry kernel that maps one to the
