@@ -169,6 +169,9 @@ def run_build(args, log=print) -> tuple[Path, list[str]]:
         t0 = time.perf_counter()
         model = LlamaModel.from_checkpoint(ckpt_dir, quant=args.quant, dtype=getattr(torch, dtype_name),
                                            group_size=args.group_size)
+        if ckpt.quantization_config and model.quant != args.quant:
+            log(f"note: {ckpt.quantization_config.get('quant_method')} checkpoint: its own {model.quant} "
+                f"(group {model.group_size}) weights are used; --quant {args.quant} ignored")
         log(f"loaded {ckpt_dir} ({ckpt.config.num_layers} layers, hidden {ckpt.config.hidden_size}, quant "
             f"{model.quant}, {dtype_name}) in {time.perf_counter() - t0:.1f} s")
         sm, sm_why = (args.sm, "--sm") if args.sm else default_sm()

@@ -159,3 +159,21 @@ def test_int4_group_size_must_divide(tmp_path, tiny_dirs, capsys):
 def test_from_onnx_needs_an_out(tmp_path, capsys):
     rc, _, err = _build(capsys, "--from-onnx", str(tmp_path))
     assert rc != 0 and "lacks build.json" in err
+
+
+@needs_exporter
+def test_gptq_act_order_checkpoint_builds(tiny_dirs, tmp_path, capsys):
+    """A GPTQ checkpoint (act order) goes through the whole build as its own int4, and OUT reproduces its model."""
+    from tests.export.test_quantize import _make_quantized_checkpoint
+
+    _make_quantized_checkpoint(tiny_dirs("llama"), tmp_path / "gptq", "gptq", act_order=True)
+    out = tmp_path / "out"
+    rc, stdout, err = _build(capsys, "--checkpoint", str(tmp_path / "gptq"), "--out", str(out), "--block-size", "4")
+    assert rc == 0, err
+    build = json.loads((out / "build.json").read_text())
+    assert (build["quant"], build["group_size"]) == ("int4", 32)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    got, ref = LlamaModel.from_output_dir(out), LlamaModel.from_checkpoint(tmp_path / "gptq")
+    assert got.weights["layers.0.wqkv"].perm is not None
+    batch = make_batch([6], block_size=4, input_ids=torch.randint(0, 320, (6,)))
+    torch.testing.assert_close(got(batch, got.allocate_kv_cache(4, 4)), ref(batch, ref.allocate_kv_cache(4, 4)))
