@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def build(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool = False) -> dict:
-    from kernels.aot.compile import SUPPORTED_SM, strip_hidden_params
+    from kernels.aot.compile import SUPPORTED_SM, AotError, strip_hidden_params
     from trt_plugins.aot import compile_plugin
     from trt_plugins.specs import SPECS
 
@@ -26,11 +26,16 @@ def build(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool 
     if unknown:
         raise SystemExit(f"unknown ops {unknown}; known: {sorted(SPECS)}")
     out.mkdir(parents=True, exist_ok=True)
-    entries = []
+    entries, failed = [], []
     for name in names:
         spec = SPECS[name]
         for sample in spec.samples[:1] if first_only else spec.samples:
-            art, sp = compile_plugin(spec, sample.shapes, sample.dtypes, sample.attrs, sm=sm, cache=cache)
+            try:
+                art, sp = compile_plugin(spec, sample.shapes, sample.dtypes, sample.attrs, sm=sm, cache=cache)
+            except AotError as e:  # e.g. a tile config that does not fit this SM's shared memory
+                failed.append(dict(op=name, sample=sample.note, dtypes=sample.dtypes, error=str(e)))
+                log(f"{name:18s} sm_{sm} FAILED ({sample.note}): {e}")
+                continue
             stem = f"{art.name}-{art.key[:12]}"
             (out / f"{stem}.ptx").write_text(art.ptx)
             (out / f"{stem}.trt.ptx").write_text(strip_hidden_params(art))
@@ -45,7 +50,7 @@ def build(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool 
             log(f"{name:18s} sm_{sm} {art.name} warps={art.num_warps} shared={art.shared} {sample.note}")
     import triton
 
-    manifest = dict(sm=sm, triton=triton.__version__, kernels=entries)
+    manifest = dict(sm=sm, triton=triton.__version__, kernels=entries, failed=failed)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True, default=repr))
     return manifest
 
@@ -64,11 +69,13 @@ def main(argv=None) -> int:
         raise SystemExit("unset TRITON_INTERPRET: AOT compilation needs Triton's compiler, not its interpreter")
     sms = [int(s) for s in args.sm.split(",") if s]
     ops = [o for o in args.ops.split(",") if o] or None
+    n_failed = 0
     for sm in sms:
         out = args.out if len(sms) == 1 else args.out / f"sm_{sm}"
         manifest = build(sm, out, ops, first_only=args.first)
-        print(f"{len(manifest['kernels'])} kernels -> {out / 'manifest.json'}")
-    return 0
+        n_failed += len(manifest["failed"])
+        print(f"{len(manifest['kernels'])} kernels, {len(manifest['failed'])} failed -> {out / 'manifest.json'}")
+    return 1 if n_failed else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ from pathlib import Path
 from .cache import AotCache, make_key
 
 SUPPORTED_SM = (80, 86, 89, 90)
+# Opt-in shared memory per block (bytes) by SM (CUDA programming guide, compute capability table): a kernel above it
+# compiles but can never launch on that architecture, so the AOT compile refuses it up front.
+MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 POINTER_TYPES = {"*fp16", "*bf16", "*fp32", "*i8", "*u8", "*i32", "*i64", "*i16"}
 SCALAR_TYPES = {"i32"}  # TensorRT passes SymInt32 only; floats are constexprs (ARCHITECTURE.md, decision 2)
 
@@ -178,6 +181,9 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps:
         raise AotError(f"{fn.__name__}: clusters, cooperative or PDL launches are not supported by the AOT launcher")
     if getattr(md, "tensordesc_meta", None):
         raise AotError(f"{fn.__name__}: TMA tensor descriptors are not supported by the AOT launcher")
+    if md.shared > MAX_SHARED[sm]:
+        raise AotError(f"{fn.__name__} needs {md.shared} bytes of shared memory but sm_{sm} allows "
+                       f"{MAX_SHARED[sm]} per block: choose smaller tiles or fewer stages for sm_{sm}")
     ptx = ck.asm["ptx"]
     num_hidden = len(entry_params(ptx, md.name)) - len(params)
     art = Artifact(name=md.name, kind="triton", sm=sm, params=params, constexprs=dict(constexprs),

@@ -95,6 +95,24 @@ def test_kernel_needing_scratch_is_refused(monkeypatch, tmp_path):
         compile_triton(_axpb_kernel, SIG, CONST, sm=90, cache=AotCache(tmp_path))
 
 
+def test_kernel_over_the_sm_shared_memory_limit_is_refused(monkeypatch, tmp_path):
+    """A kernel that needs more shared memory than the SM allows per block compiles but could never launch there:
+    refused at compile time (metadata patched to ~192 KB, fine on sm_90's 227 KB, not on sm_86's 99 KB)."""
+    import triton
+
+    real = triton.compile
+
+    def big(*a, **k):
+        ck = real(*a, **k)
+        ck.metadata = ck.metadata._replace(shared=192 * 1024)
+        return ck
+
+    monkeypatch.setattr(triton, "compile", big)
+    with pytest.raises(AotError, match="sm_86 allows"):
+        compile_triton(_axpb_kernel, SIG, CONST, sm=86, cache=AotCache(tmp_path))
+    assert compile_triton(_axpb_kernel, SIG, CONST, sm=90, cache=AotCache(tmp_path)).shared == 192 * 1024
+
+
 @pytest.mark.parametrize("sm", [80, 90])
 def test_stripped_ptx_takes_exactly_the_declared_args_and_assembles(sm):
     art = _axpb(sm)
