@@ -177,3 +177,17 @@ def test_gptq_act_order_checkpoint_builds(tiny_dirs, tmp_path, capsys):
     assert got.weights["layers.0.wqkv"].perm is not None
     batch = make_batch([6], block_size=4, input_ids=torch.randint(0, 320, (6,)))
     torch.testing.assert_close(got(batch, got.allocate_kv_cache(4, 4)), ref(batch, ref.allocate_kv_cache(4, 4)))
+
+
+def test_cli_entry_point_exit_code(tmp_path):
+    """``python -m export.build`` itself (not just main()): a missing checkpoint is a message and exit code 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "export.build", "--checkpoint", str(tmp_path / "nope"), "--out",
+                        str(tmp_path / "out")], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "does not exist" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
