@@ -38,7 +38,7 @@ def _check(result):
 
 
 class AotKernel:
-    """A loaded artifact. Load once (``plan``), launch many times (``launch``)."""
+    """An artifact bound to the current GPU: loaded on the first ``launch``, launched many times."""
 
     def __init__(self, artifact: Artifact, use_ptx: bool = False):
         self.art = artifact

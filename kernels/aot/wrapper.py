@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def make_entry(inner, entry_name: str, params: list[str], feed: dict[str, str], 
     path = (default_root() if root is None else Path(root)) / "entries" / f"{mod_name}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists() or path.read_text() != text:
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: two builders may race on one entry
         tmp.write_text(text)
         tmp.replace(path)
     spec = importlib.util.spec_from_file_location(mod_name, path)
