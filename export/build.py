@@ -90,7 +90,7 @@ def _limits(args, config) -> dict:
                 num_blocks=args.num_blocks or args.max_num_seqs * per_seq + 1)
 
 
-def _export_onnx(model, tmp: Path, args, dtype_name: str, log) -> list[str]:
+def _export_onnx(model, tmp: Path, args, log) -> list[str]:
     try:
         from .onnx_export import export_onnx
     except ImportError as e:
@@ -186,14 +186,14 @@ def run_build(args, log=print) -> tuple[Path, list[str]]:
         for f in ckpt.tokenizer_files:
             shutil.copy2(f, tmp / f.name)
         save_weights(model.weights, tmp / "weights.safetensors")
-        skipped += _export_onnx(model, tmp, args, dtype_name, log)
+        skipped += _export_onnx(model, tmp, args, log)
         skipped += _aot_kernels(tmp, sm, log)
         shutil.rmtree(tmp / "_tiny_checkpoint", ignore_errors=True)
         build["sm_source"] = sm_why
-        if not skipped or not any(s.startswith("ONNX") for s in skipped):
-            skipped += _engine(tmp, build, args, log, out)
-        else:
+        if any(s.startswith("ONNX") for s in skipped):
             skipped.append("engine skipped: no ONNX to build it from")
+        else:
+            skipped += _engine(tmp, build, args, log, out)
         # Top-level files, and the kernels by their manifest (which lists every PTX/cubin).
         build["files"] = sorted([p.name for p in tmp.iterdir() if p.is_file()] + ["build.json"] +
                                 (["kernels/manifest.json"] if (tmp / "kernels" / "manifest.json").exists() else []))
