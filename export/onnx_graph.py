@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
@@ -197,10 +196,3 @@ def _write_external_data(model: onnx.ModelProto, data_path: str, location: str, 
             t.data_location = TensorProto.EXTERNAL
             t.ClearField("raw_data")
             offset += len(data)
-
-
-def as_numpy(x) -> np.ndarray:
-    """A numpy view of a torch tensor or array (the reference runner's ops take either)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)

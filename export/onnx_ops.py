@@ -5,8 +5,7 @@
 two flavours come from one description of the model and cannot drift apart in structure.
 
 Plugin nodes take their op type, input order and attributes from ``trt_plugins.specs.SPECS`` (the one place that
-defines a plugin's contract); until that package exists the emitter falls back to ``FALLBACK_CONTRACT`` below, which
-mirrors the op contract in ``kernels/ops/__init__.py``.
+defines a plugin's contract), so a spec change shows up here as a clear error rather than a silently wrong node.
 
 The reference decompositions compute norms and attention scores in fp32 (as our kernels and the torch references do)
 and use only ops ONNX Runtime's CPU provider implements at opset 21.
@@ -14,26 +13,11 @@ and use only ops ONNX Runtime's CPU provider implements at opset 21.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from onnx import TensorProto
 
-from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, int4_tensor_proto, onnx_dtype
+from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, int4_tensor_proto, onnx_dtype, tensor_proto
 from .onnx_quant import quant_parts
-
-# op type -> (ordered input names, attribute names, number of outputs); used only when trt_plugins is not importable.
-FALLBACK_CONTRACT = {
-    "RmsNorm": (["x", "weight"], ["eps"], 1),
-    "FusedAddRmsNorm": (["x", "residual", "weight"], ["eps"], 2),
-    "SwiGLU": (["x"], [], 1),
-    "Rope": (["q", "k", "positions", "cos_sin_cache"], ["interleaved"], 2),
-    "WriteKvCache": (["k", "v", "k_cache", "v_cache", "slot_mapping"], [], 2),
-    "PagedAttention": (["q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q"], ["scale"], 1),
-    "W8A16Linear": (["x", "qweight", "scales"], [], 1),
-    "W4A16Linear": (["x", "qweight", "scales", "zeros"], ["group_size"], 1),
-}
-
 
 # Attributes on every plugin node that are for TensorRT's ONNX parser, not for the op (CPU runners drop them).
 TRT_PARSER_ATTRS = {"plugin_namespace": PLUGIN_DOMAIN, "plugin_version": "1", "aot": 1}
@@ -47,17 +31,11 @@ def _names(items) -> list[str]:
 
 
 def plugin_contract(op_type: str) -> tuple[list[str], list[str], int]:
-    """(input names, attribute names, output count) of a plugin op, from ``trt_plugins.specs`` when it exists."""
-    try:
-        from trt_plugins.specs import SPECS
-    except ImportError:
-        SPECS = None
-    if SPECS is not None and op_type in SPECS:
-        spec = SPECS[op_type]
-        return _names(spec.inputs), _names(spec.attrs), len(_names(spec.outputs))
-    if op_type not in FALLBACK_CONTRACT:
-        raise KeyError(f"no plugin spec for op {op_type!r}")
-    return FALLBACK_CONTRACT[op_type]
+    """(input names, attribute names, output count) of a plugin op, from its spec in ``trt_plugins.specs``."""
+    from trt_plugins.specs import get_spec
+
+    spec = get_spec(op_type)
+    return _names(spec.inputs), _names(spec.attrs), len(_names(spec.outputs))
 
 
 class OpEmitter:
@@ -175,7 +153,7 @@ class OpEmitter:
                                             g.const([1])])  # [T, 1]
                 shape = g.op1("Shape", [cache])
                 extra_row = g.op1("ConstantOfShape", [g.const([1, kv_heads, head_dim])],
-                                  value=_scalar_tensor(0.0, self.act_dtype))
+                                  value=tensor_proto("value", torch.zeros(1, dtype=self.act_dtype)))
             padded = g.op1("Concat", [flat, extra_row], axis=0)
             written = g.op1("ScatterND", [padded, spare, new])
             kept = g.op1("Slice", [written, g.const([0]), g.op1("Unsqueeze", [num_slots, g.const([0])]), g.const([0])])
@@ -272,13 +250,3 @@ class OpEmitter:
             w = self._cast(w, self.act_onnx)
         y = g.op1("MatMul", [x, w], name=name if bias_name is None else f"{name}_mm")
         return y if bias_name is None else g.op1("Add", [y, bias_name], name=name)
-
-
-def _scalar_tensor(value: float, dtype: torch.dtype):
-    from .onnx_graph import tensor_proto
-
-    return tensor_proto("value", torch.tensor([value], dtype=dtype))
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

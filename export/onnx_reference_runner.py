@@ -1,10 +1,9 @@
 """Run the plugin ONNX flavour on CPU: ``onnx.reference.ReferenceEvaluator`` for the standard ops, our torch
 references for the ``tritrt`` plugin nodes; and the same as a Polygraphy runner.
 
-Each plugin op becomes an ``OpRun`` class (domain ``tritrt``) generated from its spec that calls
-``trt_plugins.reference.run_reference`` (the spec's fp32-upcast torch reference). An op whose spec has not been
-written yet falls back to the matching ``torch.ops.tritrt`` op on CPU tensors, which runs the same torch reference
-(``kernels.ops``), so the graph can be checked before every spec lands. Nothing here re-implements an op.
+Each plugin op becomes an ``OpRun`` class (domain ``tritrt``) that calls ``trt_plugins.reference.run_reference``
+(the spec's fp32-upcast torch reference, the same math the kernel tests judge against). Nothing here re-implements an
+op.
 
 ``PluginReferenceRunner`` wraps the evaluator as a ``polygraphy.backend.base.BaseRunner`` so Polygraphy's
 ``Comparator`` can put it next to ``OnnxrtRunner`` (the reference flavour) and ``TrtRunner`` (the engine).
@@ -22,54 +21,11 @@ from .onnx_graph import PLUGIN_DOMAIN
 from .onnx_ops import TRT_PARSER_ATTRS
 
 
-def _torch_fallback(op_type: str, inputs: list, attrs: dict) -> list:
-    """``op_type`` through ``torch.ops.tritrt`` (CPU tensors run the kernels' torch references)."""
-    import torch
-
-    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
-
-    ops = torch.ops.tritrt
-    t = [None if a is None else torch.from_numpy(np.ascontiguousarray(a).copy()) for a in inputs]
-    t += [None] * 8  # absent trailing optional inputs
-    if op_type == "RmsNorm":
-        out = [ops.rms_norm(t[0], t[1], float(attrs["eps"]))]
-    elif op_type == "FusedAddRmsNorm":
-        out = list(ops.fused_add_rms_norm(t[0], t[1], t[2], float(attrs["eps"])))
-    elif op_type == "SwiGLU":
-        out = [ops.swiglu(t[0], None)]
-    elif op_type == "Rope":
-        out = list(ops.rotary_embedding(t[0], t[1], t[2], t[3], bool(attrs.get("interleaved", 0))))
-    elif op_type == "WriteKvCache":
-        from kernels.attention_ref import write_kv_cache_ref
-
-        k_cache, v_cache = t[2].clone(), t[3].clone()  # an ONNX runtime must not see its inputs change
-        write_kv_cache_ref(t[0], t[1], k_cache, v_cache, t[4])
-        out = [k_cache, v_cache]
-    elif op_type == "PagedAttention":
-        cu = t[5]
-        max_q = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        # the torch reference itself: the op's CPU path refuses fp32 q (the Triton kernels take fp16/bf16 only)
-        from kernels.attention_ref import paged_attention_ref
-
-        out = [paged_attention_ref(t[0], t[1], t[2], t[3], t[4], cu, max_q, float(attrs["scale"])).to(t[0].dtype)]
-    elif op_type == "W8A16Linear":
-        out = [ops.w8a16_linear(t[0], t[1], t[2], t[3], None)]
-    elif op_type == "W4A16Linear":
-        out = [ops.w4a16_linear(t[0], t[1], t[2], t[3], int(attrs["group_size"]), t[4], None)]
-    else:
-        raise NotImplementedError(f"no CPU reference for plugin op {op_type!r}")
-    return [o.numpy() for o in out]
-
-
 def run_plugin_op(op_type: str, inputs: list, attrs: dict) -> list:
-    """Outputs of one plugin node on CPU: the spec's reference when the spec exists, else ``torch.ops.tritrt``."""
-    try:
-        from trt_plugins.reference import run_reference
-        from trt_plugins.specs import SPECS
-    except ImportError:
-        SPECS = {}
-    if op_type not in SPECS:
-        return _torch_fallback(op_type, list(inputs), attrs)
+    """Outputs of one plugin node on CPU: the spec's fp32-upcast torch reference (``trt_plugins.reference``)."""
+    from trt_plugins.reference import run_reference
+    from trt_plugins.specs import SPECS
+
     try:
         return run_reference(op_type, list(inputs), attrs)
     except TypeError:
@@ -81,10 +37,20 @@ def run_plugin_op(op_type: str, inputs: list, attrs: dict) -> list:
 
 
 def _spec_reference(spec, inputs: list, attrs: dict) -> list:
+    """The spec's reference on fp32 inputs where the spec takes only half dtypes; every other check still applies
+    (ranks, shapes, integer dtypes, attributes), so only the float width is waived."""
     import torch
+    from trt_plugins.specs import dtype_name
 
     tensors = [torch.from_numpy(np.ascontiguousarray(a).copy()) for a in inputs]
-    outs = spec.reference(tensors, spec.full_attrs(attrs))  # fresh copies: aliased cache inputs may be written
+    full = spec.full_attrs(attrs)
+    shapes, dtypes = {}, {}
+    for t_spec, t in zip(spec.input_specs, tensors):
+        shapes[t_spec.name] = tuple(t.shape)
+        name = dtype_name(t.dtype)
+        dtypes[t_spec.name] = "fp16" if name == "fp32" and "fp32" not in t_spec.dtypes else name
+    spec.check_inputs(shapes, dtypes, full)
+    outs = spec.reference(tensors, full)  # fresh copies: aliased cache inputs may be written
     return [o.detach().cpu().numpy() for o in outs]
 
 

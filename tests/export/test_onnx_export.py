@@ -199,3 +199,20 @@ def test_bad_input_errors(exported, tmp_path):
         export_onnx(w, None, tmp_path / "m.onnx", "reference")
     with pytest.raises(ValueError, match="block_size"):
         export_onnx(w, c, tmp_path / "m.onnx", "reference", block_size=0)
+
+
+def test_cpu_plugin_ops_waive_only_the_float_width():
+    """fp32 graphs run the spec references on CPU, but every other spec check still rejects a malformed node."""
+    from export.onnx_reference_runner import run_plugin_op
+
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    cache = np.zeros((2, 4, 2, 8), np.float32)
+    k_out, v_out = run_plugin_op("WriteKvCache", [k, k, cache, cache, np.array([5, -1, 0], np.int32)], {})
+    np.testing.assert_array_equal(k_out[1, 1], k[0])  # slot 5 = block 1, offset 1
+    np.testing.assert_array_equal(v_out[0, 0], k[2])
+    assert not cache.any()  # the node's inputs are left as they were
+    with pytest.raises(TypeError, match="slot_mapping"):
+        run_plugin_op("WriteKvCache", [k, k, cache, cache, np.array([5, -1, 0], np.int64)], {})
+    with pytest.raises(ValueError, match="weight"):
+        run_plugin_op("RmsNorm", [k[:, 0], np.ones(7, np.float32)], {"eps": 1e-6})
