@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device
-from .rms_norm import MAX_HIDDEN, _blocks, _check_float, _check_weight, as_rows
+from .rms_norm import MAX_HIDDEN, W_EVICT, X_EVICT, _blocks, _check_float, _check_weight, as_rows
 
 
 @triton.jit
@@ -22,23 +22,24 @@ def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     n_rows, stride_xm, stride_ym,
     N: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X_EVICT: tl.constexpr = "", W_EVICT: tl.constexpr = "",
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
 
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     # Centre before squaring (not E[x^2] - E[x]^2): no cancellation when |mean| >> std. Masked lanes must not count.
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / N
     rstd = 1.0 / tl.sqrt(var + EPS)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # X_EVICT / W_EVICT: L2 hints, streamed rows vs the weight and bias that every program reads (see rms_norm.py).
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)
     y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -52,7 +53,8 @@ def layer_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: flo
     return LaunchConfig(
         kernel=_layer_norm_fwd_kernel,
         grid=(triton.cdiv(n_rows, block_m),),
-        constexprs=dict(N=n_cols, EPS=float(eps), HAS_BIAS=bool(has_bias), BLOCK_M=block_m, BLOCK_N=block_n),
+        constexprs=dict(N=n_cols, EPS=float(eps), HAS_BIAS=bool(has_bias), BLOCK_M=block_m, BLOCK_N=block_n,
+                        X_EVICT=X_EVICT, W_EVICT=W_EVICT),
         num_warps=warps,
         num_stages=1,
     )

@@ -22,6 +22,8 @@ from ._utils import check_device
 # A row is held in registers: 64k fp32 values per program is already 64 per thread at 32 warps; LLaMA hidden sizes
 # stop at 16k. Beyond this a looped two-pass kernel would be needed, so refuse clearly instead.
 MAX_HIDDEN = 65536
+# L2 hint for the streamed rows (see the kernel); bench_norm_act.py's sweep measures it against no hint.
+X_EVICT, W_EVICT = "evict_first", "evict_last"
 
 
 @triton.jit
@@ -30,7 +32,7 @@ def _rms_norm_fwd_kernel(
     n_rows,
     stride_xm, stride_rm, stride_ym, stride_rom,
     N: tl.constexpr, EPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X_EVICT: tl.constexpr = "", W_EVICT: tl.constexpr = "",
 ):
     # int64 row index: rows * stride overflows int32 at 32k tokens x 2 x 28672 columns and beyond.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -39,9 +41,11 @@ def _rms_norm_fwd_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
 
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    # X_EVICT = "evict_first": x and residual are streamed once, so they should not push the weight (read by every
+    # program) out of L2; the weight is loaded with "evict_last" for the same reason.
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0, eviction_policy=X_EVICT)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0, eviction_policy=X_EVICT)
         # Round the sum to the storage dtype first: the stored residual and the normalised value must agree.
         s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + rows[:, None] * stride_rom + cols[None, :], s, mask=mask)
@@ -52,7 +56,7 @@ def _rms_norm_fwd_kernel(
     # Masked lanes are 0, so they add nothing to the sum of squares; divide by the true N.
     mean_sq = tl.sum(xf * xf, axis=1) / N
     rstd = 1.0 / tl.sqrt(mean_sq + EPS)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)
     y = xf * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -83,7 +87,8 @@ def rms_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float
     return LaunchConfig(
         kernel=_rms_norm_fwd_kernel,
         grid=(triton.cdiv(n_rows, block_m),),
-        constexprs=dict(N=n_cols, EPS=float(eps), HAS_RESIDUAL=bool(has_residual), BLOCK_M=block_m, BLOCK_N=block_n),
+        constexprs=dict(N=n_cols, EPS=float(eps), HAS_RESIDUAL=bool(has_residual), BLOCK_M=block_m, BLOCK_N=block_n,
+                        X_EVICT=X_EVICT, W_EVICT=W_EVICT),
         num_warps=warps,
         num_stages=1,  # no loop to pipeline
     )
