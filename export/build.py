@@ -111,7 +111,10 @@ def _aot_kernels(tmp: Path, sm: int, log) -> list[str]:
         from kernels.aot.__main__ import build as aot_build
     except ImportError as e:
         return [f"AOT kernels skipped: kernels.aot is not available ({e})"]
-    manifest = aot_build(sm, tmp / "kernels", log=lambda m: None)
+    try:
+        manifest = aot_build(sm, tmp / "kernels", log=lambda m: None)
+    except SystemExit as e:  # kernels.aot reports bad input (e.g. an unsupported --sm) as its CLI would
+        raise BuildError(str(e)) from None
     log(f"  kernels/manifest.json ({len(manifest['kernels'])} kernels, sm_{sm})")
     return []
 

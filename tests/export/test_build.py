@@ -191,3 +191,20 @@ def test_cli_entry_point_exit_code(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.tensorrt
+def test_engine_build_with_tensorrt(tmp_path, capsys):
+    """Where TensorRT >= 10.9 and a GPU exist: the tiny fp16 model builds into an engine with both profiles.
+    (Skipped on CPU machines; not run in this project's sessions, which have no TensorRT.)"""
+    import tensorrt as trt
+
+    out = tmp_path / "out"
+    rc, _, err = _build(capsys, "--quant", "int8", "--dtype", "float16", "--out", str(out), "--max-num-seqs", "4",
+                        "--max-num-tokens", "64", "--timing-cache", str(tmp_path / "timing.cache"))
+    assert rc == 0, err
+    assert (tmp_path / "timing.cache").stat().st_size > 0
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine((out / "model.engine").read_bytes())
+    assert engine is not None and engine.num_optimization_profiles == 2
+    assert "engine skipped" not in " ".join(json.loads((out / "build.json").read_text())["skipped"])
