@@ -55,7 +55,7 @@ def make_backend(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = LlamaModel.from_output_dir(out, device=device)
     backend = TorchBackend(model, num_blocks=args.num_blocks, block_size=block_size,
-                           cuda_graphs=False if args.no_cuda_graphs else None)
+                           max_model_len=build.get("max_seq_len"), cuda_graphs=False if args.no_cuda_graphs else None)
     backend.eos_token_ids = eos_token_ids(out)
     return backend
 

@@ -62,6 +62,10 @@ class Generator:
     def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192):
         self.backend = backend
         self.tokenizer = tokenizer
+        # A backend with fixed limits (an engine's optimization profile) caps what one step may hold.
+        max_num_seqs = min(max_num_seqs, getattr(backend, "max_num_seqs", None) or max_num_seqs)
+        max_num_batched_tokens = min(max_num_batched_tokens,
+                                     getattr(backend, "max_num_tokens", None) or max_num_batched_tokens)
         self.blocks = BlockManager(backend.num_blocks, backend.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, backend.max_model_len)
         self.stats = GenerationStats()
@@ -116,21 +120,27 @@ class Generator:
             return []
         t0 = time.perf_counter()
         logits = self.backend.forward(step.batch)
-        # sample() brings the tokens to the host, a device sync: the wall time below covers the step's GPU work.
-        tokens = sample(logits, [s.params for s in step.seqs], [s.generator for s in step.seqs])
+        # Only sequences whose chunk ended at their last token sample (and advance their RNG); sample() brings the
+        # tokens to the host, a device sync, so the wall time below covers the step's GPU work.
+        samples = step.samples
+        rows = [i for i, s in enumerate(samples) if s]
+        sampling = [step.seqs[i] for i in rows]
+        tokens = sample(logits[rows] if len(rows) < len(samples) else logits,
+                        [s.params for s in sampling], [s.generator for s in sampling]) if rows else []
         dt = time.perf_counter() - t0
         stats.steps += 1
         if step.is_prefill:
             stats.prefill_tokens += int(step.batch.input_ids.shape[0])
             stats.prefill_s += dt
-            if stats.time_to_first_token_s is None:
+            if stats.time_to_first_token_s is None and rows:
                 stats.time_to_first_token_s = time.perf_counter() - self._t_start
         else:
             stats.decode_tokens += len(step.seqs)
             stats.decode_s += dt
+        for seq, n in zip(step.seqs, step.num_tokens):
+            seq.num_cached += n
         out = []
-        for seq, tok in zip(step.seqs, tokens):
-            seq.num_cached += seq.num_new_tokens
+        for seq, tok in zip(sampling, tokens):
             seq.output_ids.append(tok)
             out.append((seq.req_id, tok))
             if on_token is not None:

@@ -1,9 +1,10 @@
 """Which sequences run in the next model step, and the packed ``Batch`` for that step.
 
 Policy (simple, and friendly to CUDA graphs): a step is either a *prefill* step or a *decode* step, never both.
-Waiting requests are admitted first-come first-served while their tokens fit the step's token budget, the
-sequence limit and the free KV blocks; admitted prompts of different lengths are packed into one prefill step.
-When nothing can be admitted, every running sequence decodes one token. New requests may be added between steps.
+Waiting requests are admitted first-come first-served while the step's token budget, the sequence limit and the
+free KV blocks allow; admitted prompts of different lengths are packed into one prefill step, and a prompt longer
+than the budget is prefilled in chunks over several steps. When no prompt tokens are pending, every running
+sequence decodes one token. New requests may be added between steps.
 
 Out of KV blocks during decode: the most recently admitted running sequence is preempted (its blocks freed, its
 prompt + generated tokens put back at the head of the queue, recomputed by a later prefill), so memory pressure
@@ -49,8 +50,14 @@ class Sequence:
 @dataclass
 class Step:
     seqs: list[Sequence]
+    num_tokens: list[int]  # new tokens each sequence feeds in this step (a prompt chunk, or 1 when decoding)
     batch: Batch  # on CPU; the backend moves it to its device
     is_prefill: bool
+
+    @property
+    def samples(self) -> list[bool]:
+        """Whether each sequence's chunk reaches its last token, so that its logits give the next token."""
+        return [s.num_cached + n == len(s.prompt_ids) + len(s.output_ids) for s, n in zip(self.seqs, self.num_tokens)]
 
 
 class Scheduler:
@@ -87,50 +94,58 @@ class Scheduler:
         self.blocks.free(seq.req_id)
 
     def schedule(self) -> Step | None:
-        admitted, slots = self._admit()
-        if admitted:
-            return Step(admitted, self._build(admitted, slots), is_prefill=True)
+        """The next step: prefill chunks if any sequence has uncached tokens or can be admitted, else one decode."""
+        chosen = self._prefill_chunks()
+        if chosen:
+            seqs, counts = [c[0] for c in chosen], [c[1] for c in chosen]
+            return Step(seqs, counts, self._build(seqs, counts), is_prefill=True)
         if not self.running:
             return None
-        seqs, slots = self._reserve_decode()
-        return Step(seqs, self._build(seqs, slots), is_prefill=False)
+        seqs = self._reserve_decode()
+        return Step(seqs, [1] * len(seqs), self._build(seqs, [1] * len(seqs)), is_prefill=False)
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _admit(self) -> tuple[list[Sequence], list[list[int]]]:
-        admitted: list[Sequence] = []
-        slots: list[list[int]] = []
+    def _prefill_chunks(self) -> list[tuple[Sequence, int]]:
+        """Packed prompt chunks within the token budget: first the rest of partly prefilled prompts, then new ones.
+
+        A prompt longer than the budget is prefilled in chunks over several steps (chunked prefill), so no step
+        exceeds ``max_num_batched_tokens`` (an engine's profile limit). Its KV blocks are reserved whole at
+        admission, so a half-prefilled sequence never waits for memory.
+        """
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        chosen = []
+        for seq in self.running:
+            if seq.num_new_tokens > 1 and budget > 0:
+                n = min(seq.num_new_tokens, budget)
+                chosen.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_new_tokens
-            # The budget limits packing only: a prompt longer than the budget still runs, alone.
-            if admitted and n > budget:
-                break
             # Keep one spare block per running sequence so that admitting does not force an immediate preemption.
-            spare = len(self.running) + len(admitted)
-            if self.blocks.blocks_needed(seq.req_id, n) + spare > self.blocks.num_free_blocks and (admitted or self.running):
+            spare = len(self.running)
+            if self.running and self.blocks.blocks_needed(seq.req_id, n) + spare > self.blocks.num_free_blocks:
                 break
             try:
-                slots.append(self.blocks.reserve(seq.req_id, n))
+                self.blocks.reserve(seq.req_id, n)
             except OutOfBlocks:
                 break
             self.waiting.popleft()
-            admitted.append(seq)
-            budget -= n
-        self.running.extend(admitted)
-        return admitted, slots
+            self.running.append(seq)
+            chosen.append((seq, min(n, budget)))
+            budget -= min(n, budget)
+        return chosen
 
-    def _reserve_decode(self) -> tuple[list[Sequence], list[list[int]]]:
-        slots: dict[int, list[int]] = {}
+    def _reserve_decode(self) -> list[Sequence]:
         for seq in list(self.running):
             while seq in self.running:
                 try:
-                    slots[seq.req_id] = self.blocks.reserve(seq.req_id, 1)
+                    # The new token needs a slot unless its chunk was reserved at admission (a prompt's last token).
+                    self.blocks.reserve(seq.req_id, len(seq.token_ids) - self.blocks.num_tokens(seq.req_id))
                     break
                 except OutOfBlocks:
                     self._preempt(self.running[-1])
-        seqs = list(self.running)
-        return seqs, [slots[s.req_id] for s in seqs]
+        return list(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -139,19 +154,18 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _build(self, seqs: list[Sequence], slots: list[list[int]]) -> Batch:
+    def _build(self, seqs: list[Sequence], counts: list[int]) -> Batch:
+        bs = self.blocks.block_size
         input_ids, positions, slot_mapping, seq_lens, cu = [], [], [], [], [0]
-        tables = []
-        for seq, seq_slots in zip(seqs, slots):
-            start, n = seq.num_cached, seq.num_new_tokens
+        tables = [self.blocks.block_table(seq.req_id) for seq in seqs]
+        for seq, n, table in zip(seqs, counts, tables):
+            start = seq.num_cached
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-            slot_mapping += seq_slots
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
-            tables.append(self.blocks.block_table(seq.req_id))
-        width = max(len(t) for t in tables)
-        block_table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        block_table = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int32)
         for i, t in enumerate(tables):
             block_table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
         return Batch(
@@ -161,5 +175,5 @@ class Scheduler:
             block_table=block_table,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-            max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(seqs))),
+            max_seqlen_q=max(counts),
         )

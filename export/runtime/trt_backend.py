@@ -98,18 +98,20 @@ class TrtBackend:
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.profile = {n: tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(n, 0)) for n in self._inputs}
+        # The engine's profile bounds every dynamic dimension; build.json records the same limits by name.
         max_blocks_in_cache = self.profile["k_cache_0"][2][0]
-        self.num_blocks = num_blocks or int(build.get("max_blocks", max_blocks_in_cache))
-        self.max_model_len = max_model_len or min(self.config.max_position_embeddings,
+        self.num_blocks = min(num_blocks or int(build.get("num_blocks", max_blocks_in_cache)), max_blocks_in_cache)
+        self.max_model_len = max_model_len or min(int(build.get("max_seq_len", self.config.max_position_embeddings)),
                                                   self.profile["block_table"][2][1] * self.block_size)
+        self.max_num_seqs = self.profile["seq_lens"][2][0]
+        self.max_num_tokens = self.profile["input_ids"][2][0]
         kv_dtype = _torch_dtype(trt, self.engine.get_tensor_dtype("k_cache_0"))
         shape = (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_cache = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                           torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(self.config.num_layers)]
         self._eager = self.engine.create_execution_context()
         self.cuda_graphs = cuda_graphs
-        max_seqs = self.profile["seq_lens"][2][0]
-        self.graph_batch_sizes = tuple(b for b in sorted(graph_batch_sizes) if b <= max_seqs)
+        self.graph_batch_sizes = tuple(b for b in sorted(graph_batch_sizes) if b <= self.max_num_seqs)
         self._max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self._graphs: dict[int, tuple] = {}
 

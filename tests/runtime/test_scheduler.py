@@ -57,18 +57,20 @@ class ToyPagedBackend:
             assert -1 not in toks, "read a cache slot nobody wrote"
             logits[i, next_token(toks)] = 1.0
         self.max_batch_seen = max(self.max_batch_seen, b.num_seqs)
+        self.max_tokens_seen = max(getattr(self, "max_tokens_seen", 0), T)
         return logits
 
 
 # (cache blocks, block size, seed, whether the cache is small enough that a decode step must preempt)
 @pytest.mark.parametrize("num_blocks,block_size,seed,preempts", [(200, 4, 0, False), (12, 4, 1, True),
                                                                  (22, 1, 2, True), (6, 8, 3, None)])
-def test_batched_paged_generation_equals_reference(num_blocks, block_size, seed, preempts):
+@pytest.mark.parametrize("token_budget", [8192, 5])  # 5 < most prompts: chunked prefill
+def test_batched_paged_generation_equals_reference(num_blocks, block_size, seed, preempts, token_budget):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 9))] for _ in range(7)]
     max_new = [rng.randint(1, 12) for _ in prompts]
     backend = ToyPagedBackend(num_blocks, block_size)
-    gen = Generator(backend, max_num_seqs=5)
+    gen = Generator(backend, max_num_seqs=5, max_num_batched_tokens=token_budget)
     streamed = {i: [] for i in range(len(prompts))}
     res = gen.generate(prompts, [SamplingParams(max_new_tokens=m) for m in max_new],
                        on_token=lambda i, t, d: streamed[i].append(t))
@@ -78,6 +80,7 @@ def test_batched_paged_generation_equals_reference(num_blocks, block_size, seed,
         assert r.finish_reason == ("stop" if want[-1] == EOS else "length")
         assert streamed[i] == want
     assert backend.max_batch_seen > 1, "nothing was batched"
+    assert backend.max_tokens_seen <= token_budget, "a step exceeded the token budget"
     if preempts is not None:
         assert (sum(r.num_preemptions for r in res) > 0) == preempts, "preemption did (not) happen as designed"
 

@@ -72,7 +72,8 @@ def test_engine_greedy_equals_torch_backend(tiny_dir, tmp_path):
     from export.runtime.tokenizer import load_tokenizer
 
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "export.build", str(tiny_dir), str(out)], check=True, timeout=900)
+    subprocess.run([sys.executable, "-m", "export.build", "--checkpoint", str(tiny_dir), "--out", str(out)],
+                   check=True, timeout=900)
     block_size = json.loads((out / "build.json").read_text())["block_size"]
     tok = load_tokenizer(out)
     prompts = ["The quick brown", "x", "Paged attention keeps the key value cache in"]
