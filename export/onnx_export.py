@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional
 import torch
 from onnx import TensorProto
 
-from .onnx_graph import GraphBuilder, onnx_dtype, save_model_atomic
+from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import OpEmitter
 
 FLAVOURS = ("plugin", "reference")
@@ -91,8 +91,9 @@ def _act_dtype(weights, dtype) -> torch.dtype:
 
 
 def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: int = 16,
-                dtype: Optional[torch.dtype] = None) -> GraphBuilder:
-    """The whole model as a ``GraphBuilder`` (not yet saved); see the module docstring for its I/O."""
+                dtype: Optional[torch.dtype] = None, data: Optional[ExternalData] = None) -> GraphBuilder:
+    """The whole model as a ``GraphBuilder``; see the module docstring for its I/O. ``data``: stream the weights
+    there as they are added (``OnnxFiles.data``) instead of keeping them in memory."""
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
     if block_size < 1:
@@ -101,7 +102,7 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
     act = _act_dtype(weights, dtype)
     c = config
     hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-    g = GraphBuilder(f"tritrt_llama_{flavour}")
+    g = GraphBuilder(f"tritrt_llama_{flavour}", data)
     em = OpEmitter(g, flavour, act)
     act_t = onnx_dtype(act)
     i32, i64 = TensorProto.INT32, TensorProto.INT64
@@ -182,15 +183,16 @@ def export_onnx(model_or_weights, config=None, path=None, flavour: str = "plugin
         raise ValueError("export_onnx needs an output path, e.g. OUT/model.plugin.onnx")
     weights, config = _weights_and_config(model_or_weights, config)
     _check_quant(weights, quant, group_size)
-    g = build_graph(weights, config, flavour, block_size=block_size, dtype=dtype)
-    model = g.model(doc=f"tritrt LLaMA, {flavour} flavour")
-    config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    meta = {"tritrt.flavour": flavour, "tritrt.block_size": str(block_size), "tritrt.quant": quant or "none",
-            "tritrt.group_size": str(group_size or 0), "tritrt.config": json.dumps(config_dict)}
-    for k, v in meta.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = k, v
-    save_model_atomic(model, path)
+    with OnnxFiles(path) as files:
+        g = build_graph(weights, config, flavour, block_size=block_size, dtype=dtype, data=files.data)
+        model = g.model(doc=f"tritrt LLaMA, {flavour} flavour")
+        config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        meta = {"tritrt.flavour": flavour, "tritrt.block_size": str(block_size), "tritrt.quant": quant or "none",
+                "tritrt.group_size": str(group_size or 0), "tritrt.config": json.dumps(config_dict)}
+        for k, v in meta.items():
+            entry = model.metadata_props.add()
+            entry.key, entry.value = k, v
+        files.commit(model)
     return str(path)
 
 

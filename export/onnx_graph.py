@@ -73,8 +73,11 @@ def int4_tensor_proto(name: str, codes: torch.Tensor, signed: bool) -> TensorPro
 class GraphBuilder:
     """Collects nodes, initializers, inputs and outputs; ``op`` returns the output names of the node it adds."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, data: "ExternalData | None" = None):
+        """``data``: where initializer bytes go as soon as they are added (``OnnxFiles.data``), so a large model is
+        never held twice in memory (torch weights + protobuf copies); None keeps them in the protos."""
         self.name = name
+        self.data = data
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -100,12 +103,12 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def initializer(self, name: str, t: torch.Tensor) -> str:
-        self._used.add(name)
-        self.initializers.append(tensor_proto(name, t))
-        return name
+        return self.initializer_proto(tensor_proto(name, t))
 
     def initializer_proto(self, proto: TensorProto) -> str:
         self._used.add(proto.name)
+        if self.data is not None:
+            self.data.add(proto)
         self.initializers.append(proto)
         return proto.name
 
@@ -149,50 +152,80 @@ class GraphBuilder:
         return model
 
 
-def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[str, str]:
-    """Write ``path`` and ``path.data`` (every initializer external) atomically; returns both paths.
+class ExternalData:
+    """Appends initializer bytes to one file and turns each TensorProto into a reference to them.
 
-    The ONNX file names its data file by base name, so both are first written into a temporary directory inside the
-    target directory (same file system, so the renames are atomic), the data file is moved into place first, then the
-    model file: a reader never sees a model file whose data file is missing or stale.
+    Written by hand rather than with ``onnx.save_model(save_as_external_data=True)``, which refuses to run when a
+    file named like the data file exists in the *current working directory*, whatever the target directory is.
+    Offsets are 64-byte aligned so that runtimes can map the tensors in place.
     """
-    path = os.path.abspath(os.fspath(path))
-    directory, base = os.path.split(path)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"output directory {directory} does not exist; create it first")
-    data_name = base + ".data"
-    tmp_dir = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=directory)
-    try:
-        tmp_model = os.path.join(tmp_dir, base)
-        tmp_data = os.path.join(tmp_dir, data_name)
-        _write_external_data(model, tmp_data, data_name)
+
+    ALIGN = 64
+
+    def __init__(self, path: str, location: str):
+        self.location = location
+        self._file = open(path, "wb")
+        self._offset = 0
+
+    def add(self, proto: TensorProto) -> None:
+        from onnx.external_data_helper import set_external_data
+
+        data = proto.raw_data
+        pad = (-self._offset) % self.ALIGN
+        self._file.write(b"\0" * pad)
+        self._offset += pad
+        self._file.write(data)
+        set_external_data(proto, self.location, offset=self._offset, length=len(data))
+        proto.data_location = TensorProto.EXTERNAL
+        proto.ClearField("raw_data")
+        self._offset += len(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class OnnxFiles:
+    """``path`` and ``path.data`` written atomically: ``with OnnxFiles(p) as f: ...build with f.data...;
+    f.commit(model)``.
+
+    Both files are first written into a temporary directory inside the target directory (same file system, so the
+    renames are atomic); ``commit`` moves the data file into place first, then the model file, so a reader never sees
+    a model file whose data file is missing or stale. Leaving the block without ``commit`` (an error) removes the
+    temporary files and leaves any previous model untouched.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+        self.directory, self.base = os.path.split(self.path)
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"output directory {self.directory} does not exist; create it first")
+        self.data_name = self.base + ".data"
+        self.data_path = os.path.join(self.directory, self.data_name)
+        self._tmp = tempfile.mkdtemp(prefix=f".{self.base}.tmp-", dir=self.directory)
+        self.data = ExternalData(os.path.join(self._tmp, self.data_name), self.data_name)
+
+    def __enter__(self) -> "OnnxFiles":
+        return self
+
+    def commit(self, model: onnx.ModelProto) -> tuple[str, str]:
+        for t in model.graph.initializer:  # anything not streamed yet (a model built without ``data``)
+            if t.data_location != TensorProto.EXTERNAL:
+                self.data.add(t)
+        self.data.close()
+        tmp_model = os.path.join(self._tmp, self.base)
         onnx.save_model(model, tmp_model)
-        os.replace(tmp_data, os.path.join(directory, data_name))
-        os.replace(tmp_model, path)
-    finally:
-        for leftover in os.listdir(tmp_dir):
-            os.remove(os.path.join(tmp_dir, leftover))
-        os.rmdir(tmp_dir)
-    return path, os.path.join(directory, data_name)
+        os.replace(os.path.join(self._tmp, self.data_name), self.data_path)
+        os.replace(tmp_model, self.path)
+        return self.path, self.data_path
+
+    def __exit__(self, *exc) -> None:
+        self.data.close()
+        for leftover in os.listdir(self._tmp):
+            os.remove(os.path.join(self._tmp, leftover))
+        os.rmdir(self._tmp)
 
 
-def _write_external_data(model: onnx.ModelProto, data_path: str, location: str, align: int = 64) -> None:
-    """Move every initializer's bytes into ``data_path`` (offsets aligned for mmap-friendly reads).
-
-    Done by hand rather than with ``onnx.save_model(save_as_external_data=True)``, which refuses to run when a file
-    named ``location`` exists in the *current working directory*, whatever the target directory is.
-    """
-    from onnx.external_data_helper import set_external_data
-
-    offset = 0
-    with open(data_path, "wb") as f:
-        for t in model.graph.initializer:
-            data = t.raw_data
-            pad = (-offset) % align
-            f.write(b"\0" * pad)
-            offset += pad
-            f.write(data)
-            set_external_data(t, location, offset=offset, length=len(data))
-            t.data_location = TensorProto.EXTERNAL
-            t.ClearField("raw_data")
-            offset += len(data)
+def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[str, str]:
+    """Write an in-memory ``model`` as ``path`` + ``path.data`` (every initializer external), atomically."""
+    with OnnxFiles(path) as files:
+        return files.commit(model)

@@ -199,6 +199,7 @@ def test_bad_input_errors(exported, tmp_path):
         export_onnx(w, None, tmp_path / "m.onnx", "reference")
     with pytest.raises(ValueError, match="block_size"):
         export_onnx(w, c, tmp_path / "m.onnx", "reference", block_size=0)
+    assert list(tmp_path.iterdir()) == []  # failed exports leave no temporary files behind
 
 
 def test_cpu_plugin_ops_waive_only_the_float_width():
