@@ -1,9 +1,9 @@
 """Attention benchmarks: flash prefill (TFLOP/s vs SDPA flash) and paged decode (GB/s vs copy bandwidth and vs
 gather + SDPA), all measured in one run on one card.
 
-Run on the GPU from the repo root: ``python3 -m benchmarks.bench_attention [--sweep]``. ``--sweep`` first times a
-few tile configurations of each kernel (the numbers behind the defaults in ``kernels/prefill_attention.py`` and
-``kernels/decode_attention.py``). Results: ``results/bench_attention_{prefill,decode,sweep}_<card>.{json,md}``.
+Run on the GPU from the repo root: ``python3 -m benchmarks.bench_attention [--sweep [--sweep-prefill]]``. ``--sweep``
+first times a few decode tile configurations (``--sweep-prefill``: prefill tiles too); these are the numbers behind
+the defaults in ``kernels/prefill_attention.py`` and ``kernels/decode_attention.py``. Results: ``results/bench_attention_{prefill,decode,sweep}_<card>.{json,md}``.
 
 Prefill: causal bf16, packed sequences of length S with batch 16384 // S (16k tokens per call); FLOPs counted as
 ``2 * 2 * S^2 * Hq * D / 2`` per sequence (causal half). Baseline: ``F.scaled_dot_product_attention`` forced onto

@@ -97,7 +97,7 @@ def _decode_attention_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
         # Scratch rows are indexed by query head: [seq, Hq, MAX_SPLITS(, D)].
-        part_row = (seq * (NUM_KV_HEADS * GROUP) + heads) * MAX_SPLITS + split
+        part_row = ((seq * (NUM_KV_HEADS * GROUP) + heads) * MAX_SPLITS + split).to(tl.int64)  # * D > 2**31 at S 4k
         tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=gmask[:, None])
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=gmask)
@@ -112,7 +112,7 @@ def _decode_attention_kernel(
             smask = offs_s < num_splits
             for g in tl.static_range(GROUP):
                 head_g = kv_head * GROUP + g
-                row = (seq * (NUM_KV_HEADS * GROUP) + head_g) * MAX_SPLITS + offs_s
+                row = ((seq * (NUM_KV_HEADS * GROUP) + head_g) * MAX_SPLITS + offs_s).to(tl.int64)
                 # .cg: read other programs' partials from L2, never a stale L1 line.
                 lses = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
                 parts = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None],
