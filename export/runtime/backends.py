@@ -22,6 +22,8 @@ from export.batch import Batch
 log = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Default cache size: this many sequences of max_model_len (CPU: few, its cache is host memory).
+DEFAULT_SEQS = {"cuda": 64, "cpu": 8}
 
 
 def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -56,12 +58,13 @@ class TorchBackend:
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
 
     def _default_num_blocks(self, fraction: float) -> int:
-        per_block = _kv_bytes_per_block(self.config, self.block_size, self.kv_dtype)
+        # Enough for DEFAULT_SEQS full-length sequences, but on a GPU no more than `fraction` of free memory.
+        blocks = DEFAULT_SEQS.get(self.device.type, 8) * -(-self.max_model_len // self.block_size)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * fraction) // per_block)
-        # CPU: enough for 8 sequences of the full length, a cheap default for the tiny models it runs.
-        return 8 * -(-self.max_model_len // self.block_size)
+            per_block = _kv_bytes_per_block(self.config, self.block_size, self.kv_dtype)
+            blocks = min(blocks, int(free * fraction) // per_block)
+        return max(1, blocks)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -91,6 +91,10 @@ def test_cli_prints_generated_text(tiny_dir, tmp_path, capsys):
 
     assert main([str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "python -m export.build" in capsys.readouterr().err
+    assert main([str(out), "--prompt", "x", "--backend", "trt"]) == 2  # no engine in OUT (and no TensorRT here)
+    assert "model.engine is missing" in capsys.readouterr().err
+    assert main([str(out), "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
 
 
 def _torch_output_dir(tiny_dir, out):
