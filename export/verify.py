@@ -1,7 +1,7 @@
 """``python -m export.verify OUT``: Polygraphy comparisons of everything ``python -m export.build`` wrote.
 
-Runners, all fed the same inputs (a prefill of two sequences of different lengths on fresh caches, then one decode
-step on the caches that prefill wrote):
+Runners, all fed the same inputs (a prefill of two sequences of different lengths on fresh caches, then a decode
+step and a chunked-prefill step, each on the caches the step before wrote):
 
 - ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime);
 - ``plugin-ref``: ``model.plugin.onnx`` on CPU, plugin nodes through their torch references
@@ -76,40 +76,47 @@ def ort_session(path):
 
 
 # --- feeds ----------------------------------------------------------------------------------------------------------
+# new tokens per sequence in each step after the prefill: a decode step, then a chunked-prefill step (several new
+# tokens on top of cached ones, which is where a wrong query position in the attention would show)
+FOLLOW_UP_STEPS = ((1, 1), (3, 2))
+
+
 def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), seed: int = 0, decode: bool = True,
                prefill_runner=None):
-    """``(feeds, sequences)``: graph feeds (prefill, then a decode step) and, per feed, each sequence's full tokens.
+    """``(feeds, sequences)``: graph feeds and, per feed, each sequence's full tokens so far.
 
-    The decode feed needs the caches that prefill wrote: ``prefill_runner(feed) -> outputs`` supplies them (ONNX
-    Runtime on the reference flavour). Block 0 is left unused so that a table entry of 0 (padding) is never a block
-    that holds a sequence's tokens.
+    The first feed is a prefill of ``lens`` tokens on fresh (zero) caches; with ``decode`` a decode step and a
+    chunked-prefill step follow (``FOLLOW_UP_STEPS``), each on the caches the previous step wrote, which
+    ``prefill_runner(feed) -> outputs`` supplies (ONNX Runtime on the reference flavour). Block 0 is left unused so
+    that a table entry of 0 (padding) is never a block that holds a sequence's tokens.
     """
     from .model import make_batch
 
     rng = np.random.default_rng(seed)
     lens = list(lens)
-    blocks_per_seq = -(-(max(lens) + 1) // block_size)
+    steps = [lens] + ([[n for n, _ in zip(step, lens)] for step in FOLLOW_UP_STEPS] if decode else [])
+    totals = np.sum(steps, axis=0)
+    blocks_per_seq = -(-int(totals.max()) // block_size)
     num_blocks = 1 + len(lens) * blocks_per_seq
-    tokens = [rng.integers(0, config.vocab_size, n) for n in lens]
-    prefill = make_batch(lens, block_size=block_size, input_ids=np.concatenate(tokens),
-                         blocks_per_seq=blocks_per_seq, block_offset=1)
     cache_shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     caches = {}
     for i in range(config.num_layers):
         caches[f"k_cache_{i}"] = np.zeros(cache_shape, cache_dtype)
         caches[f"v_cache_{i}"] = np.zeros(cache_shape, cache_dtype)
-    feeds = [{**_batch_feed(prefill), **caches}]
-    sequences = [[t.copy() for t in tokens]]
-    if decode:
-        if prefill_runner is None:
-            raise ValueError("a decode feed needs prefill_runner to produce the prefilled caches")
-        outs = prefill_runner(feeds[0])
-        new = rng.integers(0, config.vocab_size, len(lens))
-        step = make_batch([1] * len(lens), cached_lens=lens, block_size=block_size, input_ids=new,
-                          blocks_per_seq=blocks_per_seq, block_offset=1)
-        cached = {k.replace("_out", ""): np.asarray(v) for k, v in outs.items() if "_cache_out_" in k}
-        feeds.append({**_batch_feed(step), **cached})
-        sequences.append([np.concatenate([t, [n]]) for t, n in zip(tokens, new)])
+    if decode and prefill_runner is None:
+        raise ValueError("decode/chunk feeds need prefill_runner to produce the caches of the step before")
+    tokens = [np.zeros(0, np.int64) for _ in lens]
+    feeds, sequences = [], []
+    for step_lens in steps:
+        if feeds:
+            outs = prefill_runner(feeds[-1])
+            caches = {k.replace("_out", ""): np.asarray(v) for k, v in outs.items() if "_cache_out_" in k}
+        new = [rng.integers(0, config.vocab_size, n) for n in step_lens]
+        batch = make_batch(step_lens, cached_lens=[len(t) for t in tokens], block_size=block_size,
+                           input_ids=np.concatenate(new), blocks_per_seq=blocks_per_seq, block_offset=1)
+        tokens = [np.concatenate([t, n]) for t, n in zip(tokens, new)]
+        feeds.append({**_batch_feed(batch), **caches})
+        sequences.append([t.copy() for t in tokens])
     return feeds, sequences
 
 
@@ -288,7 +295,7 @@ def main(argv=None) -> int:
     p.add_argument("out", help="the directory written by `python -m export.build`")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: 1e-5 fp32, 1e-2 fp16)")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-4 fp32, 1e-2 fp16)")
-    p.add_argument("--no-decode", action="store_true", help="compare the prefill feed only")
+    p.add_argument("--no-decode", action="store_true", help="compare the prefill feed only (no decode/chunk steps)")
     args = p.parse_args(argv)
     try:
         ok = run_verify(args.out, atol=args.atol, rtol=args.rtol, decode=not args.no_decode)

@@ -56,7 +56,7 @@ def test_good_out_passes(built_out, capsys):
     assert "export.verify: PASSED" in text
     assert "TensorRT" in text  # the engine comparison says why it was skipped (no TensorRT here) or ran
     # every comparison of the summary table is present: plugin-ref and hf against onnxrt, for both feeds
-    for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    1 logits"):
+    for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    2 logits"):
         assert row in text
 
 
@@ -98,7 +98,7 @@ def test_bad_arguments(out_copy):
 
 
 def test_feeds_have_the_documented_layout(built_out):
-    """The decode feed continues the prefill: its caches are prefill's outputs and its tokens are one past the end."""
+    """Decode and chunk feeds continue the prefill: caches from the step before, positions past the cached tokens."""
     from export.verify import load_out, make_feeds, ort_session
 
     info = load_out(built_out)
@@ -111,10 +111,15 @@ def test_feeds_have_the_documented_layout(built_out):
         return dict(zip(names, sess.run(None, feed)))
 
     feeds, seqs = make_feeds(info["config"], info["block_size"], lens=(5, 3), prefill_runner=prefill)
-    assert len(calls) == 1 and calls[0] is feeds[0]
-    assert [len(s) for s in seqs[0]] == [5, 3] and [len(s) for s in seqs[1]] == [6, 4]
+    # prefill (5, 3), decode (1, 1), chunk (3, 2): each step's caches are the step before's outputs
+    assert len(calls) == 2 and calls[0] is feeds[0] and calls[1] is feeds[1]
+    assert [[len(s) for s in step] for step in seqs] == [[5, 3], [6, 4], [9, 6]]
     np.testing.assert_array_equal(feeds[1]["seq_lens"], [6, 4])
     np.testing.assert_array_equal(feeds[1]["positions"], [5, 3])
     np.testing.assert_array_equal(feeds[1]["input_ids"], [seqs[1][0][-1], seqs[1][1][-1]])
+    np.testing.assert_array_equal(feeds[2]["positions"], [6, 7, 8, 4, 5])
+    np.testing.assert_array_equal(feeds[2]["cu_seqlens_q"], [0, 3, 5])
+    np.testing.assert_array_equal(feeds[2]["input_ids"], np.concatenate([seqs[2][0][-3:], seqs[2][1][-2:]]))
+    np.testing.assert_array_equal(feeds[2]["k_cache_0"], prefill(feeds[1])["k_cache_out_0"])
     assert feeds[0]["block_table"].min() >= 1  # block 0 stays unused (a padding entry never aliases data)
     assert json.loads((built_out / "build.json").read_text())["block_size"] == info["block_size"]
