@@ -169,8 +169,16 @@ class Generator:
         per_req = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_req) != len(prompts):
             raise ValueError(f"{len(per_req)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-        encoded = [self.encode(p) for p in prompts]  # encode all first: a bad prompt queues nothing
-        ids = [self.add_request(e, p) for e, p in zip(encoded, per_req)]
+        encoded = [self.encode(p) for p in prompts]
+        ids: list[int] = []
+        try:
+            for e, p in zip(encoded, per_req):
+                ids.append(self.add_request(e, p))
+        except ValueError:  # one bad prompt refuses the whole call: withdraw the ones already queued
+            for r in ids:
+                self.scheduler.waiting.remove(self._seqs.pop(r))
+                del self._streams[r]
+            raise
         index = {r: i for i, r in enumerate(ids)}
         self.stats, self._t_start = GenerationStats(), None
         cb = None if on_token is None else (lambda r, t, d: on_token(index[r], t, d) if r in index else None)
@@ -178,7 +186,10 @@ class Generator:
             self.step(cb)
         self.blocks.check_invariants()
         assert self.blocks.num_free_blocks == self.blocks.num_blocks, "KV blocks leaked after generation"
-        return [self.result(r) for r in ids]
+        results = [self.result(r) for r in ids]
+        for r in ids:  # generate() hands its results back: keep no bookkeeping for them
+            del self._seqs[r], self._streams[r]
+        return results
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -114,7 +114,7 @@ def test_stop_tokens_and_refusals():
     (r,) = gen.generate([[3, 4]], SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))
     assert r.token_ids == full[:full.index(stop) + 1] and r.finish_reason == "stop"
     with pytest.raises(ValueError, match="exceeds the maximum sequence length"):
-        gen.generate([[1] * 10], SamplingParams(max_new_tokens=10))
+        gen.generate([[1, 2], [1] * 10], SamplingParams(max_new_tokens=10))  # the first, valid one is withdrawn
     with pytest.raises(ValueError, match="empty prompt"):
         gen.generate([[]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
