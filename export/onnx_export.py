@@ -22,6 +22,10 @@ logits  (output)       [num_seqs, vocab]            float32  logits of each sequ
 k_cache_out_{i}, v_cache_out_{i} (outputs)          act      the caches with the new tokens written
 =====================  ===========================  =======  =====================================================
 
+Run the reference flavour in ONNX Runtime with ``session.disable_quant_qdq=1`` (``export.verify.ort_session``):
+by default ORT fuses ``DequantizeLinear`` + ``MatMul`` into an integer MatMul that also quantizes the activations,
+which is no longer the weight-only model.
+
 ``num_tokens``, ``num_seqs``, ``max_blocks`` and ``num_blocks`` are dynamic; ``block_size`` is fixed at export
 (``export_onnx(block_size=...)``, recorded in the model's metadata). In the plugin flavour the cache outputs are the
 WriteKvCache plugin's outputs, which alias its cache inputs (the engine updates the cache in place); in the reference

@@ -55,12 +55,15 @@ class OpEmitter:
         """One ``tritrt`` node with inputs ordered as the spec says (absent optional inputs are empty names)."""
         in_names, attr_names, n_out = plugin_contract(op_type)
         unknown = set(inputs) - set(in_names)
-        if unknown:
+        if unknown:  # the spec changed under us: fail loudly rather than write a node TensorRT would misread
             raise ValueError(f"plugin {op_type}: spec inputs {in_names} do not include {sorted(unknown)}")
         ordered = [inputs.get(n, "") for n in in_names]
         while ordered and ordered[-1] == "":  # trailing optional inputs may simply be left out in ONNX
             ordered.pop()
-        node_attrs = {k: v for k, v in attrs.items() if k in attr_names}
+        unknown = set(attrs) - set(attr_names)
+        if unknown:
+            raise ValueError(f"plugin {op_type}: spec attributes {attr_names} do not include {sorted(unknown)}")
+        node_attrs = dict(attrs)
         # How TensorRT's ONNX parser finds a Python (QDP) plugin: op_type == the plugin name, plus these attributes
         # (namespace, version, and aot=1 to take the ahead-of-time kernel, so the engine runs without Python).
         node_attrs.update(TRT_PARSER_ATTRS)
@@ -120,7 +123,7 @@ class OpEmitter:
         cos = g.op1("Unsqueeze", [self._slice(cs, 0, half, 1), g.const([1])])  # [T, 1, R/2]
         sin = g.op1("Unsqueeze", [self._slice(cs, half, rotary_dim, 1), g.const([1])])
 
-        def rotate(x: str, tag: str) -> str:
+        def rotate(x: str) -> str:
             xf = self._cast(x, TensorProto.FLOAT)
             x1, x2 = self._slice(xf, 0, half, 2), self._slice(xf, half, rotary_dim, 2)
             o1 = g.op1("Sub", [g.op1("Mul", [x1, cos]), g.op1("Mul", [x2, sin])])
@@ -128,7 +131,7 @@ class OpEmitter:
             parts = [o1, o2] + ([self._slice(xf, rotary_dim, head_dim, 2)] if rotary_dim < head_dim else [])
             return self._cast(g.op1("Concat", parts, axis=2), self.act_onnx)
 
-        return rotate(q, f"{name}_q"), rotate(k, f"{name}_k")
+        return rotate(q), rotate(k)
 
     # -- paged KV cache -------------------------------------------------------------------------------------------------
     def write_kv_cache(self, k: str, v: str, k_cache: str, v_cache: str, slot_mapping: str,
