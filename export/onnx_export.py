@@ -50,20 +50,12 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def rope_table(config, rotary_dim: int) -> torch.Tensor:
-    """``cos_sin_cache`` [max_position, rotary_dim] fp32 from ``kernels.rope`` (the table our kernels use)."""
-    try:
-        from kernels.rope import rope_cos_sin_cache
-    except ImportError:
-        rope_cos_sin_cache = None
-    if rope_cos_sin_cache is not None:
-        return rope_cos_sin_cache(rotary_dim, config.max_position_embeddings, config.rope_theta,
-                                  config.rope_scaling).float().cpu()
-    if config.rope_scaling:  # only plain RoPE is computed here while kernels.rope is absent
-        raise RuntimeError("kernels.rope is not available: cannot build the scaled RoPE table "
-                           f"({config.rope_scaling}); install the complete tritrt package")
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=1).float()
+    """``cos_sin_cache`` [max_position, rotary_dim] fp32 from ``kernels.rope``: the very table our kernels and the
+    torch model use (with the config's llama3/linear scaling), stored once in the graph."""
+    from kernels.rope import rope_cos_sin_cache
+
+    return rope_cos_sin_cache(rotary_dim, config.max_position_embeddings, base=config.rope_theta,
+                              scaling=config.rope_scaling).float().cpu()
 
 
 def _weights_and_config(model_or_weights, config):
