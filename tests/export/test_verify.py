@@ -123,3 +123,17 @@ def test_feeds_have_the_documented_layout(built_out):
     np.testing.assert_array_equal(feeds[2]["k_cache_0"], prefill(feeds[1])["k_cache_out_0"])
     assert feeds[0]["block_table"].min() >= 1  # block 0 stays unused (a padding entry never aliases data)
     assert json.loads((built_out / "build.json").read_text())["block_size"] == info["block_size"]
+
+
+@pytest.mark.tensorrt
+def test_engine_matches_onnxruntime(tmp_path, capsys):
+    """Where TensorRT exists: build the fp16 int4 engine and compare it with ONNX Runtime (never run in this repo's
+    CI or on the lent GPU, which have no TensorRT; written against Polygraphy's documented TrtRunner)."""
+    from export.build import main as build_main
+
+    out = tmp_path / "out"
+    assert build_main(["--quant", "int4", "--group-size", "32", "--dtype", "float16", "--out", str(out)]) == 0
+    assert (out / "model.engine").exists()
+    assert _verify(out) == 0
+    text = capsys.readouterr().out
+    assert "trt vs onnxrt                   0 logits" in text
