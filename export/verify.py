@@ -151,7 +151,8 @@ def load_hf_model(out: Path, config):
     from .quantize import load_weights
 
     hf_config = transformers.AutoConfig.from_pretrained(str(out))
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32).eval()
+    # fp32 whatever the build dtype; no dtype keyword (renamed between transformers 4 and 5)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).to(torch.float32).eval()
     sd = hf_state_dict(load_weights(out / "weights.safetensors"), config)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)

@@ -42,7 +42,7 @@ def _hf_logits(ckpt_dir, config, weights, sequences):
 
     from export.verify import hf_state_dict
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt_dir), torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt_dir)).to(torch.float32).eval()
     sd = hf_state_dict(weights, config)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight")
