@@ -78,7 +78,7 @@ def exported(tiny_dirs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant,quant", [("llama", "none"), ("tied", "none"), ("llama3", "none"), ("qwen2", "none"),
-                                           ("llama", "int8"), ("llama", "int4")])
+                                           ("llama", "int8"), ("llama", "int4"), ("qwen2", "int4")])
 def test_flavours_match_hf_and_each_other(exported, tiny_dirs, variant, quant):
     """Prefill of 2 sequences (7 and 1 new tokens) on fresh caches, then a decode step on the written caches."""
     from export.onnx_reference_runner import make_evaluator
