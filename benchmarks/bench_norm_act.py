@@ -158,9 +158,10 @@ def sweep(copy_gbs):
                                         torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)), nbytes)
         out = [torch.empty(tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2)]
         base = rms_norm.rms_norm_launch_config(tokens, hidden, 2, 1e-5, has_residual=residual)
-        variants = [(base.num_warps, True), (base.num_warps, False)]
+        default_hints = bool(base.constexprs["X_EVICT"])
+        variants = [(base.num_warps, default_hints), (base.num_warps, not default_hints)]
         if not residual:
-            variants += [(wp, True) for wp in (4, 8, 16, 32) if wp != base.num_warps]
+            variants += [(wp, default_hints) for wp in (4, 8, 16, 32) if wp != base.num_warps]
         for warps, hints in variants:
             ev = dict(X_EVICT="evict_first", W_EVICT="evict_last") if hints else dict(X_EVICT="", W_EVICT="")
             cfg = dataclasses.replace(base, num_warps=warps, constexprs={**base.constexprs, **ev})
