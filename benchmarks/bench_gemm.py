@@ -63,6 +63,9 @@ SWEEP_W8 = [
     ("st4", _LARGE, dict(num_stages=4)),
 ]
 
+# Also measured in the normal run (not defaults): the W4A16 GEMV choice applied to W8A16.
+EXTRA_W8 = [("gemv_bn32_u4", _GEMV, dict(use_dot=False, block_n=32, unroll=4))]
+
 
 def rel_err(y, ref):
     return float((y.float() - ref).norm() / ref.norm())
@@ -99,14 +102,16 @@ def main():
                 ms = bench(fn, sets, cuda_graph=True)
                 r = dict(shape=name, K=K, N=N, M=M, kernel=kernel, config=config, ms=ms, tflops=flops / ms * 1e-9,
                          weight_gbs=nbytes / ms * 1e-6, speedup=t16 / ms, rel_err=err)
-                if config == "default" or config.startswith("tn="):  # eager (host launch included): defaults only
+                if config.startswith("default"):  # eager (host launch included): defaults only
                     r["ms_eager"] = bench(fn, sets)
                     r["speedup_eager"] = t16_eager / r["ms_eager"]
                 rows.append(r)
 
-            row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16, rel_err(F.linear(x, w), x.float() @ w.float().t()))
+            row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16,
+                rel_err(F.linear(x, w), x.float() @ w.float().t()))
             ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
-            variants8 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else [])
+            variants8 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else
+                                             [(lab, o) for lab, f, o in EXTRA_W8 if f(M)])
             for label, ov in variants8:
                 err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
                 row("w8a16", lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8, b8, err, label)
@@ -115,10 +120,16 @@ def main():
                 err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
                 row("w4a16", lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4, b4, err, label)
             if cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
-                for tn in ((4, 8) if sweep else (None,)):
-                    err = rel_err(cu.w4a16_gemv(x, q4.qweight, q4.scales, q4.zeros, GROUP, tn=tn), ref4)
-                    row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn), sets4, b4, err,
-                        f"tn={tn or cu.gemv_plan(M, N)['tn']}")
+                # The plan's variant, plus (M == 1) the other threads-across-N / prefetch choices for comparison.
+                plan_tn = cu.gemv_plan(M, N)["tn"]
+                cu_variants = [(plan_tn, cu.PREFETCH)]
+                if M == 1 or sweep:
+                    cu_variants += [(tn, pf) for tn in (4, 8) for pf in (True, False) if (tn, pf) != cu_variants[0]]
+                for tn, pf in cu_variants:
+                    err = rel_err(cu.w4a16_gemv(x, q4.qweight, q4.scales, q4.zeros, GROUP, tn=tn, prefetch=pf), ref4)
+                    label = ("default" if (tn, pf) == cu_variants[0] else "variant") + f" tn={tn} pf={int(pf)}"
+                    row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn, prefetch=pf),
+                        sets4, b4, err, label)
             done = [r for r in rows if r["M"] == M and r["shape"] == name]
             print(f"{name} M={M}: " + ", ".join(f"{r['kernel']}[{r['config']}] {r['speedup']:.2f}x" for r in done),
                   flush=True)

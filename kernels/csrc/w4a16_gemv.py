@@ -17,6 +17,7 @@ KERNEL = "w4a16_gemv"
 THREADS = 256
 ROWS_PER_STEP = 8  # kRows in the .cu: K must be a multiple of 8 * ROWS_PER_STEP
 M_VARIANTS = (1, 2, 4, 8)
+PREFETCH = True  # register double buffer (GEMV_PREFETCH); see the .cu
 MAX_M = M_VARIANTS[-1]
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
@@ -47,29 +48,30 @@ def gemv_plan(M: int, N: int) -> dict:
     return dict(gemv_m=gemv_m, tn=tn, grid=(-(-N // (4 * tn)),))
 
 
-def compile_variant(gemv_m: int, tn: int, sm: int = 90):
+def compile_variant(gemv_m: int, tn: int, sm: int = 90, prefetch: bool = PREFETCH):
     """The PTX/cubin artifact for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=THREADS,
-                        extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}"))
+                        extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}", f"-DGEMV_PREFETCH={int(prefetch)}"))
 
 
-def _kernel(gemv_m: int, tn: int):
+def _kernel(gemv_m: int, tn: int, prefetch: bool):
     from kernels.aot.launcher import AotKernel
 
     major, minor = torch.cuda.get_device_capability()
-    key = (10 * major + minor, gemv_m, tn)
+    key = (10 * major + minor, gemv_m, tn, prefetch)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(gemv_m, tn, sm=key[0]))
+        k = _KERNELS[key] = AotKernel(compile_variant(gemv_m, tn, sm=key[0], prefetch=prefetch))
     return k
 
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-               tn: Optional[int] = None) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, with the CUDA GEMV. ``tn`` overrides the plan (benchmarks)."""
+               tn: Optional[int] = None, prefetch: Optional[bool] = None) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, with the CUDA GEMV. ``tn``/``prefetch`` override the plan
+    (benchmarks)."""
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
@@ -81,16 +83,18 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError("CUDA W4A16 GEMV needs CUDA tensors")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("CUDA W4A16 GEMV: x rows must be contiguous and 16-byte aligned (call .contiguous())")
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
-            raise ValueError(f"CUDA W4A16 GEMV: {name} must be contiguous and 16-byte aligned")
+    # Vector loads: 16 B of qweight, 8 B of scales, 4 B of zeros per thread (N % 4 == 0 keeps rows aligned).
+    for name, t, align in (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
+            raise ValueError(f"CUDA W4A16 GEMV: {name} must be contiguous and {align}-byte aligned")
     if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
         raise ValueError("CUDA W4A16 GEMV: scales and bias must be float16")
     plan = gemv_plan(M, N)
     tn = tn or plan["tn"]
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
-    _kernel(plan["gemv_m"], tn).launch((-(-N // (4 * tn)),), x, qweight, scales,
-                                       zeros if zeros is not None else qweight, bias if bias is not None else scales,
-                                       out, M, N, K, group_size, x.stride(0), int(zeros is not None),
-                                       int(bias is not None))
+    prefetch = PREFETCH if prefetch is None else bool(prefetch)
+    _kernel(plan["gemv_m"], tn, prefetch).launch(
+        (-(-N // (4 * tn)),), x, qweight, scales, zeros if zeros is not None else qweight,
+        bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
+        int(bias is not None))
     return out

@@ -14,8 +14,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# M up to which fp16 W4A16 goes to the CUDA GEMV (0 disables it); see benchmarks/results/bench_gemm_*.md.
-CUDA_GEMV_MAX_M = 8
+# M up to which fp16 W4A16 goes to the CUDA GEMV (0 disables it). Measured (H200, benchmarks/results/
+# bench_gemm_*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton tensor-core
+# path wins (0.9-1.1x vs 0.6-0.85x), so only M=1 goes to CUDA.
+CUDA_GEMV_MAX_M = 1
 
 
 def _flatten(x: Tensor, residual: Optional[Tensor], N: int):

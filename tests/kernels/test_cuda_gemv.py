@@ -14,13 +14,13 @@ from tests.helpers import assert_close_to_ref, poisoned
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
-@pytest.mark.parametrize("gemv_m,tn", [(1, 8), (8, 4)])
-def test_gemv_compiles_to_ptx_and_cubin(gemv_m, tn, tmp_path):
+@pytest.mark.parametrize("gemv_m,tn,prefetch", [(1, 4, 1), (8, 8, 0)])
+def test_gemv_compiles_to_ptx_and_cubin(gemv_m, tn, prefetch, tmp_path):
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
     art = compile_cuda(cu.SOURCE, cu.KERNEL, cu.PARAMS, sm=90, threads=cu.THREADS, cache=AotCache(tmp_path),
-                       extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}"))
+                       extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}", f"-DGEMV_PREFETCH={prefetch}"))
     assert ".target sm_90" in art.ptx
     assert len(entry_params(art.ptx, cu.KERNEL)) == len(cu.PARAMS)
     assert art.cubin[:4] == b"\x7fELF"
@@ -53,9 +53,9 @@ def test_gemv_matches_reference(M, N, K, group_size, symmetric):
     x = torch.randn(M, K, generator=g).half().cuda()
     qw = quantize_int4(w, group_size, symmetric).to("cuda")
     bias = torch.randn(N, generator=g).half().cuda()
-    for tn in (4, 8):
+    for tn, prefetch in ((4, True), (8, True), (4, False)):
         out = poisoned((M, N), torch.float16, "cuda")
-        y = cu.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, tn=tn)
+        y = cu.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, tn=tn, prefetch=prefetch)
         ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
         base = x @ dequantize(qw).t() + bias
         assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
@@ -64,18 +64,19 @@ def test_gemv_matches_reference(M, N, K, group_size, symmetric):
 
 
 @pytest.mark.gpu
-def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton():
+@pytest.mark.parametrize("M", [1, 4])
+def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M):
     import kernels.ops  # noqa: F401
     from kernels.gemm_w4a16 import w4a16_gemm
 
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
     qw = quantize_int4(torch.randn(2048, 4096, dtype=torch.float16), 128).to("cuda")
     y_op = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 128, None, None)
     y_cu = cu.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, 128)
     y_tr = w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 128)
     from kernels.ops import gemm as ops_gemm
 
-    if ops_gemm.CUDA_GEMV_MAX_M >= 4:
+    if ops_gemm.CUDA_GEMV_MAX_M >= x.shape[0]:
         assert torch.equal(y_op, y_cu)  # routed to the CUDA GEMV
     else:
         assert torch.equal(y_op, y_tr)
