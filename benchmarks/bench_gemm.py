@@ -63,8 +63,14 @@ SWEEP_W8 = [
     ("st4", _LARGE, dict(num_stages=4)),
 ]
 
-# Also measured in the normal run (not defaults): the W4A16 GEMV choice applied to W8A16.
-EXTRA_W8 = [("gemv_bn32_u4", _GEMV, dict(use_dot=False, block_n=32, unroll=4))]
+# Also measured in the normal run (alternatives next to each default, so the table shows what the defaults beat).
+_MID = lambda m: 4 <= m <= 16  # noqa: E731
+EXTRA_W8 = [("gemv_bn32_u4", _GEMV, dict(use_dot=False, block_n=32, unroll=4)),
+            ("bk64", _MID, dict(block_k=64))]
+EXTRA_W4 = [("gemv_bn64_u1", _GEMV, dict(use_dot=False, block_n=64, unroll=1)),
+            ("gemv_bn32_u2", _GEMV, dict(use_dot=False, block_n=32, unroll=2)),
+            ("bk64", _MID, dict(block_k=64)),
+            ("bk128", _LARGE, dict(block_k=128))]
 
 
 def rel_err(y, ref):
@@ -115,7 +121,8 @@ def main():
             for label, ov in variants8:
                 err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
                 row("w8a16", lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8, b8, err, label)
-            variants4 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else [])
+            variants4 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else
+                                             [(lab, o) for lab, f, o in EXTRA_W4 if f(M)])
             for label, ov in variants4:
                 err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
                 row("w4a16", lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4, b4, err, label)
