@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from onnx import TensorProto
+from trt_plugins.specs import get_spec
 
 from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, int4_tensor_proto, onnx_dtype, tensor_proto
 from .onnx_quant import quant_parts
@@ -32,8 +33,6 @@ def _names(items) -> list[str]:
 
 def plugin_contract(op_type: str) -> tuple[list[str], list[str], int]:
     """(input names, attribute names, output count) of a plugin op, from its spec in ``trt_plugins.specs``."""
-    from trt_plugins.specs import get_spec
-
     spec = get_spec(op_type)
     return _names(spec.inputs), _names(spec.attrs), len(_names(spec.outputs))
 
@@ -53,17 +52,16 @@ class OpEmitter:
     def plugin_node(self, op_type: str, inputs: dict[str, str], attrs: dict, name: str,
                     outputs: list[str] | None = None) -> list[str]:
         """One ``tritrt`` node with inputs ordered as the spec says (absent optional inputs are empty names)."""
-        in_names, attr_names, n_out = plugin_contract(op_type)
+        in_names, _, n_out = plugin_contract(op_type)
         unknown = set(inputs) - set(in_names)
         if unknown:  # the spec changed under us: fail loudly rather than write a node TensorRT would misread
             raise ValueError(f"plugin {op_type}: spec inputs {in_names} do not include {sorted(unknown)}")
         ordered = [inputs.get(n, "") for n in in_names]
         while ordered and ordered[-1] == "":  # trailing optional inputs may simply be left out in ONNX
             ordered.pop()
-        unknown = set(attrs) - set(attr_names)
-        if unknown:
-            raise ValueError(f"plugin {op_type}: spec attributes {attr_names} do not include {sorted(unknown)}")
-        node_attrs = dict(attrs)
+        # Every spec attribute is written, defaults filled in: TensorRT's Python plugins have no attribute defaults,
+        # so an attribute missing from the node could not be supplied at engine build. Unknown ones are an error.
+        node_attrs = get_spec(op_type).full_attrs(attrs)
         # How TensorRT's ONNX parser finds a Python (QDP) plugin: op_type == the plugin name, plus these attributes
         # (namespace, version, and aot=1 to take the ahead-of-time kernel, so the engine runs without Python).
         node_attrs.update(TRT_PARSER_ATTRS)
