@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 
 import torch
@@ -89,7 +90,7 @@ def decode_batch(bs: int, ctx: int, vocab: int):
                       input_ids=torch.randint(0, vocab, (bs,)))
 
 
-def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: float):
+def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: float, profiles: dict):
     from export.model import LlamaModel, make_batch
     from export.runtime import Generator, SamplingParams
     from export.runtime.backends import TorchBackend
@@ -118,6 +119,16 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
         batch = decode_batch(bs, DECODE_CTX, config.vocab_size)
         ms = bench(lambda: backend.forward(batch), [()])
         ref = hf_ref.get(("decode", bs))
+        if bs == 1:  # the same step without CUDA graphs (launch overhead included), and where its time goes
+            dev_batch = batch.to(DEVICE)
+            with torch.inference_mode():
+                ms_eager = bench(lambda: backend.model.forward(dev_batch, backend.kv_cache), [()])
+            rows.append(dict(impl="tritrt torch eager", quant=quant, phase="decode step", batch=1, ctx=DECODE_CTX,
+                             ms=ms_eager, tok_s=1e3 / ms_eager, vs_hf=ratio(ref, ms_eager)))
+            profiles[quant] = profile_decode(backend, batch)
+            print(f"{quant} bs1 decode step, top kernels (eager):", flush=True)
+            for p in profiles[quant]:
+                print(f"  {p['ms_per_step']:.3f} ms  x{p['calls_per_step']}  {p['kernel']}", flush=True)
         rows.append(dict(impl=impl, quant=quant, phase="decode step", batch=bs, ctx=DECODE_CTX, ms=ms,
                          tok_s=bs / ms * 1e3, vs_hf=ratio(ref, ms)))
         prompts = [torch.randint(0, config.vocab_size, (DECODE_CTX,)).tolist() for _ in range(bs)]
@@ -176,8 +187,19 @@ def run_hf(config, weights, rows: list, deadline: float) -> dict:
     return ref
 
 
-def _hf_generate(hf, x, n, **kw):
-    return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+def _hf_generate(hf, x, n, stop_after=None, **kw):
+    """Greedy ``generate`` of ``n`` tokens (EOS suppressed), or of only ``stop_after`` of them: stopping early keeps
+    ``max_new_tokens`` and so the static cache's shape the same, so a compiled model is not recompiled."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **_):
+            done = input_ids.shape[1] >= x.shape[1] + stop_after
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    stop = StoppingCriteriaList([StopAt()]) if stop_after else None
+    return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                       stopping_criteria=stop, **kw)
 
 
 @torch.no_grad()
@@ -193,9 +215,12 @@ def run_hf_compiled(config, weights, rows: list, deadline: float) -> None:
     x = torch.randint(0, config.vocab_size, (1, DECODE_CTX), device=DEVICE)
     n, kw = HF_DECODE_TOKENS, dict(cache_implementation="static")
     try:
-        _hf_generate(hf, x, 8, **kw)  # compiles
-        _hf_generate(hf, x, 8, **kw)
-        ms = (sync_time(lambda: _hf_generate(hf, x, n + 1, **kw)) - sync_time(lambda: _hf_generate(hf, x, 1, **kw))) / n * 1e3
+        for _ in range(2):  # compiles (same shapes as the timed calls)
+            _hf_generate(hf, x, n + 1, **kw)
+            _hf_generate(hf, x, n + 1, stop_after=1, **kw)
+        t_all = sync_time(lambda: _hf_generate(hf, x, n + 1, **kw))
+        t_one = sync_time(lambda: _hf_generate(hf, x, n + 1, stop_after=1, **kw))
+        ms = (t_all - t_one) / n * 1e3
         rows.append(dict(impl=impl, quant="none", phase="decode loop", batch=1, ctx=DECODE_CTX, ms=ms, tok_s=1e3 / ms))
     except Exception as e:  # noqa: BLE001 - a baseline that fails to compile is reported, not fatal
         rows.append(dict(impl=impl, quant="none", phase="decode loop", batch=1,
@@ -203,6 +228,27 @@ def run_hf_compiled(config, weights, rows: list, deadline: float) -> None:
     del hf
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def profile_decode(backend, batch, top: int = 8) -> list[dict]:
+    """Where one eager decode step's GPU time goes (kernel name -> ms): the graph replays these same kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        dev_batch = batch.to(DEVICE)
+        backend.model.forward(dev_batch, backend.kv_cache)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                backend.model.forward(dev_batch, backend.kv_cache)
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.key and not e.key.startswith("ProfilerStep"):
+            rows.append(dict(kernel=e.key[:90], ms_per_step=t / 3 / 1e3, calls_per_step=e.count // 3))
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:top]
 
 
 def main():
@@ -220,22 +266,31 @@ def main():
     config = llama3_8b_config(args.layers)
     weights = random_weights(config)
     rows: list[dict] = []
+    profiles: dict = {}
     hf_ref = run_hf(config, weights, rows, deadline)
     for quant in args.quant.split(","):
         if time.perf_counter() > deadline:
             rows.append(dict(impl="tritrt torch+graphs", quant=quant, note="not run (time budget)"))
             continue
-        run_ours(config, weights, quant, rows, hf_ref, deadline)
+        run_ours(config, weights, quant, rows, hf_ref, deadline, profiles)
         print(f"[{time.perf_counter() - t0:.0f}s] {quant} done", flush=True)
     if not args.no_compile:
         run_hf_compiled(config, weights, rows, deadline)
     meta = dict(model=f"Llama-3-8B shape ({args.layers} layers), random fp16 weights", block_size=BLOCK_SIZE,
                 targets="H100 fp16 decode bs1 >= 170 tok/s, int4 >= 400 tok/s",
                 wall_s=round(time.perf_counter() - t0))
-    write_results("bench_e2e", rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf", "peak_gib",
-                                      "note"], meta,
-                  notes="vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). decode step: one "
-                        "step, device-event median; decode loop: whole generation loop, wall clock.")
+    notes = ("vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). decode step: one step, "
+             "device-event median; decode loop: whole generation loop, wall clock.")
+    if profiles:
+        notes += "\n\nbs=1 decode step, top kernels by GPU time (eager profile; the graph replays the same kernels):\n\n"
+        notes += "| quant | ms/step | calls | kernel |\n|---|---|---|---|\n"
+        notes += "\n".join(f"| {q} | {p['ms_per_step']:.3f} | {p['calls_per_step']} | {p['kernel'][:70]} |"
+                            for q, ps in profiles.items() for p in ps)
+    md = write_results("bench_e2e", rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf",
+                                           "peak_gib", "note"], meta, notes=notes)
+    payload = json.loads(md.with_suffix(".json").read_text())
+    payload["decode_bs1_top_kernels"] = profiles
+    md.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
 
 
 if __name__ == "__main__":
