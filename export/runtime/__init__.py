@@ -5,8 +5,11 @@
 imports TensorRT only when constructed).
 """
 
+from .backends import TorchBackend
 from .blocks import BlockManager, OutOfBlocks
 from .generator import GenerationResult, GenerationStats, Generator
 from .sampling import SamplingParams
+from .trt_backend import TrtBackend  # imports TensorRT only when a TrtBackend is constructed
 
-__all__ = ["BlockManager", "OutOfBlocks", "GenerationResult", "GenerationStats", "Generator", "SamplingParams"]
+__all__ = ["BlockManager", "OutOfBlocks", "GenerationResult", "GenerationStats", "Generator", "SamplingParams",
+           "TorchBackend", "TrtBackend"]
