@@ -127,6 +127,19 @@ def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool
     return LaunchConfig(_w4a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 
+def w4a16_aot_signature(dtype: str = "fp16") -> tuple[dict, list]:
+    """(signature, div16) of ``_w4a16_gemm_kernel`` for ``kernels.aot.compile_triton`` (``dtype``: fp16 | bf16).
+
+    Runtime arguments are pointers and int32 only. ``partial_ptr`` (fp32 ``[SPLIT_K, M, N]``) and ``ticket_ptr``
+    (int32, >= grid[0] entries, zeroed once at allocation; the kernel leaves it zeroed) are scratch inputs; unused
+    optional pointers (zeros/bias/residual) may be any valid pointer, their constexpr flag is off.
+    """
+    sig = dict(x_ptr=f"*{dtype}", qw_ptr="*i32", scales_ptr=f"*{dtype}", zeros_ptr="*u8", bias_ptr=f"*{dtype}",
+               res_ptr=f"*{dtype}", out_ptr=f"*{dtype}", partial_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32",
+               K="i32", stride_xm="i32", stride_om="i32", stride_rm="i32")
+    return sig, ["x_ptr", "qw_ptr", "scales_ptr", "out_ptr", "N", "K", "stride_xm"]
+
+
 def check_w4_weight(qweight, scales, zeros, group_size, K=None):
     """Shapes and dtypes of a packed INT4 weight; returns (K, N)."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2:

@@ -112,6 +112,17 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
     return LaunchConfig(_w8a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 
+def w8a16_aot_signature(dtype: str = "fp16") -> tuple[dict, list]:
+    """(signature, div16) of ``_w8a16_gemm_kernel`` for ``kernels.aot.compile_triton`` (``dtype``: fp16 | bf16).
+
+    Scratch inputs as in ``kernels.gemm_w4a16.w4a16_aot_signature`` (fp32 partials, once-zeroed int32 tickets).
+    """
+    sig = dict(x_ptr=f"*{dtype}", qw_ptr="*i8", scales_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
+               out_ptr=f"*{dtype}", partial_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32", K="i32",
+               stride_xm="i32", stride_om="i32", stride_rm="i32")
+    return sig, ["x_ptr", "qw_ptr", "scales_ptr", "out_ptr", "N", "K", "stride_xm"]
+
+
 def check_w8_weight(qweight, scales, K=None):
     """Shapes and dtypes of an INT8 weight; returns (K, N)."""
     if qweight.dtype != torch.int8 or qweight.dim() != 2:

@@ -90,6 +90,50 @@ def test_w4a16_op_cpu_reference_path_and_shapes():
     assert torch.equal(y, ref)
 
 
+def test_w4a16_op_opcheck():
+    # Schema, fake (meta) impl and AOT-dispatch consistency of the custom op, on the CPU reference path.
+    import kernels.ops  # noqa: F401
+
+    x, qw = make(3, 24, 128, torch.float16, 64, False, device="cpu")
+    r = torch.randn(3, 24, dtype=torch.float16)
+    res = torch.library.opcheck(torch.ops.tritrt.w4a16_linear.default, (x, qw.qweight, qw.scales, qw.zeros, 64, None, r))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+AOT_SCRIPT = """
+import sys
+from kernels.aot.cache import AotCache
+from kernels.aot.compile import compile_triton
+from kernels.gemm_w4a16 import w4a16_aot_signature, w4a16_launch_config
+from kernels.gemm_w8a16 import w8a16_aot_signature, w8a16_launch_config
+cache = AotCache(sys.argv[1])
+for M in (1, 16):
+    for cfg, (sig, div16) in ((w4a16_launch_config(M, 4096, 4096, 128, True, True, False), w4a16_aot_signature("bf16")),
+                              (w8a16_launch_config(M, 4096, 4096, False, True), w8a16_aot_signature("fp16"))):
+        art = compile_triton(cfg.kernel, sig, cfg.constexprs, sm=90, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages, div16=div16, cache=cache)
+        assert art.ptx and art.cubin and len(art.params) == len(sig), art.name
+        print(art.name, cfg.constexprs["SPLIT_K"], art.shared)
+"""
+
+
+def test_w4a16_w8a16_compile_ahead_of_time_for_sm90(tmp_path):
+    # The plugin path compiles these kernels to PTX/cubin without a GPU (kernels.aot); split-K scratch and tickets are
+    # explicit pointer arguments, so nothing needs Triton's global scratch. A separate process: the interpreter
+    # (TRITON_INTERPRET=1, set by conftest) cannot lower kernels.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
+                       cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("_gemm_kernel") == 4, r.stdout
+
+
 def test_w4a16_bad_inputs():
     x, qw = make(2, 16, 128, torch.float16, 32, False, device="cpu")
     with pytest.raises(ValueError, match="not a multiple of group_size"):

@@ -73,6 +73,16 @@ def test_w8a16_op_cpu_reference_path_and_shapes():
     assert torch.equal(y, ref.reshape(2, 3, 24))
 
 
+def test_w8a16_op_opcheck():
+    # Schema, fake (meta) impl and AOT-dispatch consistency of the custom op, on the CPU reference path.
+    import kernels.ops  # noqa: F401
+
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    qw = quantize_int8(torch.randn(24, 128, dtype=torch.bfloat16))
+    res = torch.library.opcheck(torch.ops.tritrt.w8a16_linear.default, (x, qw.qweight, qw.scales, None, None))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
 def test_w8a16_bad_inputs():
     x = torch.randn(2, 64, dtype=torch.float16)
     qw = quantize_int8(torch.randn(24, 64, dtype=torch.float16))
