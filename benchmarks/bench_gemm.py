@@ -7,6 +7,8 @@ its weight in L2 (weights are the bytes that matter). The headline time is a CUD
 decode step runs: graph or TensorRT engine, no Python per kernel); single eager calls are reported beside it. Reported: time, TFLOP/s, weight GB/s (packed weight + scales
 + zeros read per call), speed-up over cuBLAS, and the relative error ||y - ref|| / ||ref|| against the fp32
 reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for alternative tile configurations.
+``BENCH_GEMM_SHAPES=qkv,o`` / ``BENCH_GEMM_MS=1,4,8`` restrict shapes / M; ``BENCH_GEMM_KERNELS=gemv`` times only
+cuBLAS, the default W4A16 Triton kernel and the CUDA GEMVs (scalar and tensor-core, with their variants).
 
 Run: ``python benchmarks/bench_gemm.py`` (writes benchmarks/results/bench_gemm_<card>.{json,md}; set
 TRITRT_RESULTS_DIR to write elsewhere).
@@ -83,7 +85,11 @@ def main():
     from kernels.gemm_w8a16 import w8a16_gemm
     from kernels.quant import dequantize, quantize_int4, quantize_int8
 
+    from kernels.csrc import w4a16_gemv_mma as mma
+
     sweep = os.environ.get("BENCH_GEMM_SWEEP") == "1"
+    gemv_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv"
+    ms_list = [int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS") else MS
     shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [
         s for s in SHAPES if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
     torch.manual_seed(0)
@@ -98,7 +104,7 @@ def main():
         sets16 = rotating_inputs(lambda: (w.clone(),), b16)
         sets8 = rotating_inputs(lambda: (q8.qweight.clone(), q8.scales.clone()), b8)
         sets4 = rotating_inputs(lambda: (q4.qweight.clone(), q4.scales.clone(), q4.zeros.clone()), b4)
-        for M in MS:
+        for M in ms_list:
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             flops = 2.0 * M * N * K
             t16 = bench(lambda wt: F.linear(x, wt), sets16, cuda_graph=True)
@@ -116,12 +122,13 @@ def main():
             row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16,
                 rel_err(F.linear(x, w), x.float() @ w.float().t()))
             ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
-            variants8 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else
-                                             [(lab, o) for lab, f, o in EXTRA_W8 if f(M)])
+            variants8 = [] if gemv_only else [("default", {})] + (
+                [(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else [(lab, o) for lab, f, o in EXTRA_W8 if f(M)])
             for label, ov in variants8:
                 err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
                 row("w8a16", lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8, b8, err, label)
-            variants4 = [("default", {})] + ([(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else
+            variants4 = [("default", {})] + ([] if gemv_only else
+                                             [(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else
                                              [(lab, o) for lab, f, o in EXTRA_W4 if f(M)])
             for label, ov in variants4:
                 err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
@@ -130,12 +137,23 @@ def main():
                 # The plan's variant, plus (M == 1) the other threads-across-N / prefetch choices for comparison.
                 plan_tn = cu.gemv_plan(M, N)["tn"]
                 cu_variants = [(plan_tn, cu.PREFETCH)]
-                if M == 1 or sweep:
+                if (M == 1 and not gemv_only) or sweep:
                     cu_variants += [(tn, pf) for tn in (4, 8) for pf in (True, False) if (tn, pf) != cu_variants[0]]
                 for tn, pf in cu_variants:
                     err = rel_err(cu.w4a16_gemv(x, q4.qweight, q4.scales, q4.zeros, GROUP, tn=tn, prefetch=pf), ref4)
                     label = ("default" if (tn, pf) == cu_variants[0] else "variant") + f" tn={tn} pf={int(pf)}"
                     row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn, prefetch=pf),
+                        sets4, b4, err, label)
+            if mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
+                # Tensor-core GEMV: the plan's variant, then other warps-per-block / rows-per-lane choices.
+                plan = mma.gemv_plan(M, N, K, GROUP)
+                mma_variants = [(plan["u"], plan["warps"])] + [
+                    (u, w) for u, w in ((8, plan["warps"]), (4, 2 * plan["warps"]), (4, plan["warps"] // 2))
+                    if (u, w) != (plan["u"], plan["warps"]) and 1 <= w <= 16 and not K % (32 * u)]
+                for u, wp in mma_variants:
+                    err = rel_err(mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, GROUP, u=u, warps=wp), ref4)
+                    label = ("default" if (u, wp) == mma_variants[0] else "variant") + f" u={u} warps={wp}"
+                    row("w4a16_cuda_gemv_mma", lambda qw, s, z: mma.w4a16_gemv_mma(x, qw, s, z, GROUP, u=u, warps=wp),
                         sets4, b4, err, label)
             done = [r for r in rows if r["M"] == M and r["shape"] == name]
             print(f"{name} M={M}: " + ", ".join(f"{r['kernel']}[{r['config']}] {r['speedup']:.2f}x" for r in done),

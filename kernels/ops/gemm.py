@@ -1,8 +1,9 @@
 """Weight-only GEMM as torch custom ops (``torch.ops.tritrt.w8a16_linear`` / ``w4a16_linear``), per the contract in
 ``kernels/ops/__init__.py``; weights come from ``kernels.quant`` (use ``kernels.quant.linear`` rather than these).
 
-CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations and
-M <= ``CUDA_GEMV_MAX_M`` (no residual) the CUDA C++ GEMV (``kernels.csrc.w4a16_gemv``), which measured faster there.
+CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations (no
+residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA GEMV (``kernels.csrc.w4a16_gemv_mma``), else for
+M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster.
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -18,6 +19,8 @@ from torch import Tensor
 # bench_gemm_*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton tensor-core
 # path wins (0.9-1.1x vs 0.6-0.85x), so only M=1 goes to CUDA.
 CUDA_GEMV_MAX_M = 1
+# M up to which fp16 W4A16 goes to the tensor-core GEMV first (0 disables it; shapes it does not take fall through).
+CUDA_GEMV_MMA_MAX_M = 8
 
 
 def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
@@ -88,6 +91,11 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2).to(x.dtype)
         return y.reshape(*lead, N)
     M, K = x2.shape
+    if r2 is None and M <= CUDA_GEMV_MMA_MAX_M:
+        from ..csrc import w4a16_gemv_mma as mma
+
+        if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
+            return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
     if r2 is None and M <= CUDA_GEMV_MAX_M:
         from ..csrc import w4a16_gemv as cu
 

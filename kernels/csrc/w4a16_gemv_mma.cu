@@ -1,0 +1,222 @@
+// W4A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
+// INT4 layout (qweight int32 [K/8, N], nibble j of row r is k = 8r + j; scales fp16 [K/G, N]; zeros uint8 [K/G, N]
+// or none = 8).
+//
+// Why: the scalar GEMV (w4a16_gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
+// ~1.2 instructions of dequantisation and a 1/8 share of an mma:
+//   * LOP3 (q & 0x000F000F) | 0x64006400 is the half2 {1024 + n0, 1024 + n4}; with mask 0x00F000F0 it is
+//     {1024 + 16 n1, 1024 + 16 n5}; the same two on q >> 8 give nibbles 2, 6 and 3, 7 (one shift per int32).
+//   * one HSUB2 by {1024 + z} (low nibbles) or HFMA2 by {1/16, -(64 + z)} (high nibbles) leaves q - z, exact in fp16
+//     (integers <= 16), so the zero point is free.
+//   * mma.sync.m16n8k16 (fp32 accumulate) multiplies the exact (q - z) weights, as the A operand (16 columns of W x
+//     16 k), with x as B (16 k x 8 rows of x); the group scale multiplies the fp32 partial sum of each group. So the
+//     only roundings are fp32 accumulation and the final fp16 store: more accurate than cuBLAS on the fp16 weight.
+// The tensor core does 8 x more MACs than M=1 needs; it has ~8 x more throughput than the dequantisation needs, so
+// that is free, and M up to 8 costs the same as M = 1.
+//
+// Fragment mapping (PTX ISA, mma.m16n8k16 f16): lane = 4 g + t holds A rows g and g + 8, k columns {2t, 2t+1, 2t+8,
+// 2t+9}; B k rows {2t, 2t+1, 2t+8, 2t+9} of column g; C rows g, g+8, columns 2t, 2t+1. The mma's k order is ours to
+// choose as long as A and B agree, so lane (g, t) feeds it its own packed row 4u + t: A = the LOP3 outputs as they
+// come ({n0, n4}, {n1, n5} for the first mma, {n2, n6}, {n3, n7} for the second), B = x[g][8r..8r+7] permuted the same
+// way with 4 PRMTs. Lane g loads 16 B = 4 adjacent columns (4g..4g+3) of its packed row: tile 0 takes columns 4g, 4g+1
+// as rows g, g+8, tile 1 columns 4g+2, 4g+3. A warp's load of one u covers 4 packed rows x 128 contiguous bytes.
+//
+// Work split: a block = GEMV_WARPS warps on the same 32 columns, warps splitting K in chunks of 4 * GEMV_U packed rows
+// (register double buffer: the next chunk's loads are issued before this chunk's math), reduced through shared
+// memory at the end; one launch, no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
+// multiple of 32 with GEMV_GSTEPS = min(group_size / 32, GEMV_U) dividing GEMV_U (a scale run never straddles a
+// group), x rows 16-byte aligned.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef GEMV_WARPS
+#define GEMV_WARPS 8
+#endif
+#ifndef GEMV_U
+#define GEMV_U 4  // packed rows per lane per chunk (16 B each): 4 * U * 8 k per warp step
+#endif
+#ifndef GEMV_GSTEPS
+#define GEMV_GSTEPS 4  // u steps per scale group
+#endif
+#ifndef GEMV_MMAX
+#define GEMV_MMAX 8  // 1: only row 0 of x (skips the loads and scale FMAs of the other rows)
+#endif
+
+namespace {
+constexpr int kWarps = GEMV_WARPS;
+constexpr int kU = GEMV_U;
+constexpr int kG = GEMV_GSTEPS;
+static_assert(kU % kG == 0, "GEMV_GSTEPS must divide GEMV_U");
+static_assert(GEMV_MMAX == 1 || GEMV_MMAX == 8, "GEMV_MMAX is 1 or 8");
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t magic) {
+  uint32_t r;
+  // (a & mask) | magic in one instruction: immLut = (0xF0 & 0xCC) | 0xAA = 0xEA.
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t hsub2_u(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t hfma2_u(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+// q - z for the 8 nibbles of one packed int32, as 4 half2: {n0,n4}, {n1,n5}, {n2,n6}, {n3,n7}.
+__device__ __forceinline__ void dequant8(uint32_t q, uint32_t zlo, uint32_t zhi, uint32_t h[4]) {
+  constexpr uint32_t kMagic = 0x64006400u;    // fp16 1024 in both halves
+  constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 1/16 in both halves
+  const uint32_t q8 = q >> 8;
+  h[0] = hsub2_u(lop3_and_or(q, 0x000F000Fu, kMagic), zlo);
+  h[1] = hfma2_u(lop3_and_or(q, 0x00F000F0u, kMagic), kSixteenth, zhi);
+  h[2] = hsub2_u(lop3_and_or(q8, 0x000F000Fu, kMagic), zlo);
+  h[3] = hfma2_u(lop3_and_or(q8, 0x00F000F0u, kMagic), kSixteenth, zhi);
+}
+
+__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+               const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
+               int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias) {
+  __shared__ float red[kWarps][GEMV_MMAX][32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int col = blockIdx.x * 32 + 4 * g;
+  const bool col_ok = col < N;              // N % 4 == 0: a lane's 4 columns are all in or all out
+  const bool x_ok = g < M && g < GEMV_MMAX;  // B column g is row g of x; rows >= M feed zeros
+  const int chunks = K / (32 * kU);          // chunk = 4 * kU packed rows
+  const int gshift = __ffs(group_size) - 1;  // group_size is a power of two (launcher)
+
+  float acc[2][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+  // Lanes past N read column N - 4 instead (valid memory, no predication); their sums are never stored.
+  const int colc = col_ok ? col : N - 4;
+  // Packed row r of this lane's 4 columns is the int4 at qweight + r * N + colc: a u step is 4 rows (N int4s).
+  const int4* qw = reinterpret_cast<const int4*>(qweight + colc) + (size_t)t * (N / 4);
+  const int4* xw = reinterpret_cast<const int4*>(x + (size_t)g * stride_xm) + t;  // int4 r = x[g][8r .. 8r+7]
+  const size_t q_u = (size_t)N;
+
+  auto load_chunk = [&](int c, int4 (&q)[kU]) {
+    const int4* p = qw + (size_t)c * kU * N;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) q[u] = __ldg(p + u * q_u);
+  };
+
+  auto process_chunk = [&](int c, const int4 (&q)[kU]) {
+    float cg[2][4];
+    uint32_t zlo[4], zhi[4];
+    float s[4];
+    const int k0 = c * 32 * kU;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (u % kG == 0) {
+        // One group for the whole run of kG u-steps of the quad (the launcher's GSTEPS rule).
+        const size_t goff = (size_t)((k0 + 32 * u) >> gshift) * N + colc;
+        const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(scales + goff));
+        const uint32_t zraw = has_zeros ? __ldg(reinterpret_cast<const unsigned int*>(zeros + goff)) : 0x08080808u;
+        const float2 s01 = __half22float2(*reinterpret_cast<const half2*>(&sraw.x));
+        const float2 s23 = __half22float2(*reinterpret_cast<const half2*>(&sraw.y));
+        s[0] = s01.x; s[1] = s01.y; s[2] = s23.x; s[3] = s23.y;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t z = (zraw >> (8 * j)) & 0xFFu;  // 0..16
+          zlo[j] = (0x6400u + z) * 0x00010001u;           // fp16 1024 + z, both halves
+          zhi[j] = (0xD400u + (z << 4)) * 0x00010001u;    // fp16 -(64 + z), both halves
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) cg[i][j] = 0.f;
+      }
+      int4 xv = make_int4(0, 0, 0, 0);
+      if (x_ok) xv = __ldg(xw + (size_t)(c * kU + u) * 4);
+      // x halves (x0..x7) -> the k order of the A fragments: {x0,x4}, {x1,x5} | {x2,x6}, {x3,x7}.
+      const uint32_t b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);
+      const uint32_t b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);
+      uint32_t h[4][4];
+      dequant8((uint32_t)q[u].x, zlo[0], zhi[0], h[0]);
+      dequant8((uint32_t)q[u].y, zlo[1], zhi[1], h[1]);
+      dequant8((uint32_t)q[u].z, zlo[2], zhi[2], h[2]);
+      dequant8((uint32_t)q[u].w, zlo[3], zhi[3], h[3]);
+#pragma unroll
+      for (int T = 0; T < 2; ++T) {
+        mma16816(cg[T], h[2 * T][0], h[2 * T + 1][0], h[2 * T][1], h[2 * T + 1][1], b00, b01);
+        mma16816(cg[T], h[2 * T][2], h[2 * T + 1][2], h[2 * T][3], h[2 * T + 1][3], b10, b11);
+      }
+      if (u % kG == kG - 1) {
+        // C rows g, g+8 are columns 4g+2T, 4g+2T+1; C columns 2t, 2t+1 are rows of x (only 2t matters at M = 1).
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+          acc[T][0] = fmaf(cg[T][0], s[2 * T], acc[T][0]);
+          acc[T][2] = fmaf(cg[T][2], s[2 * T + 1], acc[T][2]);
+          if (GEMV_MMAX > 1) {
+            acc[T][1] = fmaf(cg[T][1], s[2 * T], acc[T][1]);
+            acc[T][3] = fmaf(cg[T][3], s[2 * T + 1], acc[T][3]);
+          }
+        }
+      }
+    }
+  };
+
+  // Two register buffers used in turn (no copies): the next chunk's loads are in flight during this chunk's math.
+  int4 qa[kU], qb[kU];
+  if (warp < chunks) load_chunk(warp, qa);
+  for (int c = warp; c < chunks; c += 2 * kWarps) {
+    if (c + kWarps < chunks) load_chunk(c + kWarps, qb);
+    process_chunk(c, qa);
+    if (c + kWarps >= chunks) break;
+    if (c + 2 * kWarps < chunks) load_chunk(c + 2 * kWarps, qa);
+    process_chunk(c + kWarps, qb);
+  }
+
+  // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic).
+#pragma unroll
+  for (int T = 0; T < 2; ++T) {
+    const int cl = 4 * g + 2 * T;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int m = 2 * t + j;
+      if (m < GEMV_MMAX) {
+        red[warp][m][cl] = acc[T][j];
+        red[warp][m][cl + 1] = acc[T][2 + j];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < GEMV_MMAX * 32; i += 32 * kWarps) {
+    const int m = i / 32, cl = i % 32;
+    const int n = blockIdx.x * 32 + cl;
+    if (m < M && n < N) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
+      if (has_bias) sum += __half2float(bias[n]);
+      out[(size_t)m * N + n] = __float2half_rn(sum);
+    }
+  }
+}
