@@ -1,0 +1,117 @@
+"""Export + verify of a Llama-3-8B-shaped random checkpoint: wall time and peak memory of each step.
+
+What a user runs on a real checkpoint, timed: ``python -m export.build --checkpoint CK --quant int4 --dtype float16``
+then ``python -m export.verify OUT``. The checkpoint is random (no download), written as sharded fp16 safetensors
+with the Llama-3-8B config. Each step runs as a child process so its peak RSS (``ru_maxrss``) is its own.
+
+    python benchmarks/bench_export.py [--layers 32] [--quant int4] [--workdir /tmp/bench_export]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import write_results  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                 architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16", hidden_act="silu")
+
+
+def write_random_checkpoint(path: Path, layers: int, seed: int = 0) -> float:
+    """Sharded fp16 safetensors with HF names (one shard per layer) + config + tokenizer; returns GiB written."""
+    from safetensors.torch import save_file
+
+    from export.tiny import make_tokenizer
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    path.mkdir(parents=True, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(seed)
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+
+    def rand(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=dev) * std).half().cpu()
+
+    shards = {"model-embed.safetensors": {"model.embed_tokens.weight": rand(v, h),
+                                          "model.norm.weight": 1 + rand(h, std=0.1), "lm_head.weight": rand(v, h)}}
+    for li in range(layers):
+        p = f"model.layers.{li}."
+        shards[f"model-layer{li:02d}.safetensors"] = {
+            p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
+            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+            p + "mlp.down_proj.weight": rand(h, i), p + "input_layernorm.weight": 1 + rand(h, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + rand(h, std=0.1)}
+    weight_map, total = {}, 0
+    for fname, tensors in shards.items():
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    make_tokenizer(path)
+    return total / 2**30
+
+
+def run_step(name: str, argv: list[str], log: Path) -> dict:
+    """Run one CLI step as a child; its wall time, peak RSS and exit code (output appended to ``log``)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(argv)}\n")
+        f.flush()
+        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB; max over children so far
+    row = dict(step=name, seconds=round(seconds, 1), peak_rss_gib=round(peak / 2**20, 2), exit_code=rc)
+    if peak <= before:
+        row["peak_rss_gib"] = f"<= {before / 2**20:.2f} (an earlier step's peak)"
+    print(row, flush=True)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--quant", default="int4", choices=["none", "int8", "int4"])
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_export"))
+    args = p.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    ck, out, log = args.workdir / "checkpoint", args.workdir / "out", args.workdir / "log.txt"
+    args.workdir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    gib = write_random_checkpoint(ck, args.layers)
+    rows = [dict(step="write random checkpoint", seconds=round(time.perf_counter() - t0, 1), size_gib=round(gib, 2))]
+    py = sys.executable
+    rows.append(run_step("export.build", [py, "-m", "export.build", "--checkpoint", str(ck), "--quant", args.quant,
+                                          "--dtype", "float16", "--out", str(out), "--no-engine"], log))
+    if rows[-1]["exit_code"] == 0:
+        rows[-1]["size_gib"] = round(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**30, 2)
+        rows.append(run_step("export.verify", [py, "-m", "export.verify", str(out)], log))
+    print(log.read_text()[-6000:])
+    write_results("bench_export", rows, ["step", "seconds", "peak_rss_gib", "size_gib", "exit_code"],
+                  meta=dict(model=f"Llama-3-8B-shaped, random fp16, {args.layers} layers", quant=args.quant,
+                            cpus=os.cpu_count()),
+                  notes="Build and verify run on the CPU (ONNX Runtime, torch references, HF transformers); "
+                        "the GPU only generates the random weights. No TensorRT engine (not installable here).")
+    return 0 if all(r.get("exit_code", 0) == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
