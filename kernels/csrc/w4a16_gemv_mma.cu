@@ -41,6 +41,12 @@
 #ifndef GEMV_MMAX
 #define GEMV_MMAX 8  // 1: only row 0 of x (skips the loads and scale FMAs of the other rows)
 #endif
+#ifndef GEMV_CHAINS
+#define GEMV_CHAINS 1  // 2: the two mmas of a u step go to separate accumulators (shorter HMMA dependency chains)
+#endif
+#ifndef GEMV_L2_256
+#define GEMV_L2_256 0  // 1: weight loads ask L2 to fetch 256 B (the neighbouring block's columns of the same rows)
+#endif
 
 namespace {
 constexpr int kWarps = GEMV_WARPS;
@@ -48,6 +54,19 @@ constexpr int kU = GEMV_U;
 constexpr int kG = GEMV_GSTEPS;
 static_assert(kU % kG == 0, "GEMV_GSTEPS must divide GEMV_U");
 static_assert(GEMV_MMAX == 1 || GEMV_MMAX == 8, "GEMV_MMAX is 1 or 8");
+static_assert(GEMV_CHAINS == 1 || GEMV_CHAINS == 2, "GEMV_CHAINS is 1 or 2");
+
+// Read-only 16-byte weight load; optionally with the L2 256-byte prefetch hint.
+__device__ __forceinline__ int4 load_weight(const int4* p) {
+#if GEMV_L2_256
+  int4 r;
+  asm volatile("ld.global.nc.L2::256B.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+#else
+  return __ldg(p);
+#endif
+}
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t magic) {
   uint32_t r;
@@ -124,11 +143,11 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   auto load_chunk = [&](int c, int4 (&q)[kU]) {
     const int4* p = qw + (size_t)c * kU * N;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) q[u] = __ldg(p + u * q_u);
+    for (int u = 0; u < kU; ++u) q[u] = load_weight(p + u * q_u);
   };
 
   auto process_chunk = [&](int c, const int4 (&q)[kU]) {
-    float cg[2][4];
+    float cg[GEMV_CHAINS][2][4];
     uint32_t zlo[4], zhi[4];
     float s[4];
     const int k0 = c * 32 * kU;
@@ -149,9 +168,11 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
           zhi[j] = (0xD400u + (z << 4)) * 0x00010001u;    // fp16 -(64 + z), both halves
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+        for (int a = 0; a < GEMV_CHAINS; ++a)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) cg[i][j] = 0.f;
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) cg[a][i][j] = 0.f;
       }
       int4 xv = make_int4(0, 0, 0, 0);
       if (x_ok) xv = __ldg(xw + (size_t)(c * kU + u) * 4);
@@ -165,20 +186,22 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
       dequant8((uint32_t)q[u].w, zlo[3], zhi[3], h[3]);
 #pragma unroll
       for (int T = 0; T < 2; ++T) {
-        mma16816(cg[T], h[2 * T][0], h[2 * T + 1][0], h[2 * T][1], h[2 * T + 1][1], b00, b01);
-        mma16816(cg[T], h[2 * T][2], h[2 * T + 1][2], h[2 * T][3], h[2 * T + 1][3], b10, b11);
+        mma16816(cg[0][T], h[2 * T][0], h[2 * T + 1][0], h[2 * T][1], h[2 * T + 1][1], b00, b01);
+        mma16816(cg[GEMV_CHAINS - 1][T], h[2 * T][2], h[2 * T + 1][2], h[2 * T][3], h[2 * T + 1][3], b10, b11);
       }
       if (u % kG == kG - 1) {
         // C rows g, g+8 are columns 4g+2T, 4g+2T+1; C columns 2t, 2t+1 are rows of x (only 2t matters at M = 1).
 #pragma unroll
-        for (int T = 0; T < 2; ++T) {
-          acc[T][0] = fmaf(cg[T][0], s[2 * T], acc[T][0]);
-          acc[T][2] = fmaf(cg[T][2], s[2 * T + 1], acc[T][2]);
-          if (GEMV_MMAX > 1) {
-            acc[T][1] = fmaf(cg[T][1], s[2 * T], acc[T][1]);
-            acc[T][3] = fmaf(cg[T][3], s[2 * T + 1], acc[T][3]);
+        for (int a = 0; a < GEMV_CHAINS; ++a)
+#pragma unroll
+          for (int T = 0; T < 2; ++T) {
+            acc[T][0] = fmaf(cg[a][T][0], s[2 * T], acc[T][0]);
+            acc[T][2] = fmaf(cg[a][T][2], s[2 * T + 1], acc[T][2]);
+            if (GEMV_MMAX > 1) {
+              acc[T][1] = fmaf(cg[a][T][1], s[2 * T], acc[T][1]);
+              acc[T][3] = fmaf(cg[a][T][3], s[2 * T + 1], acc[T][3]);
+            }
           }
-        }
       }
     }
   };

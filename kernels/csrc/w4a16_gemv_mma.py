@@ -3,7 +3,8 @@
 Same contract as ``kernels.csrc.w4a16_gemv`` (the scalar CUDA GEMV, kept as the fallback for shapes this one does not
 take): compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
 torch's current stream by ``kernels.aot.launcher.AotKernel``. A variant is (warps per block, packed rows per lane
-per chunk ``u``, u-steps per scale group, max M 1 or 8); the launch plan is a pure function of shapes.
+per chunk ``u``, u-steps per scale group, max M 1 or 8, accumulator chains 1 or 2, L2 256-byte prefetch hint); the
+launch plan is a pure function of shapes and the SM count.
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ import torch
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
 MAX_M = 8
-U_DEFAULT = 4  # 16 B loads per lane per chunk: 4 -> 82-93 registers, 8 -> 128 (ptxas, sm_90)
-WARPS = (1, 2, 4, 8, 16)
-# Warps wanted on the whole GPU (~12 per SM on 132 SMs): enough 16-B loads in flight to cover DRAM latency.
-TARGET_WARPS = 1584
+U_DEFAULT = 4  # 16 B loads per lane per chunk. H200 run 1: u=8 (128 registers) slower on 13 of 15 rows
+CHAINS = 2  # accumulators per tile (GEMV_CHAINS)
+L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256)
+WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
+# Register bound used for residency (ptxas, sm_90: 93-117 for the u=4 variants, 128 for u=8).
+REGS_BOUND = 128
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
           ("has_zeros", "i32"), ("has_bias", "i32")]
 
 _KERNELS: dict = {}
+_SM_COUNT: dict = {}
 
 
 def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: int = U_DEFAULT
@@ -44,43 +48,63 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
     return None
 
 
-def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None) -> dict:
-    """Variant and grid: 32 columns per block; the fewest warps per block (splitting K) that put ~TARGET_WARPS warps
-    on the GPU, at most one per chunk of K."""
+def _blocks_per_sm(warps: int) -> int:
+    return min(65536 // (REGS_BOUND * 32 * warps), 2048 // (32 * warps), 32)
+
+
+def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
+              sm_count: int = 132) -> dict:
+    """Variant and grid: 32 columns per block, and the most warps per block (splitting K, at most one per chunk)
+    that still fit every block in one wave. H200 run 1 (benchmarks/results/bench_gemm_summary_h200.md): a second
+    partial wave cost 17% at qkv (192 blocks x 16 warps, 1 block/SM) and fewer warps per SM cost 14-24% at o/down
+    (8 instead of 16); this rule picks the best measured of 2-4 choices on all five shapes."""
     blocks = -(-N // 32)
     chunks = K // (32 * u)
     if warps is None:
-        warps = next((w for w in WARPS if blocks * w >= TARGET_WARPS), WARPS[-1])
+        warps = next((w for w in WARPS if blocks <= sm_count * _blocks_per_sm(w)), WARPS[-1])
         while warps > 1 and warps > chunks:
             warps //= 2
     return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=1 if M == 1 else MAX_M, grid=(blocks,))
 
 
-def compile_variant(warps: int, u: int, gsteps: int, mmax: int, sm: int = 90):
+def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256):
+    return (f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_GSTEPS={gsteps}", f"-DGEMV_MMAX={mmax}",
+            f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}")
+
+
+def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
+                    sm: int = 90):
     """The PTX/cubin artifact for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
-                        extra_flags=(f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_GSTEPS={gsteps}",
-                                     f"-DGEMV_MMAX={mmax}"))
+                        extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256))
 
 
-def _kernel(warps: int, u: int, gsteps: int, mmax: int):
+def _kernel(warps: int, u: int, gsteps: int, mmax: int, chains: int, l2_256: bool):
     from kernels.aot.launcher import AotKernel
 
     major, minor = torch.cuda.get_device_capability()
-    key = (10 * major + minor, warps, u, gsteps, mmax)
+    key = (10 * major + minor, warps, u, gsteps, mmax, chains, l2_256)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(warps, u, gsteps, mmax, sm=key[0]))
+        k = _KERNELS[key] = AotKernel(compile_variant(warps, u, gsteps, mmax, chains, l2_256, sm=key[0]))
     return k
+
+
+def _sm_count(device) -> int:
+    n = _SM_COUNT.get(device)
+    if n is None:
+        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                   u: int = U_DEFAULT, warps: Optional[int] = None) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores. ``u``/``warps`` override the plan
-    (benchmarks)."""
+                   u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
+                   chains: int = CHAINS, l2_256: bool = L2_256) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores. ``u``/``warps``/``mmax``/``chains``/
+    ``l2_256`` override the plan's variant (benchmarks, tests)."""
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
@@ -101,9 +125,11 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("tensor-core W4A16 GEMV: scales and bias must be float16")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
         raise ValueError(f"tensor-core W4A16 GEMV: out must be contiguous float16 {(M, N)}")
-    plan = gemv_plan(M, N, K, group_size, u, warps)
+    plan = gemv_plan(M, N, K, group_size, u, warps, _sm_count(x.device))
+    if mmax is not None and (mmax not in (1, MAX_M) or mmax < M):
+        raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be 1 or {MAX_M} and >= M={M}")
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
-    _kernel(plan["warps"], plan["u"], plan["gsteps"], plan["mmax"]).launch(
+    _kernel(plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], int(chains), bool(l2_256)).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
         int(bias is not None))
