@@ -272,7 +272,12 @@ def main():
         if time.perf_counter() > deadline:
             rows.append(dict(impl="tritrt torch+graphs", quant=quant, note="not run (time budget)"))
             continue
-        run_ours(config, weights, quant, rows, hf_ref, deadline, profiles)
+        try:
+            run_ours(config, weights, quant, rows, hf_ref, deadline, profiles)
+        except Exception as e:  # noqa: BLE001 - one failing configuration is reported; the others still run
+            rows.append(dict(impl="tritrt torch+graphs", quant=quant, note=f"failed: {type(e).__name__}: {str(e)[:90]}"))
+            gc.collect()
+            torch.cuda.empty_cache()
         print(f"[{time.perf_counter() - t0:.0f}s] {quant} done", flush=True)
     if not args.no_compile:
         run_hf_compiled(config, weights, rows, deadline)
