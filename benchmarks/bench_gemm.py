@@ -145,18 +145,20 @@ def main():
                     row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn, prefetch=pf),
                         sets4, b4, err, label)
             if mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
-                # Tensor-core GEMV: the plan's variant, then one change at a time (run-1 kernel = chains 1, L2 hint,
+                # Tensor-core GEMV: the plan's variant, then one change at a time (accumulator chains, L2 hint,
                 # warps per block, rows per lane, and at M = 1 the M <= 8 build).
                 plan = mma.gemv_plan(M, N, K, GROUP, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
                 wp = plan["warps"]
                 mma_variants = [("default", {})] + [(lab, o) for lab, o in (
-                    ("chains=1", dict(chains=1)), ("l2_256", dict(l2_256=True)),
+                    (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])), ("l2_256", dict(l2_256=True)),
                     (f"warps={2 * wp}", dict(warps=2 * wp)), (f"warps={wp // 2}", dict(warps=wp // 2)),
                     ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=8", dict(mmax=8)))
-                    if o.get("warps", 1) in mma.WARPS and not K % (32 * o.get("u", 4)) and (M == 1 or "mmax" not in o)]
+                    if o.get("warps", 1) in mma.WARPS and not K % (32 * o.get("u", 4))
+                    and (plan["mmax"] == 1 or "mmax" not in o)]
                 for lab, ov in mma_variants:
                     err = rel_err(mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
-                    label = lab if lab != "default" else f"default warps={wp} u={plan['u']} chains={mma.CHAINS}"
+                    label = lab if lab != "default" else (f"default warps={wp} u={plan['u']} "
+                                                              f"chains={plan['chains']} mmax={plan['mmax']}")
                     row("w4a16_cuda_gemv_mma", lambda qw, s, z: mma.w4a16_gemv_mma(x, qw, s, z, GROUP, **ov),
                         sets4, b4, err, label)
             done = [r for r in rows if r["M"] == M and r["shape"] == name]

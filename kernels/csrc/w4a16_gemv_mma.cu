@@ -3,7 +3,9 @@
 // or none = 8).
 //
 // Why: the scalar GEMV (w4a16_gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
-// ~1.2 instructions of dequantisation and a 1/8 share of an mma:
+// 9/8 instructions of dequantisation and a 1/8 share of an mma (sm_90 SASS of the loop, 256 weights per lane: LOP3
+// 139, HADD2 72, HFMA2 64, SHF 43, PRMT 32, HMMA 32, ~510 in all with addressing: ~2.0 per weight, 93-117 registers,
+// no local memory):
 //   * LOP3 (q & 0x000F000F) | 0x64006400 is the half2 {1024 + n0, 1024 + n4}; with mask 0x00F000F0 it is
 //     {1024 + 16 n1, 1024 + 16 n5}; the same two on q >> 8 give nibbles 2, 6 and 3, 7 (one shift per int32).
 //   * one HSUB2 by {1024 + z} (low nibbles) or HFMA2 by {1/16, -(64 + z)} (high nibbles) leaves q - z, exact in fp16

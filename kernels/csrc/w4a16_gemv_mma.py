@@ -17,9 +17,10 @@ import torch
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
 MAX_M = 8
-U_DEFAULT = 4  # 16 B loads per lane per chunk. H200 run 1: u=8 (128 registers) slower on 13 of 15 rows
-CHAINS = 2  # accumulators per tile (GEMV_CHAINS)
-L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256)
+# H200 runs 1-2 (benchmarks/results/bench_gemm_gemv_h200_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
+U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
+CHAINS = 1  # accumulators per tile (GEMV_CHAINS); the plan picks 2 for <= 2 warps per block (see gemv_plan)
+L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256): within +-1% on all 15 rows, so off
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 # Register bound used for residency (ptxas, sm_90: 93-117 for the u=4 variants, 128 for u=8).
 REGS_BOUND = 128
@@ -64,7 +65,12 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
         warps = next((w for w in WARPS if blocks <= sm_count * _blocks_per_sm(w)), WARPS[-1])
         while warps > 1 and warps > chunks:
             warps //= 2
-    return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=1 if M == 1 else MAX_M, grid=(blocks,))
+    # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) the M <= 8 build with two accumulator
+    # chains ran 23.6 us at M = 1 against 28.6-32.2 us for the M = 1 builds; with more warps per block one chain and
+    # the M = 1 build were best (1-12% on the other four shapes). An explicit ``warps`` follows the same rule.
+    few = warps <= 2
+    return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M if (M > 1 or few) else 1,
+                chains=2 if few else 1, grid=(blocks,))
 
 
 def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256):
@@ -102,7 +108,7 @@ def _sm_count(device) -> int:
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
-                   chains: int = CHAINS, l2_256: bool = L2_256) -> torch.Tensor:
+                   chains: Optional[int] = None, l2_256: bool = L2_256) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores. ``u``/``warps``/``mmax``/``chains``/
     ``l2_256`` override the plan's variant (benchmarks, tests)."""
     from kernels.gemm_w4a16 import check_w4_weight
@@ -129,7 +135,8 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if mmax is not None and (mmax not in (1, MAX_M) or mmax < M):
         raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be 1 or {MAX_M} and >= M={M}")
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
-    _kernel(plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], int(chains), bool(l2_256)).launch(
+    _kernel(plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], int(chains or plan["chains"]),
+            bool(l2_256)).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
         int(bias is not None))

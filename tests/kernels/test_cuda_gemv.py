@@ -149,11 +149,14 @@ def test_mma_gemv_plan_and_support():
     # One wave of blocks with the most warps per block (H200 run 1: the best measured choice on the five shapes).
     assert [mma.gemv_plan(1, N, K, 128)["warps"] for N, K in [(6144, 4096), (4096, 4096), (28672, 4096),
                                                               (4096, 14336), (8192, 8192)]] == [8, 16, 2, 16, 8]
+    # The measured exception: with <= 2 warps per block the M <= 8 build with two chains, also at M = 1.
+    assert {k: mma.gemv_plan(1, 28672, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 8, "chains": 2}
+    assert {k: mma.gemv_plan(1, 4096, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 1, "chains": 1}
     for M, N, K, g in [(1, 4096, 4096, 128), (3, 28672, 4096, 64), (8, 36, 128, 32), (1, 4096, 14336, 256)]:
         p = mma.gemv_plan(M, N, K, g)
         assert p["grid"][0] * 32 >= N > (p["grid"][0] - 1) * 32
         assert 1 <= p["warps"] <= K // (32 * p["u"])  # no warp without a chunk of K
-        assert p["u"] % p["gsteps"] == 0 and p["mmax"] == (1 if M == 1 else 8)
+        assert p["u"] % p["gsteps"] == 0 and p["mmax"] >= M and p["mmax"] in (1, 8) and p["chains"] in (1, 2)
         assert p["gsteps"] * 32 <= g  # a scale run never leaves its group
 
 
