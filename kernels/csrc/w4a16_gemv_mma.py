@@ -56,9 +56,9 @@ def _blocks_per_sm(warps: int) -> int:
 def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
               sm_count: int = 132) -> dict:
     """Variant and grid: 32 columns per block, and the most warps per block (splitting K, at most one per chunk)
-    that still fit every block in one wave. H200 run 1 (benchmarks/results/bench_gemm_summary_h200.md): a second
-    partial wave cost 17% at qkv (192 blocks x 16 warps, 1 block/SM) and fewer warps per SM cost 14-24% at o/down
-    (8 instead of 16); this rule picks the best measured of 2-4 choices on all five shapes."""
+    that still fit every block in one wave. H200 runs 1-2 (benchmarks/results/bench_gemm_summary_h200.md): a second
+    partial wave took 21% longer at qkv (192 blocks x 16 warps, 1 block/SM), half the warps 17-54% longer at o/down;
+    at M=1 this rule picks the best measured of 2-3 choices on all five shapes."""
     blocks = -(-N // 32)
     chunks = K // (32 * u)
     if warps is None:
