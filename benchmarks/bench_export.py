@@ -99,17 +99,21 @@ def main() -> int:
     gib = write_random_checkpoint(ck, args.layers)
     rows = [dict(step="write random checkpoint", seconds=round(time.perf_counter() - t0, 1), size_gib=round(gib, 2))]
     py = sys.executable
-    rows.append(run_step("export.build", [py, "-m", "export.build", "--checkpoint", str(ck), "--quant", args.quant,
-                                          "--dtype", "float16", "--out", str(out), "--no-engine"], log))
-    if rows[-1]["exit_code"] == 0:
-        rows[-1]["size_gib"] = round(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**30, 2)
-        rows.append(run_step("export.verify", [py, "-m", "export.verify", str(out)], log))
+    meta = dict(model=f"Llama-3-8B-shaped, random fp16, {args.layers} layers", quant=args.quant, cpus=os.cpu_count())
+    steps = [("export.build", [py, "-m", "export.build", "--checkpoint", str(ck), "--quant", args.quant,
+                               "--dtype", "float16", "--out", str(out), "--no-engine"]),
+             ("export.verify", [py, "-m", "export.verify", str(out)])]
+    for name, argv in steps:
+        rows.append(run_step(name, argv, log))
+        if name == "export.build" and rows[-1]["exit_code"] == 0:
+            rows[-1]["size_gib"] = round(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**30, 2)
+        # Results after every step, so that a step cut off by a time limit still leaves the ones before it.
+        write_results("bench_export", rows, ["step", "seconds", "peak_rss_gib", "size_gib", "exit_code"], meta=meta,
+                      notes="Build and verify run on the CPU (ONNX Runtime, torch references, HF transformers); "
+                            "the GPU only generates the random weights. No TensorRT engine (not installable here).")
+        if rows[-1]["exit_code"] != 0:
+            break
     print(log.read_text()[-6000:])
-    write_results("bench_export", rows, ["step", "seconds", "peak_rss_gib", "size_gib", "exit_code"],
-                  meta=dict(model=f"Llama-3-8B-shaped, random fp16, {args.layers} layers", quant=args.quant,
-                            cpus=os.cpu_count()),
-                  notes="Build and verify run on the CPU (ONNX Runtime, torch references, HF transformers); "
-                        "the GPU only generates the random weights. No TensorRT engine (not installable here).")
     return 0 if all(r.get("exit_code", 0) == 0 for r in rows) else 1
 
 
