@@ -137,3 +137,25 @@ def test_engine_matches_onnxruntime(tmp_path, capsys):
     assert _verify(out) == 0
     text = capsys.readouterr().out
     assert "trt vs onnxrt                   0 logits" in text
+
+
+@pytest.fixture(scope="module")
+def built_half_out(tmp_path_factory):
+    from export.build import main as build_main
+
+    out = tmp_path_factory.mktemp("verify_half") / "out"
+    assert build_main(["--quant", "int8", "--dtype", "float16", "--out", str(out), "--no-engine"]) == 0
+    return out
+
+
+def test_half_build_uses_measured_dtype_error(built_half_out, tmp_path, capsys):
+    """fp16: the plugin path's logits are held to 4x ONNX Runtime's own error vs the fp32 HF model (measured in the
+    run); a tampered plugin weight (x1.5, far above fp16 rounding) must still fail."""
+    assert _verify(built_half_out, "--no-decode") == 0
+    text = capsys.readouterr().out
+    assert "half build: ONNX Runtime's own logits error" in text and "plugin-ref vs hf" in text
+    bad = tmp_path / "bad"
+    shutil.copytree(built_half_out, bad, ignore=shutil.ignore_patterns("kernels"))
+    _scale_initializer(bad / "model.plugin.onnx", "layers.0.mlp_norm")
+    assert _verify(bad, "--no-decode") == 1
+    assert "export.verify: FAILED" in capsys.readouterr().out
