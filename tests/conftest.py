@@ -50,3 +50,15 @@ def pytest_collection_modifyitems(config, items):
                 trt_reason, trt_checked = _tensorrt_reason(), True
             if trt_reason:
                 item.add_marker(pytest.mark.skip(reason=trt_reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _aot_cache_dir(tmp_path_factory):
+    """AOT artifacts (and generated plugin entry modules) go to a per-session cache, never to ~/.cache."""
+    old = os.environ.get("TRITRT_AOT_CACHE")
+    os.environ["TRITRT_AOT_CACHE"] = str(tmp_path_factory.mktemp("aot_cache"))
+    yield
+    if old is None:
+        os.environ.pop("TRITRT_AOT_CACHE", None)
+    else:
+        os.environ["TRITRT_AOT_CACHE"] = old
