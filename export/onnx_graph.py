@@ -224,8 +224,3 @@ class OnnxFiles:
             os.remove(os.path.join(self._tmp, leftover))
         os.rmdir(self._tmp)
 
-
-def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[str, str]:
-    """Write an in-memory ``model`` as ``path`` + ``path.data`` (every initializer external), atomically."""
-    with OnnxFiles(path) as files:
-        return files.commit(model)

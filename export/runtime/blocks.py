@@ -48,9 +48,6 @@ class BlockManager:
         total = self._num_tokens.get(seq_id, 0) + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
-    def can_reserve(self, seq_id, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_new_tokens) <= len(self._free)
-
     def slot(self, seq_id, position: int) -> int:
         """Cache slot of token ``position`` of ``seq_id``."""
         if not 0 <= position < self._num_tokens[seq_id]:
