@@ -136,20 +136,11 @@ def _batch_feed(b) -> dict:
 
 # --- the Hugging Face model -------------------------------------------------------------------------------------------
 def hf_state_dict(weights: dict, config) -> dict:
-    """HF tensor names from our internal weights (dequantized), inverting ``export.checkpoint.internal_names``."""
-    from .checkpoint import expected_shapes, internal_names
+    """HF tensor names from our internal weights, dequantized, as contiguous fp32 copies."""
     from .quantize import dequantize_state_dict
+    from .runtime.hf_baseline import hf_state_dict as hf_views
 
-    weights = dequantize_state_dict(weights)
-    shapes = expected_shapes(config)
-    sd = {}
-    for name, hf_names in internal_names(config).items():
-        if name not in weights:
-            continue
-        rows = [shapes[n][0] for n in hf_names]
-        for hf_name, part in zip(hf_names, torch.split(weights[name].float(), rows, dim=0)):
-            sd[hf_name] = part.contiguous()
-    return sd
+    return {k: v.float().contiguous() for k, v in hf_views(dequantize_state_dict(weights), config).items()}
 
 
 def load_hf_model(out: Path, config):
