@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from .tiny import make_tiny_llama  # noqa: F401  (re-exported: the fixture writer beside the reader)
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -269,9 +271,3 @@ def load_checkpoint(path, dtype: Optional[torch.dtype] = None) -> Checkpoint:
     return Checkpoint(path=path, config=config, hf_config=hf, state_dict=state, tokenizer_files=tok,
                       quantization_config=qcfg, quantized_parts=parts)
 
-
-def make_tiny_llama(path, seed: int = 0, **overrides) -> Path:
-    """Write a seeded random tiny LLaMA checkpoint + tokenizer to ``path`` (see ``export.tiny``)."""
-    from .tiny import make_tiny_llama as make
-
-    return make(path, seed=seed, **overrides)
