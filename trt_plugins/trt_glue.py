@@ -32,10 +32,9 @@ import itertools
 from typing import Tuple, Union
 
 from .specs import SPECS, PluginSpec
-from .specs._base import FLOATS
+from .specs._base import FLOATS, LONG_NAMES
 
-_TRT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "int8": "int8",
-              "uint8": "uint8", "int64": "int64"}
+_TRT_NAMES = LONG_NAMES  # our dtype name -> tensorrt.DataType attribute
 _TYPESTR = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32", "int32": "INT32", "int8": "INT8", "uint8": "UINT8",
             "int64": "INT64"}
 _REGISTERED: set = set()

@@ -184,6 +184,7 @@ def main():
     trt = install()
     torch.cuda.get_device_capability = lambda *a: (9, 0)  # the build GPU the glue compiles for
     from trt_plugins.specs import SPECS
+    from trt_plugins.specs._base import LONG_NAMES
     from trt_plugins.trt_glue import load_plugins
 
     ids = load_plugins()
@@ -197,8 +198,7 @@ def main():
         for n in spec.inputs:
             dims = [ShapeExpr(const=d) if (n, i) in static else ShapeExpr(lambda e, d=d: e["T"] * d)
                     for i, d in enumerate(s.shapes[n])]
-            descs[n] = TensorDesc(dims, getattr(trt, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-                                                .get(s.dtypes[n], s.dtypes[n])))
+            descs[n] = TensorDesc(dims, getattr(trt, LONG_NAMES[s.dtypes[n]]))
         attrs = spec.full_attrs(s.attrs)
         outs = entry["register"](*descs.values(), **attrs)
         outs = outs if isinstance(outs, tuple) else (outs,)

@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-DTYPES = ("bf16", "fp16", "fp32", "int32", "int8", "uint8", "int64")
+# Our dtype name -> the long name, which is the attribute name in torch and tensorrt and numpy's dtype name.
+LONG_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "int8": "int8",
+              "uint8": "uint8", "int64": "int64"}
+DTYPES = tuple(LONG_NAMES)
 TRITON_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "int32": "*i32", "int8": "*i8", "uint8": "*u8",
               "int64": "*i64"}
 FLOATS = ("bf16", "fp16", "fp32")
@@ -23,8 +26,7 @@ FLOATS = ("bf16", "fp16", "fp32")
 def torch_dtype(name: str):
     import torch
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32,
-            "int8": torch.int8, "uint8": torch.uint8, "int64": torch.int64}[name]
+    return getattr(torch, LONG_NAMES[name])
 
 
 def dtype_name(dt) -> str:
@@ -38,8 +40,7 @@ def dtype_name(dt) -> str:
     else:
         import numpy as np
 
-        table = {"float16": "fp16", "float32": "fp32", "int32": "int32", "int8": "int8", "uint8": "uint8",
-                 "int64": "int64", "bfloat16": "bf16"}
+        table = {long: ours for ours, long in LONG_NAMES.items()}
         key = np.dtype(dt).name
         if key in table:
             return table[key]
