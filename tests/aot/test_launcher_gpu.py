@@ -3,6 +3,7 @@ path, the PTX path, and no Triton JIT during AOT launches."""
 
 import pytest
 import torch
+import triton
 
 from kernels.aot import compile_triton
 from kernels.aot.launcher import AotKernel
@@ -26,17 +27,13 @@ def test_axpb_aot_equals_jit(use_ptx):
     art = compile_triton(_axpb_kernel, sig, dict(A=2.0, B=-1.0, BLOCK=1024), sm=_sm(),
                          div16=("x_ptr", "y_ptr", "out_ptr"))
     out_aot, out_jit = poisoned((n,), torch.bfloat16, "cuda"), poisoned((n,), torch.bfloat16, "cuda")
-    grid = (triton_cdiv(n, 1024),)
+    grid = (triton.cdiv(n, 1024),)
     AotKernel(art, use_ptx=use_ptx).launch(grid, x, y, out_aot, n, 3)
     _axpb_kernel[grid](x, y, out_jit, n, 3, A=2.0, B=-1.0, BLOCK=1024)
     ref = 2.0 * x[::3].float() + y - 1.0
     assert torch.equal(out_aot, out_jit), "same kernel, same specialisation: bit-identical"
     # One bf16 rounding of the fp32 result: half an ulp relative.
     assert_close_to_ref(out_aot, ref, rtol=2 ** -8)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def test_big_shared_memory_kernel():
@@ -48,7 +45,7 @@ def test_big_shared_memory_kernel():
                          num_stages=3, div16=("a_ptr", "b_ptr", "c_ptr", "K"))
     assert art.shared > 48 * 1024, "the test needs a kernel above the default dynamic shared memory limit"
     c = poisoned((m, n), torch.float16, "cuda")
-    AotKernel(art).launch((triton_cdiv(m, 128), triton_cdiv(n, 128)), a, b, c, m, n, k)
+    AotKernel(art).launch((triton.cdiv(m, 128), triton.cdiv(n, 128)), a, b, c, m, n, k)
     ref = a.float() @ b.float()
     # fp16 output of an fp32-accumulated dot: at most 2x torch's own fp16 matmul error.
     assert_close_to_ref(c, ref, baseline=a @ b, factor=2.0, atol=1e-2)
