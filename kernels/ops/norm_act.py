@@ -37,23 +37,25 @@ def _(x, weight, eps):
 
 
 # ---------------------------------------------------------------------------------------------- fused add + norm
+def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor) -> None:
+    _flat_shape_check(x, weight, "fused_add_rms_norm")
+    if residual.shape != x.shape:
+        raise ValueError(f"fused_add_rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+
+
 @torch.library.custom_op("tritrt::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     from .. import rms_norm as k
 
     if x.is_cuda:
         return k.fused_add_rms_norm(x, residual, weight, eps)
-    _flat_shape_check(x, weight, "fused_add_rms_norm")
-    if residual.shape != x.shape:
-        raise ValueError(f"fused_add_rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    _fused_add_check(x, residual, weight)
     return k.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 @fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps):
-    _flat_shape_check(x, weight, "fused_add_rms_norm")
-    if residual.shape != x.shape:
-        raise ValueError(f"fused_add_rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    _fused_add_check(x, residual, weight)
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
