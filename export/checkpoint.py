@@ -60,6 +60,13 @@ class LlamaConfig:
         return asdict(self)
 
     @classmethod
+    def from_build(cls, build: dict, out) -> "LlamaConfig":
+        """The config of an ``export.build`` OUT: the one build.json records, else OUT's config.json."""
+        if "config" in build:
+            return cls(**build["config"])
+        return cls.from_hf(json.loads((Path(out) / "config.json").read_text()))
+
+    @classmethod
     def from_hf(cls, hf: dict, where: str = "config.json") -> "LlamaConfig":
         """Our config from an HF ``config.json`` dict; refuses architectures the model cannot run."""
         check_supported(hf, where)

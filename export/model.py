@@ -99,8 +99,7 @@ class LlamaModel(torch.nn.Module):
             if not (out / f).exists():
                 raise FileNotFoundError(f"{out / f} is missing; is {out} an output of `python -m export.build`?")
         build = json.loads((out / "build.json").read_text())
-        config = LlamaConfig(**build["config"]) if "config" in build else \
-            LlamaConfig.from_hf(json.loads((out / "config.json").read_text()))
+        config = LlamaConfig.from_build(build, out)
         weights = load_weights(out / "weights.safetensors", device=device)
         return cls(config, weights, quant=build.get("quant", "none"), group_size=build.get("group_size", 128),
                    quantized=True)

@@ -82,8 +82,7 @@ class TrtBackend:
         from .tokenizer import eos_token_ids
 
         build = json.loads((out / "build.json").read_text())
-        self.config = LlamaConfig(**build["config"]) if "config" in build else \
-            LlamaConfig.from_hf(json.loads((out / "config.json").read_text()))
+        self.config = LlamaConfig.from_build(build, out)
         self.eos_token_ids = eos_token_ids(out)
         self.device = torch.device("cuda")
         self.vocab_size = self.config.vocab_size
