@@ -99,12 +99,11 @@ def fp32_reference(op, ins, attrs):
 
         return list(rotary_embedding_ref(*ins, interleaved=bool(attrs["interleaved"])))
     if op == "WriteKvCache":
+        from kernels.attention_ref import write_kv_cache_ref
+
         k, v, kc, vc, slots = ins
         kc, vc = kc.clone(), vc.clone()
-        for t, s in enumerate(slots.tolist()):
-            if s >= 0:
-                kc.view(-1, *kc.shape[2:])[s] = k[t]
-                vc.view(-1, *vc.shape[2:])[s] = v[t]
+        write_kv_cache_ref(k, v, kc, vc, slots)
         return [kc, vc]
     if op in ("PagedAttention", "PagedDecodeAttention"):
         from kernels.attention_ref import paged_attention_ref
@@ -113,8 +112,9 @@ def fp32_reference(op, ins, attrs):
         max_q = int((cu[1:] - cu[:-1]).max())
         return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, q.shape[2] ** -0.5)]
     if op == "W8A16Linear":
-        x, qw, s = ins
-        return [x.float() @ (qw.float() * s.float()[None, :])]
+        from kernels.gemm_w8a16 import w8a16_reference
+
+        return [w8a16_reference(*ins)]
     if op == "W4A16Linear":
         from kernels.quant import unpack_int4
 
