@@ -52,19 +52,18 @@ def tensor_proto(name: str, t: torch.Tensor) -> TensorProto:
     return proto
 
 
-def int4_tensor_proto(name: str, codes: torch.Tensor, signed: bool) -> TensorProto:
-    """An INT4/UINT4 TensorProto from one code per element (ONNX packs two per byte, the first in the low nibble)."""
+def uint4_tensor_proto(name: str, codes: torch.Tensor) -> TensorProto:
+    """A UINT4 TensorProto from one code per element (ONNX packs two per byte, the first in the low nibble)."""
     flat = codes.detach().reshape(-1).to(torch.int16).cpu()
-    lo, hi = (-8, 7) if signed else (0, 15)
-    if flat.numel() and (int(flat.min()) < lo or int(flat.max()) > hi):
-        raise ValueError(f"{name}: 4-bit codes must lie in [{lo}, {hi}]")
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > 15):
+        raise ValueError(f"{name}: 4-bit codes must lie in [0, 15]")
     nibbles = (flat & 0xF).to(torch.uint8)
     if nibbles.numel() % 2:
         nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
     packed = nibbles[0::2] | (nibbles[1::2] << 4)
     proto = TensorProto()
     proto.name = name
-    proto.data_type = TensorProto.INT4 if signed else TensorProto.UINT4
+    proto.data_type = TensorProto.UINT4
     proto.dims.extend(codes.shape)
     proto.raw_data = packed.numpy().tobytes()
     return proto

@@ -17,7 +17,7 @@ import torch
 from onnx import TensorProto
 from trt_plugins.specs import get_spec
 
-from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, int4_tensor_proto, onnx_dtype, tensor_proto
+from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype, tensor_proto, uint4_tensor_proto
 from .onnx_quant import quant_parts
 
 # Attributes on every plugin node that are for TensorRT's ONNX parser, not for the op (CPU runners drop them).
@@ -240,8 +240,8 @@ class OpEmitter:
             w = g.op1("DequantizeLinear", [codes, scales], axis=1, name=f"{name}_dq")
         else:
             if parts.zero_bits == 4:
-                codes = g.initializer_proto(int4_tensor_proto(f"{name}.dq_codes", parts.codes, signed=False))
-                zeros = g.initializer_proto(int4_tensor_proto(f"{name}.dq_zeros", parts.zeros, signed=False))
+                codes = g.initializer_proto(uint4_tensor_proto(f"{name}.dq_codes", parts.codes))
+                zeros = g.initializer_proto(uint4_tensor_proto(f"{name}.dq_zeros", parts.zeros))
             else:
                 codes = g.initializer(f"{name}.dq_codes", parts.codes.to(torch.uint8))
                 zeros = g.initializer(f"{name}.dq_zeros", parts.zeros.to(torch.uint8))
