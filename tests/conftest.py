@@ -23,14 +23,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _tensorrt_reason():
     if not HAS_CUDA:
         return "TensorRT tier needs a CUDA device"
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "TensorRT is not installed (pip install 'tritrt[tensorrt]' on a machine with a GPU)"
-    major, minor = (int(p) for p in tensorrt.__version__.split(".")[:2])
-    if (major, minor) < (10, 9):
-        return f"TensorRT {tensorrt.__version__} is older than 10.9 (AOT Python plugins)"
-    return None
+    from export.engine import tensorrt_missing_reason
+
+    return tensorrt_missing_reason()
 
 
 def pytest_configure(config):

@@ -30,14 +30,14 @@ BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_le
 
 def import_tensorrt():
     """``tensorrt`` (>= 10.9), or an ImportError that says how to get it."""
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        raise ImportError("the trt backend needs TensorRT >= 10.9 (pip install 'tritrt[tensorrt]' on a machine with "
-                          "an NVIDIA GPU), or use --backend torch") from e
-    major, minor = (int(p) for p in trt.__version__.split(".")[:2])
-    if (major, minor) < (10, 9):
-        raise ImportError(f"TensorRT {trt.__version__} is too old: the plugins need >= 10.9 (AOT Python plugins)")
+    from export.engine import tensorrt_missing_reason
+
+    reason = tensorrt_missing_reason()
+    if reason:
+        raise ImportError(f"the trt backend needs TensorRT >= 10.9 ({reason}): pip install 'tritrt[tensorrt]' on a "
+                          "machine with an NVIDIA GPU, or use --backend torch")
+    import tensorrt as trt
+
     return trt
 
 
