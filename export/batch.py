@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The tensor fields, in order (also the graph's and the engine's batch inputs).
+TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "cu_seqlens_q")
+
 
 @dataclass
 class Batch:
@@ -26,11 +29,5 @@ class Batch:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    @property
-    def last_token_index(self) -> torch.Tensor:
-        """[S] index in the packed batch of each sequence's last new token (whose logits sample the next token)."""
-        return (self.cu_seqlens_q[1:] - 1).long()
-
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in ("input_ids", "positions", "slot_mapping", "block_table",
-                                                             "seq_lens", "cu_seqlens_q")), self.max_seqlen_q)
+        return Batch(*(getattr(self, f).to(device) for f in TENSOR_FIELDS), self.max_seqlen_q)

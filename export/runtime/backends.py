@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from export.batch import Batch
+from export.batch import TENSOR_FIELDS, Batch
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def pad_decode_batch(batch: Batch, num_seqs: int, max_blocks: int) -> Batch:
 
 def copy_batch_(dst: Batch, src: Batch) -> None:
     """Copy ``src`` into the (static, same-shape) tensors of ``dst``."""
-    for f in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "cu_seqlens_q"):
+    for f in TENSOR_FIELDS:
         getattr(dst, f).copy_(getattr(src, f), non_blocking=True)
 
 

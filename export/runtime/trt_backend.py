@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-from export.batch import Batch
+from export.batch import TENSOR_FIELDS, Batch
 
 from .backends import DEFAULT_GRAPH_BATCH_SIZES, copy_batch_, pad_decode_batch
-
-BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "cu_seqlens_q")
 
 
 def import_tensorrt():
@@ -43,8 +41,8 @@ def import_tensorrt():
 
 def engine_feeds(batch: Batch, kv_cache) -> dict[str, torch.Tensor]:
     """Input name -> tensor, exactly the engine's (= the ONNX graph's) inputs, contiguous and in the graph dtypes."""
-    feeds = {f: getattr(batch, f).contiguous() for f in BATCH_FIELDS}
-    for f, dt in zip(BATCH_FIELDS, (torch.int64, torch.int64) + (torch.int32,) * 4):
+    feeds = {f: getattr(batch, f).contiguous() for f in TENSOR_FIELDS}
+    for f, dt in zip(TENSOR_FIELDS, (torch.int64, torch.int64) + (torch.int32,) * 4):
         if feeds[f].dtype != dt:
             raise ValueError(f"batch.{f} is {feeds[f].dtype}; the engine takes {dt}")
     for i, (k, v) in enumerate(kv_cache):
