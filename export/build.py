@@ -105,7 +105,9 @@ def _export_onnx(model, tmp: Path, args, log) -> list[str]:
 
 
 def _aot_kernels(tmp: Path, sm: int, log) -> list[str]:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from kernels.aot.compile import interpreter_enabled
+
+    if interpreter_enabled():
         return ["AOT kernels skipped: TRITON_INTERPRET=1 is set (AOT needs Triton's compiler; unset it)"]
     try:
         from kernels.aot.__main__ import build as aot_build

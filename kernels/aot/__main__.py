@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="", help="comma-separated plugin op types (default: all)")
     p.add_argument("--first", action="store_true", help="only the first sample specialisation of each op (smoke test)")
     args = p.parse_args(argv)
-    import os
+    from kernels.aot.compile import interpreter_enabled
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreter_enabled():
         raise SystemExit("unset TRITON_INTERPRET: AOT compilation needs Triton's compiler, not its interpreter")
     sms = [int(s) for s in args.sm.split(",") if s]
     ops = [o for o in args.ops.split(",") if o] or None

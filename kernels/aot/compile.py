@@ -102,7 +102,8 @@ def _as_jit(interp, memo: dict):
     return jit
 
 
-def _interpreting() -> bool:
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET`` is set, so ``@triton.jit`` makes interpreter objects the compiler cannot take."""
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -169,7 +170,7 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps:
         ck = triton.compile(src, target=GPUTarget("cuda", sm, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     except Exception as e:
-        if _interpreting():
+        if interpreter_enabled():
             raise AotError(f"{fn.__name__} cannot be compiled in a TRITON_INTERPRET=1 process ({type(e).__name__}); "
                            "compile in a process without it, e.g. python -m kernels.aot") from e
         raise
