@@ -42,20 +42,12 @@ from typing import Any, Mapping, Optional
 import torch
 from onnx import TensorProto
 
+from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import OpEmitter
 
 FLAVOURS = ("plugin", "reference")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def rope_table(config, rotary_dim: int) -> torch.Tensor:
-    """``cos_sin_cache`` [max_position, rotary_dim] fp32 from ``kernels.rope``: the very table our kernels and the
-    torch model use (with the config's llama3/linear scaling), stored once in the graph."""
-    from kernels.rope import rope_cos_sin_cache
-
-    return rope_cos_sin_cache(rotary_dim, config.max_position_embeddings, base=config.rope_theta,
-                              scaling=config.rope_scaling).float().cpu()
 
 
 def _weights_and_config(model_or_weights, config):
@@ -114,7 +106,7 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
               for i in range(c.num_layers)]
 
     rotary_dim = d  # LLaMA rotates whole heads
-    cos_sin = g.initializer("rope.cos_sin_cache", rope_table(c, rotary_dim))
+    cos_sin = g.initializer("rope.cos_sin_cache", rope_cache(c))  # the torch model's table, stored once
     embed = g.initializer("embed", weights["embed"].to(act))
     x = g.op1("Gather", [embed, input_ids], axis=0, name="embed_lookup")  # [T, hidden]
     scale = 1.0 / math.sqrt(d)
