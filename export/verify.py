@@ -129,9 +129,9 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), see
 
 
 def _batch_feed(b) -> dict:
-    return {"input_ids": b.input_ids.numpy().astype(np.int64), "positions": b.positions.numpy().astype(np.int64),
-            "slot_mapping": b.slot_mapping.numpy(), "block_table": b.block_table.numpy(),
-            "seq_lens": b.seq_lens.numpy(), "cu_seqlens_q": b.cu_seqlens_q.numpy()}
+    from .batch import TENSOR_FIELDS
+
+    return {f: getattr(b, f).numpy() for f in TENSOR_FIELDS}  # make_batch's dtypes are the graph's
 
 
 # --- the Hugging Face model -------------------------------------------------------------------------------------------
