@@ -48,12 +48,10 @@ def ratio(ref_ms, ms):
 
 
 def llama3_8b_config(num_layers: int = 32):
+    from benchmarks.harness import LLAMA3_8B
     from export.checkpoint import LlamaConfig
 
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=num_layers,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                       rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
-                       attention_bias=False, torch_dtype="float16")
+    return LlamaConfig.from_hf(dict(LLAMA3_8B, num_hidden_layers=num_layers))
 
 
 def random_weights(config, device=DEVICE, dtype=torch.float16, seed=0) -> dict:

@@ -22,12 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import write_results  # noqa: E402
-
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                 architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16", hidden_act="silu")
+from benchmarks.harness import LLAMA3_8B, write_results  # noqa: E402
 
 
 def write_random_checkpoint(path: Path, layers: int, seed: int = 0) -> float:

@@ -21,6 +21,11 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 L2_BYTES = 64 << 20  # >= the L2 of H100 (50 MB) and H200 (60 MB)
+# Llama-3-8B's config.json fields (the end-to-end and export benchmarks' model shape).
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                 architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16", hidden_act="silu")
 
 
 def env_info() -> dict:
