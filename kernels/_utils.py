@@ -1,13 +1,13 @@
 """Small launch helpers shared by the kernel launchers."""
 
-import os
-
 import torch
+import triton
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its interpreter (CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels in its interpreter (CPU tensors): ``TRITON_INTERPRET`` as Triton itself reads
+    it (1/true/on), so that this agrees with what ``@triton.jit`` made of the kernels."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 def check_device(*tensors: torch.Tensor) -> None:

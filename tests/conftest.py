@@ -17,7 +17,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kernels._utils import interpreting  # noqa: E402  (after the variable is set; creates no @triton.jit function)
+
+INTERPRET = interpreting()
 
 
 def _tensorrt_reason():

@@ -103,10 +103,10 @@ def _as_jit(interp, memo: dict):
 
 
 def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET`` is set, so ``@triton.jit`` makes interpreter objects the compiler cannot take."""
-    import os
+    """True when ``TRITON_INTERPRET`` is on, so ``@triton.jit`` makes interpreter objects the compiler cannot take."""
+    from kernels._utils import interpreting
 
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return interpreting()
 
 
 def _check_sm(sm: int) -> None:
