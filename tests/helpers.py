@@ -42,3 +42,11 @@ def poisoned(shape, dtype, device="cpu"):
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.full(shape, -1, dtype=dtype, device=device)
+
+
+def assert_gemm_close(y, ref, baseline):
+    """A GEMM output vs its fp32 reference: at most 2x the error of PyTorch's own matmul in y's dtype (``baseline``),
+    plus half an ulp of the output's largest value for the final rounding to y's dtype."""
+    half_ulp = 0.5 * torch.finfo(y.dtype).eps * float(ref.detach().abs().max())
+    assert_close_to_ref(y, ref, baseline=baseline, factor=2.0, atol=half_ulp)
+

@@ -12,14 +12,9 @@ import torch
 
 from kernels.gemm_w8a16 import w8a16_gemm, w8a16_launch_config, w8a16_reference
 from kernels.quant import dequantize, quantize_int8
-from tests.helpers import assert_close_to_ref, poisoned
+from tests.helpers import assert_gemm_close as check, poisoned
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check(y, ref, base):
-    half_ulp = 0.5 * torch.finfo(y.dtype).eps * float(ref.abs().max())
-    assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=half_ulp)
 
 
 def run_case(M, N, K, dtype, bias=False, residual=False, seed=0, **overrides):
