@@ -228,6 +228,20 @@ def ptxas(ptx: str, sm: int) -> bytes:
         return out.read_bytes()
 
 
+def _local_headers(source: Path, seen=None) -> list:
+    """Contents of the ``#include "..."`` files beside ``source`` (recursively, each once), so that the cache key
+    changes when a shared header does."""
+    seen = set() if seen is None else seen
+    out = []
+    for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.M):
+        h = (source.parent / name).resolve()
+        if h in seen or not h.is_file():
+            continue  # a missing header is nvcc's error to report
+        seen.add(h)
+        out += [h.read_bytes(), *_local_headers(h, seen)]
+    return out
+
+
 def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int, threads: int, shared: int = 0,
                  cache: AotCache | None = None, nvcc: str = "nvcc", extra_flags=()) -> Artifact:
     """Compile the ``extern "C" __global__`` function ``kernel_name`` of a .cu file with nvcc to PTX and cubin.
@@ -242,7 +256,7 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
     cache = cache if cache is not None else AotCache()
     import hashlib
 
-    src_hash = hashlib.sha256(text.encode()).hexdigest()
+    src_hash = hashlib.sha256(text.encode() + b"".join(_local_headers(Path(source)))).hexdigest()
     key = make_key(kind="cuda", source=src_hash, name=kernel_name, params=[list(p) for p in params], sm=sm,
                    threads=threads, shared=shared, flags=list(extra_flags))
     hit = cache.get(key)

@@ -28,8 +28,7 @@
 // memory at the end; one launch, no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
 // multiple of 32 with GEMV_GSTEPS = min(group_size / 32, GEMV_U) dividing GEMV_U (a scale run never straddles a
 // group), x rows 16-byte aligned.
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "mma_common.cuh"
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
@@ -51,6 +50,7 @@
 #endif
 
 namespace {
+using namespace tritrt;
 constexpr int kWarps = GEMV_WARPS;
 constexpr int kU = GEMV_U;
 constexpr int kG = GEMV_GSTEPS;
@@ -70,31 +70,6 @@ __device__ __forceinline__ int4 load_weight(const int4* p) {
 #endif
 }
 
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t magic) {
-  uint32_t r;
-  // (a & mask) | magic in one instruction: immLut = (0xF0 & 0xCC) | 0xAA = 0xEA.
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t hsub2_u(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t hfma2_u(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t r;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-  return r;
-}
-
 // q - z for the 8 nibbles of one packed int32, as 4 half2: {n0,n4}, {n1,n5}, {n2,n6}, {n3,n7}.
 __device__ __forceinline__ void dequant8(uint32_t q, uint32_t zlo, uint32_t zhi, uint32_t h[4]) {
   constexpr uint32_t kMagic = 0x64006400u;    // fp16 1024 in both halves
@@ -106,13 +81,6 @@ __device__ __forceinline__ void dequant8(uint32_t q, uint32_t zlo, uint32_t zhi,
   h[3] = hfma2_u(lop3_and_or(q8, 0x00F000F0u, kMagic), kSixteenth, zhi);
 }
 
-__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
