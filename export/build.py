@@ -66,9 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_sm() -> tuple[int, str]:
     import torch
 
+    from kernels._utils import device_sm
+
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return major * 10 + minor, "this machine's GPU"
+        return device_sm(), "this machine's GPU"
     return 90, "no GPU here: H100 default"
 
 

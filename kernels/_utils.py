@@ -18,3 +18,10 @@ def check_device(*tensors: torch.Tensor) -> None:
             where = "CUDA" if want_cuda else "CPU (TRITON_INTERPRET=1)"
             raise ValueError(f"tensor on {t.device} but the Triton kernels here run on {where} tensors")
 
+
+def device_sm(device=None) -> int:
+    """Compute capability of ``device`` (default: the current CUDA device) as one int, e.g. 90 for sm_90: the
+    number ``kernels.aot`` compiles for. Queries the GPU, so call it at launch/build time, never at import."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+

@@ -31,6 +31,7 @@ def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: l
     input tensors themselves, updated in place). ``outputs``: preallocated buffers for the non-aliased outputs."""
     import torch
 
+    from kernels._utils import device_sm
     from kernels.aot.launcher import AotKernel
 
     spec = get_spec(op_type)
@@ -39,8 +40,7 @@ def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: l
     shapes = {n: tuple(t.shape) for n, t in zip(spec.inputs, inputs)}
     dtypes = {n: dtype_name(t.dtype) for n, t in zip(spec.inputs, inputs)}
     full = spec.full_attrs(attrs)
-    major, minor = torch.cuda.get_device_capability()
-    art, sp = compile_plugin(spec, shapes, dtypes, full, sm=10 * major + minor, cache=cache)
+    art, sp = compile_plugin(spec, shapes, dtypes, full, sm=device_sm(), cache=cache)
     k = _LOADED.get((art.key, use_ptx))
     if k is None:
         k = _LOADED[(art.key, use_ptx)] = AotKernel(art, use_ptx=use_ptx)

@@ -148,8 +148,7 @@ def _register(spec: PluginSpec) -> None:
     trtp.autotune(spec.qualified_name)(autotune)
 
     def aot_impl(*args, **kwargs):
-        import torch
-
+        from kernels._utils import device_sm
         from kernels.aot.compile import compile_triton, strip_hidden_params
 
         b = split(args, kwargs, in_names + ["outputs", "tactic"])
@@ -161,8 +160,7 @@ def _register(spec: PluginSpec) -> None:
         shapes = _shapes(spec, descs, strict=True)
         dtypes = {n: _our_dtype(trt, d.dtype) for n, d in descs.items()}
         sp = spec.specialise(_placeholder_ints(spec, shapes), dtypes, attrs, check=False)
-        major, minor = torch.cuda.get_device_capability()
-        art = compile_triton(spec.entry_kernel(), sp.signature, sp.constexprs, sm=10 * major + minor,
+        art = compile_triton(spec.entry_kernel(), sp.signature, sp.constexprs, sm=device_sm(),
                              num_warps=sp.num_warps, num_stages=sp.num_stages, div16=sp.div16)
         launch = trtp.KernelLaunchParams()
         grid = list(spec.grid(shapes, attrs, sp.constexprs)) + [1, 1]

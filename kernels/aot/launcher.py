@@ -49,6 +49,8 @@ class AotKernel:
     def _load(self):
         import torch
 
+        from .._utils import device_sm  # lazily, like torch: importing kernels.aot stays free of torch/triton
+
         drv = _driver()
         torch.cuda.init()
         _check(drv.cuInit(0))
@@ -57,8 +59,7 @@ class AotKernel:
         if int(_check(drv.cuCtxGetCurrent())) == 0:
             dev = _check(drv.cuDeviceGet(torch.cuda.current_device()))
             _check(drv.cuCtxSetCurrent(_check(drv.cuDevicePrimaryCtxRetain(dev))))
-        major, minor = torch.cuda.get_device_capability()
-        sm = 10 * major + minor
+        sm = device_sm()
         if self.art.sm != sm and not (self.use_ptx and self.art.sm < sm):
             raise AotError(f"{self.art.name} was compiled for sm_{self.art.sm} but this GPU is sm_{sm}: recompile "
                            f"with --sm {sm}")

@@ -5,6 +5,7 @@ import pytest
 import torch
 import triton
 
+from kernels._utils import device_sm
 from kernels.aot import compile_triton
 from kernels.aot.launcher import AotKernel
 from tests.aot.toy_kernels import _axpb_kernel, _matmul_kernel
@@ -13,18 +14,13 @@ from tests.helpers import assert_close_to_ref, poisoned
 pytestmark = pytest.mark.gpu
 
 
-def _sm():
-    major, minor = torch.cuda.get_device_capability()
-    return 10 * major + minor
-
-
 @pytest.mark.parametrize("use_ptx", [False, True])
 def test_axpb_aot_equals_jit(use_ptx):
     n = 100_003
     x = torch.randn(3 * n, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(n, device="cuda")
     sig = {"x_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "stride_x": "i32"}
-    art = compile_triton(_axpb_kernel, sig, dict(A=2.0, B=-1.0, BLOCK=1024), sm=_sm(),
+    art = compile_triton(_axpb_kernel, sig, dict(A=2.0, B=-1.0, BLOCK=1024), sm=device_sm(),
                          div16=("x_ptr", "y_ptr", "out_ptr"))
     out_aot, out_jit = poisoned((n,), torch.bfloat16, "cuda"), poisoned((n,), torch.bfloat16, "cuda")
     grid = (triton.cdiv(n, 1024),)
@@ -41,7 +37,7 @@ def test_big_shared_memory_kernel():
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     b = torch.randn(k, n, device="cuda", dtype=torch.float16)
     sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32"}
-    art = compile_triton(_matmul_kernel, sig, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), sm=_sm(), num_warps=8,
+    art = compile_triton(_matmul_kernel, sig, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), sm=device_sm(), num_warps=8,
                          num_stages=3, div16=("a_ptr", "b_ptr", "c_ptr", "K"))
     assert art.shared > 48 * 1024, "the test needs a kernel above the default dynamic shared memory limit"
     c = poisoned((m, n), torch.float16, "cuda")
