@@ -166,15 +166,3 @@ def load_weights(path, device="cpu") -> dict:
         state["lm_head"] = state["embed"]
     return state
 
-
-def weights_nbytes(state: dict) -> int:
-    """Bytes the weights occupy (each tensor once), for the build summary."""
-    seen, total = set(), 0
-    for v in state.values():
-        ts = [v] if isinstance(v, torch.Tensor) else \
-            [getattr(v, f.name) for f in dataclasses.fields(v) if isinstance(getattr(v, f.name), torch.Tensor)]
-        for t in ts:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
