@@ -7,6 +7,9 @@ device is visible, before the tests import ``kernels``.
 - ``interpreter``: launches Triton kernels on CPU tensors; needs ``TRITON_INTERPRET=1``.
 - ``gpu``: needs a CUDA device (and the real JIT, so not the interpreter).
 - ``tensorrt``: needs ``import tensorrt`` (>= 10.9) and a CUDA device.
+
+Also the tiny LLaMA checkpoints (random, seeded, made with ``transformers``) that the export and runtime tests share:
+each made once per session, on first use.
 """
 
 import os
@@ -59,3 +62,32 @@ def _aot_cache_dir(tmp_path_factory):
         os.environ.pop("TRITRT_AOT_CACHE", None)
     else:
         os.environ["TRITRT_AOT_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Lazily made checkpoint dirs, one per (variant, seed): ``tiny_dirs("tied")``; variants in ``tests.helpers``."""
+    from export.checkpoint import make_tiny_llama
+    from tests.helpers import TINY_VARIANTS
+
+    made = {}
+
+    def get(name="llama", seed=0):
+        if (name, seed) not in made:
+            made[name, seed] = make_tiny_llama(tmp_path_factory.mktemp(f"tiny_{name}_{seed}"), seed=seed,
+                                               **TINY_VARIANTS[name])
+        return made[name, seed]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_dirs):
+    """The plain tiny LLaMA the export tests use (seed 0)."""
+    return tiny_dirs("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_dirs):
+    """The plain tiny LLaMA the runtime tests use: seed 3, the weights those tests were written and checked with."""
+    return tiny_dirs("llama", seed=3)

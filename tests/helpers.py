@@ -1,6 +1,19 @@
-"""Comparison helpers shared by the tests: errors are judged against PyTorch's own error, and a failure says where."""
+"""Helpers shared by the tests: comparisons (errors are judged against PyTorch's own error, and a failure says
+where), and the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``."""
 
 import torch
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+# name -> make_tiny_llama overrides; each a feature the loader and model must get right.
+TINY_VARIANTS = {
+    "llama": {},
+    "tied": {"tie_word_embeddings": True},
+    "llama3": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    "sharded": {"max_shard_size": "40KB"},
+    "qwen2": {"model_type": "qwen2"},
+}
 
 
 def describe_error(actual: torch.Tensor, expected: torch.Tensor) -> str:

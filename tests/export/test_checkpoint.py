@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from export.checkpoint import CheckpointError, LlamaConfig, internal_names, load_checkpoint
-from tests.export.conftest import VARIANTS
+from tests.helpers import TINY_VARIANTS
 
 
 def _hf_model(path):
@@ -17,7 +17,7 @@ def _hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_weights_match_hf_model(tiny_dirs, variant):
     path = tiny_dirs(variant)
     ckpt = load_checkpoint(path)
@@ -30,7 +30,7 @@ def test_weights_match_hf_model(tiny_dirs, variant):
                                   hc.num_attention_heads, hc.num_key_value_heads)
     assert cfg.head_dim == hc.hidden_size // hc.num_attention_heads
     assert cfg.rms_norm_eps == hc.rms_norm_eps
-    assert cfg.tie_word_embeddings == bool(VARIANTS[variant].get("tie_word_embeddings", False))
+    assert cfg.tie_word_embeddings == bool(TINY_VARIANTS[variant].get("tie_word_embeddings", False))
     assert cfg.attention_bias == (variant == "qwen2")
     names = internal_names(cfg)
     assert set(ckpt.state_dict) == set(names)
