@@ -148,17 +148,29 @@ def main():
                 # Tensor-core GEMV: the plan's variant, then one change at a time (accumulator chains, L2 hint,
                 # warps per block, rows per lane, and at M = 1 the M <= 8 build).
                 plan = mma.gemv_plan(M, N, K, GROUP, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
-                wp = plan["warps"]
-                mma_variants = [("default", {})] + [(lab, o) for lab, o in (
-                    (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])), ("l2_256", dict(l2_256=True)),
-                    (f"warps={2 * wp}", dict(warps=2 * wp)), (f"warps={wp // 2}", dict(warps=wp // 2)),
-                    ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=8", dict(mmax=8)))
+                wp, mt = plan["warps"], plan["mt"]
+                if mt == 1:
+                    alternatives = (
+                        (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])), ("l2_256", dict(l2_256=True)),
+                        (f"warps={2 * wp}", dict(warps=2 * wp)), (f"warps={wp // 2}", dict(warps=wp // 2)),
+                        ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=8", dict(mmax=8)))
+                else:  # M > 8: x tiles per block, fp16-scaled weights, warps per block, rows per lane
+                    alternatives = tuple(
+                        [(f"mt={m}", dict(mt=m)) for m in (2, 4, 8) if m != mt and 8 * m <= 2 * M] +
+                        [(f"wscale={int(not plan['wscale'])}", dict(wscale=not plan["wscale"]))] +
+                        [(f"warps={w}", dict(warps=w)) for w in (2 * wp, wp // 2) if w and w * mt <= 32] +
+                        [("u=2", dict(u=2)), (f"mt={mt} warps={max(1, wp // 2)} u=2",
+                                              dict(warps=max(1, wp // 2), u=2))])
+                mma_variants = [("default", {})] + [
+                    (lab, o) for lab, o in alternatives
                     if o.get("warps", 1) in mma.WARPS and not K % (32 * o.get("u", 4))
-                    and (plan["mmax"] == 1 or "mmax" not in o)]
+                    and (plan["mmax"] == 1 or "mmax" not in o)
+                    and o.get("warps", wp) * o.get("mt", mt) <= 32 and not (o.get("mt", mt) >= 4 and
+                                                                          o.get("wscale", plan["wscale"]) is False)]
                 for lab, ov in mma_variants:
                     err = rel_err(mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
-                    label = lab if lab != "default" else (f"default warps={wp} u={plan['u']} "
-                                                              f"chains={plan['chains']} mmax={plan['mmax']}")
+                    label = lab if lab != "default" else (f"default warps={wp} u={plan['u']} chains={plan['chains']}"
+                                                              f" mmax={plan['mmax']} mt={mt} wscale={int(plan['wscale'])}")
                     row("w4a16_cuda_gemv_mma", lambda qw, s, z: mma.w4a16_gemv_mma(x, qw, s, z, GROUP, **ov),
                         sets4, b4, err, label)
             done = [r for r in rows if r["M"] == M and r["shape"] == name]

@@ -45,6 +45,12 @@
 #ifndef GEMV_CHAINS
 #define GEMV_CHAINS 1  // 2: the two mmas of a u step go to separate accumulators (shorter HMMA dependency chains)
 #endif
+#ifndef GEMV_MT
+#define GEMV_MT 1  // x tiles of 8 rows per block (M > 8: a block covers rows m0 .. m0 + 8 MT - 1; needs GEMV_MMAX 8)
+#endif
+#ifndef GEMV_WSCALE
+#define GEMV_WSCALE 0  // 1: scale the fp16 weights before the mma (one accumulator set; for large MT: registers)
+#endif
 #ifndef GEMV_L2_256
 #define GEMV_L2_256 0  // 1: weight loads ask L2 to fetch 256 B (the neighbouring block's columns of the same rows)
 #endif
@@ -57,6 +63,9 @@ constexpr int kG = GEMV_GSTEPS;
 static_assert(kU % kG == 0, "GEMV_GSTEPS must divide GEMV_U");
 static_assert(GEMV_MMAX == 1 || GEMV_MMAX == 8, "GEMV_MMAX is 1 or 8");
 static_assert(GEMV_CHAINS == 1 || GEMV_CHAINS == 2, "GEMV_CHAINS is 1 or 2");
+static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "GEMV_MT is 1..8");
+static_assert(GEMV_MT == 1 || (GEMV_MMAX == 8 && GEMV_CHAINS == 1), "GEMV_MT > 1 needs GEMV_MMAX 8, GEMV_CHAINS 1");
+constexpr int kRows = GEMV_MT * GEMV_MMAX;  // x rows per block
 
 // Read-only 16-byte weight load; optionally with the L2 256-byte prefetch hint.
 __device__ __forceinline__ int4 load_weight(const int4* p) {
@@ -68,6 +77,12 @@ __device__ __forceinline__ int4 load_weight(const int4* p) {
 #else
   return __ldg(p);
 #endif
+}
+
+__device__ __forceinline__ uint32_t hmul2_u(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 
 // q - z for the 8 nibbles of one packed int32, as 4 half2: {n0,n4}, {n1,n5}, {n2,n6}, {n3,n7}.
@@ -87,27 +102,39 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
 w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias) {
-  __shared__ float red[kWarps][GEMV_MMAX][32];
+  __shared__ float red[kWarps][kRows][32];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int col = blockIdx.x * 32 + 4 * g;
+  // 1-D grid, row tiles fastest: the blocks of one column slice run together, so its weights come from DRAM once.
+  const int mtiles = (M + kRows - 1) / kRows;
+  const int m0 = (blockIdx.x % mtiles) * kRows;
+  const int col = (blockIdx.x / mtiles) * 32 + 4 * g;
   const bool col_ok = col < N;              // N % 4 == 0: a lane's 4 columns are all in or all out
-  const bool x_ok = g < M && g < GEMV_MMAX;  // B column g is row g of x; rows >= M feed zeros
   const int chunks = K / (32 * kU);          // chunk = 4 * kU packed rows
   const int gshift = __ffs(group_size) - 1;  // group_size is a power of two (launcher)
 
-  float acc[2][4];
+  float acc[GEMV_MT][2][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int mt = 0; mt < GEMV_MT; ++mt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][i][j] = 0.f;
 
   // Lanes past N read column N - 4 instead (valid memory, no predication); their sums are never stored.
   const int colc = col_ok ? col : N - 4;
   // Packed row r of this lane's 4 columns is the int4 at qweight + r * N + colc: a u step is 4 rows (N int4s).
   const int4* qw = reinterpret_cast<const int4*>(qweight + colc) + (size_t)t * (N / 4);
-  const int4* xw = reinterpret_cast<const int4*>(x + (size_t)g * stride_xm) + t;  // int4 r = x[g][8r .. 8r+7]
+  // B column g of tile mt is x row m0 + 8 mt + g; rows >= M (and g >= GEMV_MMAX) feed zeros. int4 r = x[row][8r..8r+7]
+  bool x_ok[GEMV_MT];
+  const int4* xw[GEMV_MT];
+#pragma unroll
+  for (int mt = 0; mt < GEMV_MT; ++mt) {
+    const int row = m0 + 8 * mt + g;
+    x_ok[mt] = g < GEMV_MMAX && row < M;
+    xw[mt] = reinterpret_cast<const int4*>(x + (size_t)(x_ok[mt] ? row : 0) * stride_xm) + t;
+  }
   const size_t q_u = (size_t)N;
 
   auto load_chunk = [&](int c, int4 (&q)[kU]) {
@@ -117,9 +144,13 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   };
 
   auto process_chunk = [&](int c, const int4 (&q)[kU]) {
-    float cg[GEMV_CHAINS][2][4];
-    uint32_t zlo[4], zhi[4];
+#if GEMV_WSCALE
+    uint32_t s2[4];  // the 4 columns' scales, each in both halves of a half2
+#else
+    float cg[GEMV_CHAINS][GEMV_MT][2][4];  // this group's sums of exact (q - z) x, scaled in fp32 at the group's end
     float s[4];
+#endif
+    uint32_t zlo[4], zhi[4];
     const int k0 = c * 32 * kU;
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -128,51 +159,77 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
         const size_t goff = (size_t)((k0 + 32 * u) >> gshift) * N + colc;
         const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(scales + goff));
         const uint32_t zraw = has_zeros ? __ldg(reinterpret_cast<const unsigned int*>(zeros + goff)) : 0x08080808u;
+#if GEMV_WSCALE
+        s2[0] = prmt(sraw.x, sraw.x, 0x1010u); s2[1] = prmt(sraw.x, sraw.x, 0x3232u);
+        s2[2] = prmt(sraw.y, sraw.y, 0x1010u); s2[3] = prmt(sraw.y, sraw.y, 0x3232u);
+#else
         const float2 s01 = __half22float2(*reinterpret_cast<const half2*>(&sraw.x));
         const float2 s23 = __half22float2(*reinterpret_cast<const half2*>(&sraw.y));
         s[0] = s01.x; s[1] = s01.y; s[2] = s23.x; s[3] = s23.y;
+#pragma unroll
+        for (int a = 0; a < GEMV_CHAINS; ++a)
+#pragma unroll
+          for (int mt = 0; mt < GEMV_MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) cg[a][mt][i][j] = 0.f;
+#endif
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t z = (zraw >> (8 * j)) & 0xFFu;  // 0..16
           zlo[j] = (0x6400u + z) * 0x00010001u;           // fp16 1024 + z, both halves
           zhi[j] = (0xD400u + (z << 4)) * 0x00010001u;    // fp16 -(64 + z), both halves
         }
-#pragma unroll
-        for (int a = 0; a < GEMV_CHAINS; ++a)
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) cg[a][i][j] = 0.f;
       }
-      int4 xv = make_int4(0, 0, 0, 0);
-      if (x_ok) xv = __ldg(xw + (size_t)(c * kU + u) * 4);
-      // x halves (x0..x7) -> the k order of the A fragments: {x0,x4}, {x1,x5} | {x2,x6}, {x3,x7}.
-      const uint32_t b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);
-      const uint32_t b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);
       uint32_t h[4][4];
       dequant8((uint32_t)q[u].x, zlo[0], zhi[0], h[0]);
       dequant8((uint32_t)q[u].y, zlo[1], zhi[1], h[1]);
       dequant8((uint32_t)q[u].z, zlo[2], zhi[2], h[2]);
       dequant8((uint32_t)q[u].w, zlo[3], zhi[3], h[3]);
+#if GEMV_WSCALE
+      // (q - z) * s rounded once to fp16: the dequantized weight itself, as cuBLAS would see it.
 #pragma unroll
-      for (int T = 0; T < 2; ++T) {
-        mma16816(cg[0][T], h[2 * T][0], h[2 * T + 1][0], h[2 * T][1], h[2 * T + 1][1], b00, b01);
-        mma16816(cg[GEMV_CHAINS - 1][T], h[2 * T][2], h[2 * T + 1][2], h[2 * T][3], h[2 * T + 1][3], b10, b11);
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[j][i] = hmul2_u(h[j][i], s2[j]);
+#endif
+#pragma unroll
+      for (int mt = 0; mt < GEMV_MT; ++mt) {
+        int4 xv = make_int4(0, 0, 0, 0);
+        if (x_ok[mt]) xv = __ldg(xw[mt] + (size_t)(c * kU + u) * 4);
+        // x halves (x0..x7) -> the k order of the A fragments: {x0,x4}, {x1,x5} | {x2,x6}, {x3,x7}.
+        const uint32_t b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);
+        const uint32_t b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+#if GEMV_WSCALE
+          mma16816(acc[mt][T], h[2 * T][0], h[2 * T + 1][0], h[2 * T][1], h[2 * T + 1][1], b00, b01);
+          mma16816(acc[mt][T], h[2 * T][2], h[2 * T + 1][2], h[2 * T][3], h[2 * T + 1][3], b10, b11);
+#else
+          mma16816(cg[0][mt][T], h[2 * T][0], h[2 * T + 1][0], h[2 * T][1], h[2 * T + 1][1], b00, b01);
+          mma16816(cg[GEMV_CHAINS - 1][mt][T], h[2 * T][2], h[2 * T + 1][2], h[2 * T][3], h[2 * T + 1][3], b10, b11);
+#endif
+        }
       }
+#if !GEMV_WSCALE
       if (u % kG == kG - 1) {
         // C rows g, g+8 are columns 4g+2T, 4g+2T+1; C columns 2t, 2t+1 are rows of x (only 2t matters at M = 1).
 #pragma unroll
         for (int a = 0; a < GEMV_CHAINS; ++a)
 #pragma unroll
-          for (int T = 0; T < 2; ++T) {
-            acc[T][0] = fmaf(cg[a][T][0], s[2 * T], acc[T][0]);
-            acc[T][2] = fmaf(cg[a][T][2], s[2 * T + 1], acc[T][2]);
-            if (GEMV_MMAX > 1) {
-              acc[T][1] = fmaf(cg[a][T][1], s[2 * T], acc[T][1]);
-              acc[T][3] = fmaf(cg[a][T][3], s[2 * T + 1], acc[T][3]);
+          for (int mt = 0; mt < GEMV_MT; ++mt)
+#pragma unroll
+            for (int T = 0; T < 2; ++T) {
+              acc[mt][T][0] = fmaf(cg[a][mt][T][0], s[2 * T], acc[mt][T][0]);
+              acc[mt][T][2] = fmaf(cg[a][mt][T][2], s[2 * T + 1], acc[mt][T][2]);
+              if (GEMV_MMAX > 1) {
+                acc[mt][T][1] = fmaf(cg[a][mt][T][1], s[2 * T], acc[mt][T][1]);
+                acc[mt][T][3] = fmaf(cg[a][mt][T][3], s[2 * T + 1], acc[mt][T][3]);
+              }
             }
-          }
       }
+#endif
     }
   };
 
@@ -189,25 +246,27 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 
   // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic).
 #pragma unroll
-  for (int T = 0; T < 2; ++T) {
-    const int cl = 4 * g + 2 * T;
+  for (int mt = 0; mt < GEMV_MT; ++mt)
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int m = 2 * t + j;
-      if (m < GEMV_MMAX) {
-        red[warp][m][cl] = acc[T][j];
-        red[warp][m][cl + 1] = acc[T][2 + j];
+    for (int T = 0; T < 2; ++T) {
+      const int cl = 4 * g + 2 * T;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int m = 8 * mt + 2 * t + j;
+        if (m < kRows) {
+          red[warp][m][cl] = acc[mt][T][j];
+          red[warp][m][cl + 1] = acc[mt][T][2 + j];
+        }
       }
     }
-  }
   __syncthreads();
-  for (int i = threadIdx.x; i < GEMV_MMAX * 32; i += 32 * kWarps) {
-    const int m = i / 32, cl = i % 32;
-    const int n = blockIdx.x * 32 + cl;
+  for (int i = threadIdx.x; i < kRows * 32; i += 32 * kWarps) {
+    const int m = m0 + i / 32, cl = i % 32;
+    const int n = (blockIdx.x / mtiles) * 32 + cl;
     if (m < M && n < N) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
+      for (int w = 0; w < kWarps; ++w) sum += red[w][i / 32][cl];
       if (has_bias) sum += __half2float(bias[n]);
       out[(size_t)m * N + n] = __float2half_rn(sum);
     }

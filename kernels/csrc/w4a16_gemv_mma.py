@@ -1,10 +1,13 @@
-"""Launcher for the tensor-core W4A16 GEMV (``w4a16_gemv_mma.cu``): M <= 8, fp16 activations.
+"""Launcher for the tensor-core W4A16 kernel (``w4a16_gemv_mma.cu``), fp16 activations: the GEMV for M <= 8 and,
+tiled in M (``mt`` tiles of 8 rows of x per block, row tiles of a column slice side by side in the grid), the
+small-batch GEMM for M > 8 that shares each dequantized weight fragment between ``8 * mt`` rows of x.
 
 Same contract as ``kernels.csrc.w4a16_gemv`` (the scalar CUDA GEMV, kept as the fallback for shapes this one does not
 take): compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
 torch's current stream by ``kernels.aot.launcher.AotKernel``. A variant is (warps per block, packed rows per lane
-per chunk ``u``, u-steps per scale group, max M 1 or 8, accumulator chains 1 or 2, L2 256-byte prefetch hint); the
-launch plan is a pure function of shapes and the SM count.
+per chunk ``u``, u-steps per scale group, max M 1 or 8 per tile, accumulator chains 1 or 2, L2 256-byte prefetch
+hint, x tiles per block ``mt``, weights scaled in fp16 ``wscale``); the launch plan is a pure function of shapes and
+the SM count.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
-MAX_M = 8
+MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
+MT_MAX = 8  # x tiles per block (kernel static_assert)
 # H200 runs 1-2 (benchmarks/results/bench_gemm_gemv_h200_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
 CHAINS = 1  # accumulators per tile (GEMV_CHAINS); the plan picks 2 for <= 2 warps per block (see gemv_plan)
@@ -24,6 +28,8 @@ L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256): within +
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 # Register bound used for residency (ptxas, sm_90: 93-117 for the u=4 variants, 128 for u=8).
 REGS_BOUND = 128
+# ... and per x tiles per block for M > 8 (ptxas, sm_90, u=4: mt=2 128, mt=4 wscale 168-ish, mt=8 wscale 194).
+REGS_BY_MT = {1: 128, 2: 128, 4: 192, 8: 256}
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
           ("has_zeros", "i32"), ("has_bias", "i32")]
@@ -37,8 +43,8 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
     """None if this GEMV handles the shape, else why not (the op then uses the scalar GEMV or Triton)."""
     if dtype != torch.float16:
         return f"activations are {dtype}; the tensor-core GEMV is fp16 only"
-    if not 1 <= M <= MAX_M:
-        return f"M={M} is outside 1..{MAX_M}"
+    if M < 1:
+        return f"M={M} is outside 1.."
     if N % 4:
         return f"N={N} is not a multiple of 4 (16-byte weight loads)"
     if K % (32 * u):
@@ -49,52 +55,71 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
     return None
 
 
-def _blocks_per_sm(warps: int) -> int:
-    return min(65536 // (REGS_BOUND * 32 * warps), 2048 // (32 * warps), 32)
+def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
+    return min(65536 // (regs * 32 * warps), 2048 // (32 * warps), 32)
+
+
+def _mt_for(M: int) -> int:
+    """x tiles per block for M > 8: the fewest power-of-two tiles covering M, at most MT_MAX."""
+    mt = 1
+    while mt < MT_MAX and 8 * mt < M:
+        mt *= 2
+    return mt
 
 
 def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
-              sm_count: int = 132) -> dict:
-    """Variant and grid: 32 columns per block, and the most warps per block (splitting K, at most one per chunk)
-    that still fit every block in one wave. H200 runs 1-2 (benchmarks/results/bench_gemm_summary_h200.md): a second
-    partial wave took 21% longer at qkv (192 blocks x 16 warps, 1 block/SM), half the warps 17-54% longer at o/down;
-    at M=1 this rule picks the best measured of 2-3 choices on all five shapes."""
-    blocks = -(-N // 32)
+              sm_count: int = 132, mt: Optional[int] = None, wscale: Optional[bool] = None) -> dict:
+    """Variant and grid: 32 columns (times the row tiles for M > 8) per block, and the most warps per block
+    (splitting K, at most one per chunk) that still fit every block in one wave. H200 runs 1-2
+    (benchmarks/results/bench_gemm_summary_h200.md): a second partial wave took 21% longer at qkv (192 blocks x 16
+    warps, 1 block/SM), half the warps 17-54% longer at o/down; at M=1 this rule picks the best measured of 2-3
+    choices on all five shapes."""
+    if mt is None:
+        mt = 1 if M <= MAX_M else _mt_for(M)
+    if wscale is None:
+        wscale = mt >= 4  # per-group fp32 partial sums for 4+ tiles would double the accumulator registers
+    rows = MAX_M * mt
+    blocks = -(-N // 32) * -(-M // rows)
     chunks = K // (32 * u)
     if warps is None:
-        warps = next((w for w in WARPS if blocks <= sm_count * _blocks_per_sm(w)), WARPS[-1])
+        # shared memory for the cross-warp sum: warps * mt KiB, kept <= 32 KiB
+        choices = [w for w in WARPS if w * mt <= 32]
+        regs = REGS_BY_MT.get(mt, 256)
+        warps = next((w for w in choices if blocks <= sm_count * _blocks_per_sm(w, regs)),
+                     choices[-1] if mt == 1 else min(4, choices[0]))
         while warps > 1 and warps > chunks:
             warps //= 2
     # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) the M <= 8 build with two accumulator
     # chains ran 23.6 us at M = 1 against 28.6-32.2 us for the M = 1 builds; with more warps per block one chain and
     # the M = 1 build were best (1-12% on the other four shapes). An explicit ``warps`` follows the same rule.
-    few = warps <= 2
+    few = warps <= 2 and mt == 1
     return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M if (M > 1 or few) else 1,
-                chains=2 if few else 1, grid=(blocks,))
+                chains=2 if few else 1, mt=mt, wscale=bool(wscale), grid=(blocks,))
 
 
-def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256):
+def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
+                  mt: int = 1, wscale: bool = False):
     return (f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_GSTEPS={gsteps}", f"-DGEMV_MMAX={mmax}",
-            f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}")
+            f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}", f"-DGEMV_MT={mt}", f"-DGEMV_WSCALE={int(wscale)}")
 
 
 def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
-                    sm: int = 90):
+                    mt: int = 1, wscale: bool = False, sm: int = 90):
     """The PTX/cubin artifact for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
-                        extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256))
+                        extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256, mt, wscale))
 
 
-def _kernel(warps: int, u: int, gsteps: int, mmax: int, chains: int, l2_256: bool):
+def _kernel(*variant):
     from kernels.aot.launcher import AotKernel
 
     major, minor = torch.cuda.get_device_capability()
-    key = (10 * major + minor, warps, u, gsteps, mmax, chains, l2_256)
+    key = (10 * major + minor, *variant)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(warps, u, gsteps, mmax, chains, l2_256, sm=key[0]))
+        k = _KERNELS[key] = AotKernel(compile_variant(*variant, sm=key[0]))
     return k
 
 
@@ -108,9 +133,10 @@ def _sm_count(device) -> int:
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
-                   chains: Optional[int] = None, l2_256: bool = L2_256) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores. ``u``/``warps``/``mmax``/``chains``/
-    ``l2_256`` override the plan's variant (benchmarks, tests)."""
+                   chains: Optional[int] = None, l2_256: bool = L2_256, mt: Optional[int] = None,
+                   wscale: Optional[bool] = None) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 on tensor cores. ``u``/``warps``/``mmax``/``chains``/``l2_256``/
+    ``mt``/``wscale`` override the plan's variant (benchmarks, tests)."""
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
@@ -131,12 +157,19 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("tensor-core W4A16 GEMV: scales and bias must be float16")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
         raise ValueError(f"tensor-core W4A16 GEMV: out must be contiguous float16 {(M, N)}")
-    plan = gemv_plan(M, N, K, group_size, u, warps, _sm_count(x.device))
-    if mmax is not None and (mmax not in (1, MAX_M) or mmax < M):
-        raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be 1 or {MAX_M} and >= M={M}")
+    if mt is not None and mt not in (1, 2, 4, 8):
+        raise ValueError(f"tensor-core W4A16 GEMV: mt={mt} must be 1, 2, 4 or 8")
+    plan = gemv_plan(M, N, K, group_size, u, warps, _sm_count(x.device), mt, wscale)
+    if mmax is not None and (mmax not in (1, MAX_M) or (mmax == 1 and M > 1) or (mmax == 1 and plan["mt"] > 1)):
+        raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be {MAX_M}, or 1 for M = 1 with mt = 1")
+    if plan["warps"] * plan["mt"] > 32:
+        raise ValueError(f"tensor-core W4A16 GEMV: warps * mt = {plan['warps'] * plan['mt']} > 32 (shared memory)")
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
-    _kernel(plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], int(chains or plan["chains"]),
-            bool(l2_256)).launch(
+    chains = int(chains or plan["chains"])
+    if plan["mt"] > 1 and chains != 1:
+        raise ValueError("tensor-core W4A16 GEMV: chains=2 is for mt = 1 only")
+    _kernel(plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], chains, bool(l2_256), plan["mt"],
+            plan["wscale"]).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
         int(bias is not None))

@@ -142,7 +142,8 @@ def test_mma_gemv_plan_and_support():
     assert mma.unsupported_reason(1, 4096, 4096, 128, torch.float16) is None
     assert mma.unsupported_reason(8, 1000, 14336, 32, torch.float16) is None
     assert "fp16 only" in mma.unsupported_reason(1, 4096, 4096, 128, torch.bfloat16)
-    assert "outside" in mma.unsupported_reason(9, 4096, 4096, 128, torch.float16)
+    assert "outside" in mma.unsupported_reason(0, 4096, 4096, 128, torch.float16)
+    assert mma.unsupported_reason(100, 4096, 4096, 128, torch.float16) is None  # M > 8: tiles of 8 rows
     assert "multiple of 4" in mma.unsupported_reason(1, 4098, 4096, 128, torch.float16)
     assert "multiple of 128" in mma.unsupported_reason(1, 4096, 4032, 64, torch.float16)
     assert "power of two" in mma.unsupported_reason(1, 4096, 4608, 96, torch.float16)
@@ -158,6 +159,15 @@ def test_mma_gemv_plan_and_support():
         assert 1 <= p["warps"] <= K // (32 * p["u"])  # no warp without a chunk of K
         assert p["u"] % p["gsteps"] == 0 and p["mmax"] >= M and p["mmax"] in (1, 8) and p["chains"] in (1, 2)
         assert p["gsteps"] * 32 <= g  # a scale run never leaves its group
+    # M > 8: the fewest power-of-two x tiles covering M (at most 8 = 64 rows), row tiles x column slices in the grid,
+    # fp16-scaled weights from 4 tiles on (register budget), the cross-warp sum within 32 KiB of shared memory.
+    for M, N, K in [(9, 4096, 4096), (16, 6144, 4096), (33, 28672, 4096), (64, 4096, 14336), (128, 8192, 8192),
+                    (300, 100, 128)]:
+        p = mma.gemv_plan(M, N, K, 128)
+        assert 8 * p["mt"] >= min(M, 64) and (p["mt"] == 1 or 8 * p["mt"] < 2 * M)
+        assert p["grid"][0] == -(-N // 32) * -(-M // (8 * p["mt"]))
+        assert p["wscale"] == (p["mt"] >= 4) and p["warps"] * p["mt"] <= 32 and p["chains"] == 1
+        assert 1 <= p["warps"] <= K // (32 * p["u"])
 
 
 def test_mma_gemv_rejects_unsupported_input():
@@ -209,3 +219,42 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
         ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size)
         assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
                             atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [9, 16, 31, 64, 100, 128, 257])
+@pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1000, 14336, 32, True),
+                                                      (36, 256, 64, False)])
+def test_mma_gemm_tiled_in_m_matches_reference(M, N, K, group_size, symmetric):
+    """M > 8: x tiles of 8 rows per block (mt), fp16-scaled weights (wscale), partial last tiles, odd N."""
+    g = torch.Generator().manual_seed(M * 17 + N + K)
+    w = torch.randn(N, K, generator=g).half()
+    x = torch.randn(M, K, generator=g).half().cuda()
+    qw = quantize_int4(w, group_size, symmetric)
+    if qw.zeros is not None:
+        qw.zeros[0, ::3] = 16  # the largest zero point (GPTQ v1 imports)
+    qw = qw.to("cuda")
+    bias = torch.randn(N, generator=g).half().cuda()
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
+    base = x @ dequantize(qw).t() + bias
+    for ov in ({}, dict(mt=2, wscale=False), dict(mt=2, wscale=True), dict(mt=8, warps=1), dict(mt=4, u=2)):
+        out = poisoned((M, N), torch.float16, "cuda")
+        y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
+        # wscale rounds each (q - z) * s to fp16 once, as dequantize() does for cuBLAS's weight; sums are fp32: at
+        # most twice cuBLAS's error on that weight plus half an ulp of the largest output.
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, ov
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
+@pytest.mark.parametrize("mt,wscale,warps", [(2, False, 16), (4, True, 8), (8, True, 4)])
+def test_mma_gemm_tiled_variants_compile_without_local_memory(mt, wscale, warps, tmp_path):
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import compile_cuda
+
+    art = compile_cuda(mma.SOURCE, mma.KERNEL, mma.PARAMS, sm=90, threads=32 * warps, cache=AotCache(tmp_path),
+                       extra_flags=mma.variant_flags(warps, 4, 4, 8, 1, False, mt, wscale))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in art.ptx
+    assert ".local" not in art.ptx  # accumulators of all tiles stay in registers
+    assert ("mul.f16x2" in art.ptx) == wscale
