@@ -1,7 +1,11 @@
 """Helpers shared by the tests: comparisons (errors are judged against PyTorch's own error, and a failure says
-where), and the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``."""
+where), the device/dtype parameters and output-rounding tolerance of the elementwise kernel tests (norms, activations,
+RoPE), and the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``."""
 
+import pytest
 import torch
+
+from kernels._utils import interpreting
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -63,3 +67,25 @@ def assert_gemm_close(y, ref, baseline):
     half_ulp = 0.5 * torch.finfo(y.dtype).eps * float(ref.detach().abs().max())
     assert_close_to_ref(y, ref, baseline=baseline, factor=2.0, atol=half_ulp)
 
+
+
+# The elementwise kernel tests run every case in the interpreter (CPU tier) and on the GPU (gpu tier).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """One rounding of the output at its largest magnitude: the atol of the elementwise kernels (norms, activations,
+    RoPE) on top of ``factor`` x PyTorch eager's max error.
+
+    Those kernels compute in fp32 and round their output once (eager rounds more often), so one output rounding is
+    all they may add: half an ulp of the largest |ref| on the GPU (round to nearest), a whole ulp in the interpreter
+    for bf16 (Triton 3.6's interpreter truncates fp32 -> bf16). fp32 outputs: reordered fp32 sums over <= 8k terms
+    stay within ~sqrt(N) * 2^-24 relative, so 1e-5 of max|ref| is a safe bound that a real bug (wrong eps, weight,
+    row) exceeds.
+    """
+    top = float(ref.detach().abs().max()) if ref.numel() else 0.0
+    if dtype == torch.float32:
+        return 1e-5 * top
+    ulp = torch.finfo(dtype).eps * top  # eps is the ulp at 1.0, so this is the ulp at |top| (to within 2x)
+    return ulp if (interpreting() and dtype == torch.bfloat16) else 0.5 * ulp

@@ -1,15 +1,14 @@
 """SwiGLU / GeGLU (tanh and erf): Triton kernel vs the fp32 reference, fused [gate | up] and separate inputs.
 
-Tolerance as in test_rms_norm: PyTorch eager rounds twice (act(gate), then the product), the kernel once; allowed
-2x PyTorch's max error plus one output rounding.
+Tolerance as in test_rms_norm (``tests.helpers.rounding_atol``): PyTorch eager rounds twice (act(gate), then the
+product), the kernel once; allowed 2x PyTorch's max error plus one output rounding.
 """
 
 import pytest
 import torch
 
 from kernels.activation import gated_act_launch_config, geglu, geglu_eager, geglu_ref, swiglu, swiglu_eager, swiglu_ref
-from tests.helpers import assert_close_to_ref
-from tests.kernels.test_rms_norm import DEVICES, DTYPES, rounding_atol
+from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, rounding_atol
 
 # Large |gate| overflows exp() on purpose (see test_extreme_gates_stay_finite); numpy in the interpreter warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

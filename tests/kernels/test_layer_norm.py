@@ -1,12 +1,11 @@
-"""LayerNorm: Triton kernel vs the fp32 reference; tolerance as in test_rms_norm (factor 2 of PyTorch's own
-bf16/fp16 error, which for F.layer_norm is a single rounding, plus one output rounding)."""
+"""LayerNorm: Triton kernel vs the fp32 reference; tolerance as in test_rms_norm (``tests.helpers.rounding_atol``:
+factor 2 of PyTorch's own bf16/fp16 error, which for F.layer_norm is a single rounding, plus one output rounding)."""
 
 import pytest
 import torch
 
 from kernels.layer_norm import layer_norm, layer_norm_eager, layer_norm_launch_config, layer_norm_ref
-from tests.helpers import assert_close_to_ref
-from tests.kernels.test_rms_norm import DEVICES, DTYPES, rounding_atol
+from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, rounding_atol
 
 SMALL = [(1, 123), (7, 1000), (33, 4096)]
 LARGE = [(4099, 5120), (32768, 1024), (5, 16384)]

@@ -1,10 +1,9 @@
 """RMSNorm and fused add + RMSNorm: Triton kernel vs the fp32 reference, judged against PyTorch's own bf16/fp16 error.
 
-Tolerance (``rounding_atol``, shared by the norm/activation/RoPE tests): the kernel computes in fp32 and rounds its
-output once, so it may be off by at most ``factor`` x PyTorch eager's max error (eager rounds twice) plus one output
-rounding: half an ulp of the largest |ref| on the GPU (round to nearest), a whole ulp in the interpreter for bf16
-(Triton 3.6's interpreter truncates fp32 -> bf16). fp32 outputs: reordered fp32 sums over <= 8k terms stay within
-~sqrt(N) * 2^-24 relative, so 1e-5 of max|ref| is a safe bound that a real bug (wrong eps, weight, row) exceeds.
+Tolerance: ``tests.helpers.rounding_atol`` (shared by the norm/activation/RoPE tests): the kernel computes in fp32 and
+rounds its output once, so it may be off by at most ``factor`` x PyTorch eager's max error (eager rounds twice) plus
+one output rounding (half an ulp of the largest |ref| on the GPU, a whole ulp for bf16 in the interpreter, 1e-5 of
+max|ref| for fp32 outputs; the reasons are in its docstring).
 """
 
 import pytest
@@ -14,22 +13,9 @@ from kernels.rms_norm import (
     MAX_HIDDEN, fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_eager, rms_norm_launch_config, rms_norm_ref,
 )
 from kernels._utils import interpreting
-from tests.helpers import assert_close_to_ref, poisoned
-
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """One rounding of the output at its largest magnitude (see the module docstring)."""
-    top = float(ref.detach().abs().max()) if ref.numel() else 0.0
-    if dtype == torch.float32:
-        return 1e-5 * top
-    ulp = torch.finfo(dtype).eps * top  # eps is the ulp at 1.0, so this is the ulp at |top| (to within 2x)
-    return ulp if (interpreting() and dtype == torch.bfloat16) else 0.5 * ulp
-
+from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, poisoned, rounding_atol
 
 # Every case runs in the interpreter (CPU tier) and on the GPU (gpu tier); LARGE cases only on the GPU.
-DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
 # (rows, hidden): 1 row; odd rows with a non-power-of-two hidden (several rows per program); a full LLaMA-7B row.
 SMALL = [(1, 123), (7, 1000), (33, 4096)]
 LARGE = [(4099, 5120), (32768, 1024), (257, 8192), (3, 16384)]  # 32k tokens at a narrow row keeps the check quick

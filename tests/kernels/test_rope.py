@@ -1,8 +1,8 @@
 """RoPE: the cos/sin cache against transformers' own rope init functions, and the kernel (interleaved and neox,
 partial rotary, in place and out of place, strided q/k views) against the fp32 reference.
 
-Kernel tolerance as in test_rms_norm: the HF-style eager baseline rounds cos/sin to the activation dtype and rounds
-twice, the kernel rotates in fp32 with the fp32 cache and rounds once.
+Kernel tolerance as in test_rms_norm (``tests.helpers.rounding_atol``): the HF-style eager baseline rounds cos/sin to
+the activation dtype and rounds twice, the kernel rotates in fp32 with the fp32 cache and rounds once.
 """
 
 import math
@@ -14,8 +14,7 @@ from kernels.rope import (
     rope_cos_sin_cache, rope_inv_freq, rope_launch_config, rotary_embedding, rotary_embedding_, rotary_embedding_eager,
     rotary_embedding_ref,
 )
-from tests.helpers import assert_close_to_ref, poisoned
-from tests.kernels.test_rms_norm import DEVICES, DTYPES, rounding_atol
+from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, poisoned, rounding_atol
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
