@@ -24,7 +24,9 @@ class DataType:
 
 
 class ShapeExpr:
-    """Dynamic (env-evaluated) or constant dim; +, -, *, // with the expression on the left, like TensorRT's."""
+    """Stand-in for TensorRT's ``ShapeExpr``: a dynamic dim (evaluated later against an environment of dim values) or a
+    constant one. +, -, *, // with the expression on the left only (no reflected operators, as in TensorRT), no truth
+    value, no int conversion: what the glue and the specs' shape functions may do with a dim at build time."""
 
     def __init__(self, fn=None, const=None):
         self.fn, self.const = fn, const
@@ -62,7 +64,12 @@ class ShapeExpr:
         return self._op(o, lambda a, b: a // b)
 
     def __bool__(self):
-        raise TypeError("ShapeExpr has no truth value")
+        raise TypeError("a ShapeExpr has no truth value at build time")
+
+    def __index__(self):
+        raise TypeError("a ShapeExpr is not an int at build time (use is_constant / constant_value())")
+
+    __int__ = __float__ = __index__
 
 
 class TensorDesc:

@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 
+from tests.trt_plugins.fake_tensorrt import ShapeExpr
 from trt_plugins.specs import SPECS, cdiv
 
 OPS = sorted(SPECS)
@@ -79,45 +80,8 @@ def test_constexprs_do_not_depend_on_dynamic_dims(op):
                                                                         base.num_stages), f"{sample.note} x{factor}"
 
 
-class Dim:
-    """Stand-in for TensorRT's ``ShapeExpr``: +, -, *, // with the expression on the left only (no reflected
-    operators), no truth value, no int conversion. Evaluates later against an environment of dim values."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    @staticmethod
-    def _val(o, env):
-        return o.fn(env) if isinstance(o, Dim) else o
-
-    def _op(self, o, f):
-        if not isinstance(o, (Dim, int)):
-            return NotImplemented
-        return Dim(lambda env: f(self.fn(env), Dim._val(o, env)))
-
-    def __add__(self, o):
-        return self._op(o, lambda a, b: a + b)
-
-    def __sub__(self, o):
-        return self._op(o, lambda a, b: a - b)
-
-    def __mul__(self, o):
-        return self._op(o, lambda a, b: a * b)
-
-    def __floordiv__(self, o):
-        return self._op(o, lambda a, b: a // b)
-
-    def __bool__(self):
-        raise TypeError("a dynamic dim has no truth value at build time")
-
-    def __index__(self):
-        raise TypeError("a dynamic dim is not an int at build time")
-
-    __int__ = __float__ = __index__
-
-
 def _eval(v, env):
-    return v.fn(env) if isinstance(v, Dim) else int(v)
+    return v.eval(env) if isinstance(v, ShapeExpr) else int(v)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -132,7 +96,7 @@ def test_shape_functions_work_on_symbolic_dims(op):
     env = {}
     for k, (n, i) in enumerate(_dynamic(spec, sample.shapes)):
         ints[n][i] = env[k] = 17 + 31 * k  # odd, distinct values
-        syms[n][i] = Dim(lambda e, k=k: e[k])
+        syms[n][i] = ShapeExpr(lambda e, k=k: e[k])
     constexprs = spec.launch(sample.shapes, sample.dtypes, attrs).constexprs
 
     def both(fn):
@@ -150,8 +114,8 @@ def test_shape_functions_work_on_symbolic_dims(op):
 
 def test_cdiv_on_ints_and_expressions():
     assert cdiv(7, 2) == 4 and cdiv(8, 2) == 4 and cdiv(1, 128) == 1
-    t = Dim(lambda e: e["t"])
-    assert cdiv(t, 16).fn({"t": 33}) == 3 and cdiv(t, 16).fn({"t": 32}) == 2
+    t = ShapeExpr(lambda e: e["t"])
+    assert cdiv(t, 16).eval({"t": 33}) == 3 and cdiv(t, 16).eval({"t": 32}) == 2
     with pytest.raises(TypeError, match="left operand"):
         cdiv(16, t)
 
