@@ -158,6 +158,29 @@ def test_cuda_cpp_compiles_with_nvcc(tmp_path):
         compile_cuda(tmp_path / "m.cu", "scale_add", params, sm=90, threads=128)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_cache_key_follows_local_headers(tmp_path):
+    """A kernel's ``#include "x.cuh"`` (and what that includes) is part of its cache key: editing a shared header
+    must recompile, not return the artifact built from the old one."""
+    (tmp_path / "y.cuh").write_text("#define OFFSET 1.0f\n")
+    (tmp_path / "x.cuh").write_text('#include "y.cuh"\n__device__ __forceinline__ float scale() { return 3.0f; }\n')
+    src = tmp_path / "k.cu"
+    src.write_text('#include "x.cuh"\n' + CU.replace("x[i] * k + 1.0f", "x[i] * scale() + OFFSET"))
+    params = [("x", "*fp32"), ("y", "*fp32"), ("n", "i32"), ("k", "i32")]
+    cache = AotCache(tmp_path / "c")
+    first = compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache)
+    assert "0f40400000" in first.ptx  # 3.0f: the header's value is compiled in
+    # Nothing changed: a cache hit, which never runs the compiler (a missing nvcc would raise).
+    assert compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc="no-such-nvcc").key == first.key
+    (tmp_path / "x.cuh").write_text('#include "y.cuh"\n__device__ __forceinline__ float scale() { return 5.0f; }\n')
+    second = compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache)
+    assert second.key != first.key and "0f40A00000" in second.ptx and "0f40400000" not in second.ptx
+    # A header included by a header counts too: the key misses, so the (missing) compiler is asked for.
+    (tmp_path / "y.cuh").write_text("#define OFFSET 2.0f\n")
+    with pytest.raises(AotError, match="not found"):
+        compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc="no-such-nvcc")
+
+
 class _FakeCuda:
     """Stands in for a CUDA tensor in the launcher's argument packing (no GPU here)."""
 
