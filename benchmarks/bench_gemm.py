@@ -8,7 +8,9 @@ decode step runs: graph or TensorRT engine, no Python per kernel); single eager 
 + zeros read per call), speed-up over cuBLAS, and the relative error ||y - ref|| / ||ref|| against the fp32
 reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for alternative tile configurations.
 ``BENCH_GEMM_SHAPES=qkv,o`` / ``BENCH_GEMM_MS=1,4,8`` restrict shapes / M; ``BENCH_GEMM_KERNELS=gemv`` times only
-cuBLAS, the default W4A16 Triton kernel and the CUDA GEMVs (scalar and tensor-core, with their variants).
+cuBLAS, the default W4A16 Triton kernel and the CUDA GEMVs (scalar and tensor-core, with their variants);
+``BENCH_GEMM_KERNELS=gemv8`` times only cuBLAS, the default W8A16 Triton kernel and the tensor-core W8A16 GEMV (its
+plan's variant, then one change at a time).
 
 Run: ``python benchmarks/bench_gemm.py`` (writes benchmarks/results/bench_gemm_<card>.{json,md}; set
 TRITRT_RESULTS_DIR to write elsewhere).
@@ -86,9 +88,11 @@ def main():
     from kernels.quant import dequantize, quantize_int4, quantize_int8
 
     from kernels.csrc import w4a16_gemv_mma as mma
+    from kernels.csrc import w8a16_gemv_mma as mma8
 
     sweep = os.environ.get("BENCH_GEMM_SWEEP") == "1"
     gemv_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv"
+    gemv8_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv8"  # W8: cuBLAS, Triton default, tensor-core GEMV
     ms_list = [int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS") else MS
     shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [
         s for s in SHAPES if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
@@ -122,18 +126,18 @@ def main():
             row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16,
                 rel_err(F.linear(x, w), x.float() @ w.float().t()))
             ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
-            variants8 = [] if gemv_only else [("default", {})] + (
+            variants8 = [] if gemv_only else [("default", {})] + ([] if gemv8_only else
                 [(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else [(lab, o) for lab, f, o in EXTRA_W8 if f(M)])
             for label, ov in variants8:
                 err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
                 row("w8a16", lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8, b8, err, label)
-            variants4 = [("default", {})] + ([] if gemv_only else
+            variants4 = [] if gemv8_only else [("default", {})] + ([] if gemv_only else
                                              [(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else
                                              [(lab, o) for lab, f, o in EXTRA_W4 if f(M)])
             for label, ov in variants4:
                 err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
                 row("w4a16", lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4, b4, err, label)
-            if cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
+            if not gemv8_only and cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 # The plan's variant, plus (M == 1) the other threads-across-N / prefetch choices for comparison.
                 plan_tn = cu.gemv_plan(M, N)["tn"]
                 cu_variants = [(plan_tn, cu.PREFETCH)]
@@ -144,7 +148,7 @@ def main():
                     label = ("default" if (tn, pf) == cu_variants[0] else "variant") + f" tn={tn} pf={int(pf)}"
                     row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn, prefetch=pf),
                         sets4, b4, err, label)
-            if mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
+            if not gemv8_only and mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 # Tensor-core GEMV: the plan's variant, then one change at a time (accumulator chains, L2 hint,
                 # warps per block, rows per lane, and at M = 1 the M <= 8 build).
                 plan = mma.gemv_plan(M, N, K, GROUP, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -173,6 +177,23 @@ def main():
                                                               f" mmax={plan['mmax']} mt={mt} wscale={int(plan['wscale'])}")
                     row("w4a16_cuda_gemv_mma", lambda qw, s, z: mma.w4a16_gemv_mma(x, qw, s, z, GROUP, **ov),
                         sets4, b4, err, label)
+            if not gemv_only and mma8.unsupported_reason(M, N, K, x.dtype) is None:
+                # Tensor-core W8A16 GEMV: the plan's variant, then one change at a time (bytes per lane load vec,
+                # warps per block, rows per chunk u, L2 hint).
+                p8 = mma8.gemv_plan(M, N, K, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+                alts = [dict(vec=v) for v in mma8.VECS if v != p8["vec"]] + [
+                    dict(warps=2 * p8["warps"]), dict(warps=p8["warps"] // 2), dict(u=2 * p8["u"]),
+                    dict(l2_128=True)]
+                w8_variants = [("default", {})] + [
+                    (" ".join(f"{k}={v}" for k, v in o.items()), o) for o in alts
+                    if mma8.unsupported_reason(M, N, K, x.dtype, o.get("vec", p8["vec"]), o.get("u")) is None
+                    and o.get("warps", 1) in mma8.WARPS
+                    and o.get("warps", p8["warps"]) * 8 * o.get("vec", p8["vec"]) <= 1024]
+                for lab, ov in w8_variants:
+                    err = rel_err(mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, **ov), ref8)
+                    label = lab if lab != "default" else f"default vec={p8['vec']} warps={p8['warps']} u={p8['u']}"
+                    row("w8a16_cuda_gemv_mma", lambda qw, s: mma8.w8a16_gemv_mma(x, qw, s, **ov), sets8, b8, err,
+                        label)
             done = [r for r in rows if r["M"] == M and r["shape"] == name]
             print(f"{name} M={M}: " + ", ".join(f"{r['kernel']}[{r['config']}] {r['speedup']:.2f}x" for r in done),
                   flush=True)

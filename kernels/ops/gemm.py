@@ -3,7 +3,9 @@
 
 CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations (no
 residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA GEMV (``kernels.csrc.w4a16_gemv_mma``), else for
-M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster.
+M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster; for W8A16
+with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
+(``kernels.csrc.w8a16_gemv_mma``).
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -23,6 +25,10 @@ CUDA_GEMV_MAX_M = 1
 # to the scalar GEMV / Triton). H200 run 2 (bench_gemm_gemv_h200_run2.md), speed-up over cuBLAS on the five Llama
 # shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x). M > 8 not measured.
 CUDA_GEMV_MMA_MAX_M = 8
+# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
+# it; shapes it does not take fall through to Triton). Written for issue 4's M = 1 target (Triton: 1.39-1.73x cuBLAS
+# on H200); not yet measured on a GPU: set from the first bench_gemm run (BENCH_GEMM_KERNELS=gemv8).
+CUDA_W8_GEMV_MAX_M = 8
 
 
 def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
@@ -52,6 +58,13 @@ def _w8_shapes(x, qweight, scales, bias, op="w8a16_linear"):
     return N
 
 
+def _w8_gemv_operands_ok(qweight, scales, bias) -> bool:
+    """What the W8A16 GEMV needs beyond shapes (else the Triton kernel runs): fp16 scales / bias, contiguous operands,
+    a 16-byte aligned qweight (its 16-byte row loads)."""
+    return (scales.dtype == torch.float16 and (bias is None or (bias.dtype == torch.float16 and bias.is_contiguous()))
+            and qweight.is_contiguous() and scales.is_contiguous() and qweight.data_ptr() % 16 == 0)
+
+
 @torch.library.custom_op("tritrt::w8a16_linear", mutates_args=())
 def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor] = None,
                  residual: Optional[Tensor] = None) -> Tensor:
@@ -59,11 +72,16 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
 
     N = _w8_shapes(x, qweight, scales, bias)
     lead, x2, r2 = _flatten(x, residual, N)
-    if x.is_cuda:
-        y = k.w8a16_gemm(x2, qweight, scales, bias, r2)
-    else:
-        y = k.w8a16_reference(x2, qweight, scales, bias, r2).to(x.dtype)
-    return y.reshape(*lead, N)
+    if not x.is_cuda:
+        return k.w8a16_reference(x2, qweight, scales, bias, r2).to(x.dtype).reshape(*lead, N)
+    M, K = x2.shape
+    if r2 is None and M <= CUDA_W8_GEMV_MAX_M and _w8_gemv_operands_ok(qweight, scales, bias):
+        from ..csrc import w8a16_gemv_mma as mma8
+
+        x2 = x2.contiguous()
+        if mma8.unsupported_reason(M, N, K, x.dtype) is None and x2.data_ptr() % 8 == 0:
+            return mma8.w8a16_gemv_mma(x2, qweight, scales, bias).reshape(*lead, N)
+    return k.w8a16_gemm(x2, qweight, scales, bias, r2).reshape(*lead, N)
 
 
 @w8a16_linear.register_fake

@@ -1,0 +1,188 @@
+// W8A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
+// INT8 layout (qweight int8 [K, N], w[n, k] = q[k, n] * s[n], q in [-127, 127], scales fp16 [N]).
+//
+// Why: the Triton W8A16 GEMV reaches 1.39-1.73x cuBLAS fp16 at M = 1 (H200); bytes alone allow ~1.9x. As in
+// w4a16_gemv_mma.cu the weights are the mma's A operand (16 columns of W x 16 k) and x is B (16 k x 8 rows of x),
+// fp32 accumulation; here the per-column scale is constant over K, so it multiplies the fp32 sum once at the end.
+//
+// Dequantisation (exact): int8 -> fp16 by the magic number 1024. A byte b = q & 0xFF with its top bit flipped is
+// q + 128 (0..255) as unsigned; the half 0x64xx with that byte as mantissa is 1024 + q + 128; one HSUB2 by 1152
+// leaves q, exact in fp16 (integers <= 2048). The flip and the 0x64 exponent byte are one LOP3: (v & 0x00FF00FF) ^
+// 0x64806480 (bytes 0, 2 kept with bit 7 flipped, bytes 1, 3 forced to 0x64).
+//
+// Layout: an mma register is a half2 of two k values of one W column, while a 32-bit word of a qweight row holds 4
+// columns at one k. One PRMT of the words of two k rows puts column c's byte of row k0 in byte 0 and of row k1 in byte
+// 2 (selector {c, c, 4 + c, 4 + c}; bytes 1, 3 are overwritten by the LOP3). So a pair of weights costs PRMT + LOP3 +
+// HSUB2 = 1.5 instructions per weight, plus a 1/8 share of an HMMA; x needs no permute (below).
+//
+// Fragment mapping (PTX ISA, mma.m16n8k16 f16): lane = 4 g + t holds A rows g, g + 8 at k {2t, 2t+1, 2t+8, 2t+9}, B
+// k rows {2t, 2t+1, 2t+8, 2t+9} of column g, C rows g, g + 8, columns 2t, 2t+1. The k order is ours as long as A and
+// B agree, so lane (g, t) feeds the mma's k {2t, 2t+1, 2t+8, 2t+9} with the actual rows 4t, 4t+1, 4t+2, 4t+3 of the
+// 16-row step: its 4 weight loads are those 4 rows, and its B registers are x[g][4t .. 4t+3], one 8-byte load in the
+// order the mma wants. Each weight load is GEMV_VEC bytes = VEC adjacent columns at one k: lane g owns columns
+// g * VEC .. g * VEC + VEC - 1 of the block, tile T (0 .. VEC/2 - 1) takes columns 2T, 2T + 1 of them as its rows g,
+// g + 8. A block covers 8 * VEC columns; a warp load instruction reads 4 rows (t) x 8 * VEC contiguous bytes (g).
+//
+// VEC (16, 8 or 4 bytes) trades run length for block count: VEC = 16 reads 128-byte runs but gives N / 128 blocks
+// (32 at N = 4096: too few SMs busy), VEC = 4 gives N / 32 blocks with 32-byte (one sector) runs and 4 x the load
+// instructions. The launcher's plan picks it from N and the SM count.
+//
+// Instruction budget per weight (VEC = 16): 1.5 dequantisation + 1/8 HMMA + 1/16 LDG.128 + 1/64 x LDG, plus loop
+// addressing. VEC = 4: LDG.32 instead, 1/4 per weight.
+//
+// Work split: a block = GEMV_WARPS warps on the same 8 * VEC columns, warps splitting K in chunks of GEMV_U 16-row
+// steps (register double buffer: the next chunk's loads are issued before this chunk's math), reduced through shared
+// memory at the end with scale and bias; one launch, no memset, deterministic. The launcher checks: N % VEC == 0,
+// K % (16 * GEMV_U) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
+#include "mma_common.cuh"
+
+#ifndef GEMV_WARPS
+#define GEMV_WARPS 8
+#endif
+#ifndef GEMV_VEC
+#define GEMV_VEC 16  // bytes (= columns) per lane per weight load: 16, 8 or 4
+#endif
+#ifndef GEMV_U
+#define GEMV_U 1  // 16-row k steps per chunk: a lane holds 4 * GEMV_U weight loads per buffer
+#endif
+#ifndef GEMV_L2_128
+#define GEMV_L2_128 0  // 1: weight loads ask L2 to fetch the whole 128-byte line (neighbouring blocks' columns)
+#endif
+
+namespace {
+using namespace tritrt;
+constexpr int kWarps = GEMV_WARPS;
+constexpr int kVec = GEMV_VEC;
+constexpr int kWords = kVec / 4;  // 32-bit words per row load
+constexpr int kTiles = kVec / 2;  // mma tiles per lane (2 columns of each lane's VEC per tile)
+constexpr int kCols = 8 * kVec;   // columns per block
+constexpr int kU = GEMV_U;
+static_assert(kVec == 4 || kVec == 8 || kVec == 16, "GEMV_VEC is 4, 8 or 16");
+// red[] below is kWarps * 8 * kCols floats: keep it within 32 KB of static shared memory.
+static_assert(kWarps * kCols <= 1024, "GEMV_WARPS * 8 * GEMV_VEC must be <= 1024 (shared-memory reduction)");
+
+struct Row {
+  uint32_t w[kWords];
+};
+
+// Read-only load of VEC bytes (one k row, VEC columns); optionally with the L2 128-byte prefetch hint.
+__device__ __forceinline__ Row load_row(const uint8_t* p) {
+  Row r;
+#if GEMV_L2_128
+#define TRITRT_L2 ".L2::128B"
+#else
+#define TRITRT_L2 ""
+#endif
+  if constexpr (kWords == 4) {
+    asm volatile("ld.global.nc" TRITRT_L2 ".v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3]) : "l"(p));
+  } else if constexpr (kWords == 2) {
+    asm volatile("ld.global.nc" TRITRT_L2 ".v2.u32 {%0,%1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc" TRITRT_L2 ".u32 %0, [%1];" : "=r"(r.w[0]) : "l"(p));
+  }
+#undef TRITRT_L2
+  return r;
+}
+
+// Column c (0..3) of the words of rows k0 (lo) and k1 (hi) -> half2 {q[k0], q[k1]}, exact.
+__device__ __forceinline__ uint32_t pair_to_half2(uint32_t lo, uint32_t hi, int c) {
+  constexpr uint32_t kMask = 0x00FF00FFu;  // keep bytes 0 and 2
+  constexpr uint32_t kFlip = 0x64806480u;  // flip bit 7 of the kept bytes (q + 128), bytes 1, 3 = 0x64 (2^10)
+  constexpr uint32_t k1152 = 0x64806480u;  // fp16 1152 = 1024 + 128 in both halves
+  const uint32_t sel = (uint32_t)c * 0x11u + (uint32_t)(4 + c) * 0x1100u;  // bytes {c, c, 4+c, 4+c}
+  return hsub2_u(lop3_and_xor(prmt(lo, hi, sel), kMask, kFlip), k1152);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1)
+w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
+               const half* __restrict__ bias, half* __restrict__ out, int M, int N, int K, int stride_xm,
+               int has_bias) {
+  __shared__ float red[kWarps][8][kCols];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int col = blockIdx.x * kCols + kVec * g;
+  const bool col_ok = col < N;    // N % VEC == 0: a lane's VEC columns are all in or all out
+  const bool x_ok = g < M;        // B column g is row g of x; rows >= M feed zeros
+  const int chunks = K / (16 * kU);
+
+  float acc[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+  // Lanes past N read columns N - VEC .. N - 1 instead (valid memory, no predication); their sums are never stored.
+  const int colc = col_ok ? col : N - kVec;
+  // Row k of this lane's columns starts at qweight + k * N + colc; the lane's rows of step s are 16 s + 4 t + j.
+  const uint8_t* qw = reinterpret_cast<const uint8_t*>(qweight) + (size_t)(4 * t) * N + colc;
+  const half* xw = x + (size_t)g * stride_xm + 4 * t;  // x[g][16 s + 4t .. 16 s + 4t + 3] = the B registers
+  const size_t row_n = (size_t)N;
+
+  auto load_chunk = [&](int c, Row (&q)[kU][4]) {
+    const uint8_t* p = qw + (size_t)c * (16 * kU) * row_n;
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q[u][j] = load_row(p + (size_t)(16 * u + j) * row_n);
+  };
+
+  auto process_chunk = [&](int c, const Row (&q)[kU][4]) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      uint2 xv = make_uint2(0u, 0u);
+      if (x_ok) xv = __ldg(reinterpret_cast<const uint2*>(xw + (size_t)(c * kU + u) * 16));
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        // Columns 4w .. 4w+3 of the lane: tile 2w takes 4w (row g), 4w+1 (row g+8); tile 2w+1 takes 4w+2, 4w+3.
+        uint32_t lo[4], hi[4];  // lo: k rows 4t, 4t+1 (mma k 2t, 2t+1); hi: rows 4t+2, 4t+3 (mma k 2t+8, 2t+9)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          lo[cc] = pair_to_half2(q[u][0].w[w], q[u][1].w[w], cc);
+          hi[cc] = pair_to_half2(q[u][2].w[w], q[u][3].w[w], cc);
+        }
+        mma16816(acc[2 * w], lo[0], lo[1], hi[0], hi[1], xv.x, xv.y);
+        mma16816(acc[2 * w + 1], lo[2], lo[3], hi[2], hi[3], xv.x, xv.y);
+      }
+    }
+  };
+
+  // Two register buffers used in turn (no copies): the next chunk's loads are in flight during this chunk's math.
+  Row qa[kU][4], qb[kU][4];
+  if (warp < chunks) load_chunk(warp, qa);
+  for (int c = warp; c < chunks; c += 2 * kWarps) {
+    if (c + kWarps < chunks) load_chunk(c + kWarps, qb);
+    process_chunk(c, qa);
+    if (c + kWarps >= chunks) break;
+    if (c + 2 * kWarps < chunks) load_chunk(c + 2 * kWarps, qa);
+    process_chunk(c + kWarps, qb);
+  }
+
+  // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic), then scale and bias.
+  // C of tile T: rows g, g+8 = the lane's columns 2T, 2T+1; C columns 2t, 2t+1 = rows m of x.
+#pragma unroll
+  for (int T = 0; T < kTiles; ++T) {
+    const int cl = kVec * g + 2 * T;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      red[warp][2 * t + j][cl] = acc[T][j];
+      red[warp][2 * t + j][cl + 1] = acc[T][2 + j];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 8 * kCols; i += 32 * kWarps) {
+    const int m = i / kCols, cl = i % kCols;
+    const int n = blockIdx.x * kCols + cl;
+    if (m < M && n < N) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
+      sum *= __half2float(scales[n]);
+      if (has_bias) sum += __half2float(bias[n]);
+      out[(size_t)m * N + n] = __float2half_rn(sum);
+    }
+  }
+}

@@ -1,0 +1,152 @@
+"""Launcher for the tensor-core W8A16 GEMV (``w8a16_gemv_mma.cu``): M <= 8, fp16 activations.
+
+Compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
+torch's current stream by ``kernels.aot.launcher.AotKernel``, like ``kernels.csrc.w4a16_gemv_mma``. A variant is
+(warps per block, bytes per lane load ``vec`` = columns per lane, 16-row steps per chunk ``u``, L2 128-byte prefetch
+hint); the launch plan is a pure function of shapes and the SM count. Shapes it does not take go to the Triton kernel
+(``kernels.gemm_w8a16.w8a16_gemm``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("w8a16_gemv_mma.cu")
+KERNEL = "w8a16_gemv_mma"
+MAX_M = 8
+VECS = (16, 8, 4)  # tried in this order: the longest weight runs that still give every SM a block
+WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
+BYTES_PER_BUFFER = 64  # weight bytes per lane per register buffer (4 rows x vec x u), as the W4 GEMV's u = 4
+L2_128 = False  # L2::128B hint on weight loads (GEMV_L2_128): not measured yet, so off
+K_MULTIPLE = 64  # K % 64 == 0: the largest default chunk (vec = 4, u = 4) is 64 rows of K
+# Register bound used for residency (ptxas, sm_90, __launch_bounds__(threads, 1): 56-127 for the variants above).
+REGS_BOUND = 128
+SMEM_PER_SM = 227 * 1024
+PARAMS = [("x", "*fp16"), ("qweight", "*i8"), ("scales", "*fp16"), ("bias", "*fp16"), ("out", "*fp16"),
+          ("M", "i32"), ("N", "i32"), ("K", "i32"), ("stride_xm", "i32"), ("has_bias", "i32")]
+
+_KERNELS: dict = {}
+_SM_COUNT: dict = {}
+
+
+def default_u(vec: int) -> int:
+    return BYTES_PER_BUFFER // (4 * vec)
+
+
+def unsupported_reason(M: int, N: int, K: int, dtype: torch.dtype, vec: Optional[int] = None,
+                       u: Optional[int] = None) -> Optional[str]:
+    """None if this GEMV handles the shape (with the plan's variant, or the given ``vec``/``u``), else why not (the op
+    then uses the Triton kernel)."""
+    if dtype != torch.float16:
+        return f"activations are {dtype}; the tensor-core W8A16 GEMV is fp16 only"
+    if not 1 <= M <= MAX_M:
+        return f"M={M} is outside 1..{MAX_M}"
+    if vec is not None and vec not in VECS:
+        return f"vec={vec} is not one of {VECS}"
+    need_n = vec or VECS[-1]
+    if N < need_n or N % need_n:
+        return f"N={N} is not a multiple of {need_n} (a lane loads {need_n} adjacent columns)"
+    step = 16 * (u if u is not None else default_u(vec) if vec else default_u(VECS[-1]))
+    if K <= 0 or K % step:
+        return f"K={K} is not a positive multiple of {step} (a chunk is {step} rows of K)"
+    return None
+
+
+def _blocks_per_sm(warps: int, vec: int) -> int:
+    smem = warps * 8 * 8 * vec * 4 + 1024  # the reduction buffer, plus the per-block reservation
+    return min(65536 // (REGS_BOUND * 32 * warps), 2048 // (32 * warps), 32, SMEM_PER_SM // smem)
+
+
+def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional[int] = None,
+              u: Optional[int] = None, sm_count: int = 132) -> dict:
+    """Variant and grid. ``vec``: the longest weight runs (16 B per lane, 128-byte rows per block) whose N / (8 vec)
+    blocks still give every SM one, else the shortest that divides N (at N = 4096, vec = 16 leaves 100 of 132 SMs
+    idle). ``warps``: the most per block (splitting K, at most one per chunk) that fit all blocks in one wave (the
+    rule the W4 GEMV measured best), within the 32 KB shared-memory reduction (warps * 8 * vec <= 1024). Not yet
+    measured for W8: the benchmark times the neighbouring vec / warps / u choices."""
+    if vec is None:
+        fits = [v for v in VECS if N % v == 0]
+        vec = next((v for v in fits if -(-N // (8 * v)) >= sm_count), fits[-1] if fits else VECS[-1])
+    u = default_u(vec) if u is None else u
+    blocks = -(-N // (8 * vec))
+    chunks = K // (16 * u)
+    allowed = [w for w in WARPS if w * 8 * vec <= 1024]
+    if warps is None:
+        warps = next((w for w in allowed if blocks <= sm_count * _blocks_per_sm(w, vec)), allowed[-1])
+        while warps > 1 and warps > chunks:
+            warps //= 2
+    return dict(warps=warps, vec=vec, u=u, grid=(blocks,))
+
+
+def variant_flags(warps: int, vec: int, u: int, l2_128: bool = L2_128):
+    return (f"-DGEMV_WARPS={warps}", f"-DGEMV_VEC={vec}", f"-DGEMV_U={u}", f"-DGEMV_L2_128={int(l2_128)}")
+
+
+def compile_variant(warps: int, vec: int, u: int, l2_128: bool = L2_128, sm: int = 90):
+    """The PTX/cubin artifact for one variant (no GPU needed)."""
+    from kernels.aot.compile import compile_cuda
+
+    return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
+                        extra_flags=variant_flags(warps, vec, u, l2_128))
+
+
+def _kernel(warps: int, vec: int, u: int, l2_128: bool):
+    from kernels.aot.launcher import AotKernel
+
+    major, minor = torch.cuda.get_device_capability()
+    key = (10 * major + minor, warps, vec, u, l2_128)
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = AotKernel(compile_variant(warps, vec, u, l2_128, sm=key[0]))
+    return k
+
+
+def _sm_count(device) -> int:
+    n = _SM_COUNT.get(device)
+    if n is None:
+        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None, vec: Optional[int] = None, warps: Optional[int] = None,
+                   u: Optional[int] = None, l2_128: bool = L2_128) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores; W is ``kernels.quant.quantize_int8``'s
+    ``qweight`` int8 ``[K, N]`` and ``scales`` fp16 ``[N]``. ``vec``/``warps``/``u``/``l2_128`` override the plan's
+    variant (benchmarks, tests)."""
+    from kernels.gemm_w8a16 import check_w8_weight
+
+    if x.dim() != 2:
+        raise ValueError(f"tensor-core W8A16 GEMV: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    K, N = check_w8_weight(qweight, scales, x.shape[-1])
+    M = x.shape[0]
+    if warps is not None and (warps not in WARPS or warps * 8 * (vec or 4) > 1024):
+        raise ValueError(f"tensor-core W8A16 GEMV: warps={warps} must be one of {WARPS} with warps * 8 * vec <= 1024")
+    reason = unsupported_reason(M, N, K, x.dtype, vec, u)
+    if reason:
+        raise ValueError(f"tensor-core W8A16 GEMV: {reason}; use kernels.gemm_w8a16.w8a16_gemm")
+    if not x.is_cuda:
+        raise ValueError("tensor-core W8A16 GEMV needs CUDA tensors")
+    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+        raise ValueError("tensor-core W8A16 GEMV: x rows must be contiguous and 8-byte aligned (call .contiguous())")
+    for name, t, align in (("qweight", qweight, 16), ("scales", scales, 2), ("bias", bias, 2)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
+            raise ValueError(f"tensor-core W8A16 GEMV: {name} must be contiguous and {align}-byte aligned")
+    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
+        raise ValueError("tensor-core W8A16 GEMV: scales and bias must be float16 (quantize_int8(w.half()))")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"tensor-core W8A16 GEMV: bias must have shape [{N}], got {tuple(bias.shape)}")
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
+        raise ValueError(f"tensor-core W8A16 GEMV: out must be contiguous float16 {(M, N)}")
+    plan = gemv_plan(M, N, K, vec, warps, u, _sm_count(x.device))
+    if plan["warps"] * 8 * plan["vec"] > 1024:
+        raise ValueError(f"tensor-core W8A16 GEMV: warps={plan['warps']} with vec={plan['vec']} exceeds the "
+                         f"32 KB shared-memory reduction (warps * 8 * vec <= 1024)")
+    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    _kernel(plan["warps"], plan["vec"], plan["u"], bool(l2_128)).launch(
+        plan["grid"], x, qweight, scales, bias if bias is not None else scales, out, M, N, K, x.stride(0),
+        int(bias is not None))
+    return out

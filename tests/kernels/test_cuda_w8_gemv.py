@@ -1,0 +1,192 @@
+"""The tensor-core W8A16 GEMV (kernels/csrc/w8a16_gemv_mma.cu): it compiles to PTX/cubin for sm_90 and sm_80 here
+(nvcc, no GPU), its plan and input checks hold on CPU, and on the GPU it matches the fp32 reference on the dequantized
+weight (exact q in fp16, fp32 tensor-core sums, one fp32 scale, one fp16 rounding) and the torch op routes small fp16
+M to it."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.csrc import w8a16_gemv_mma as mma8
+from kernels.gemm_w8a16 import w8a16_reference
+from kernels.quant import dequantize, quantize_int8
+from tests.helpers import assert_gemm_close, poisoned
+
+# warps, vec, u, l2_128: each vec, the largest block the shared reduction allows, u = 1..4, the L2 hint on and off.
+VARIANTS = [(8, 16, 1, False), (16, 8, 2, True), (16, 4, 4, False), (1, 4, 1, True), (4, 16, 2, False)]
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH")
+
+
+def _cuobjdump():
+    try:
+        import triton
+
+        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    except ImportError:
+        return None
+    return str(p) if p.exists() else shutil.which("cuobjdump")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("sm", [90, 80])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_w8_gemv_compiles_to_ptx_and_cubin(variant, sm, tmp_path):
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import compile_cuda, entry_params
+
+    art = compile_cuda(mma8.SOURCE, mma8.KERNEL, mma8.PARAMS, sm=sm, threads=32 * variant[0],
+                       cache=AotCache(tmp_path), extra_flags=mma8.variant_flags(*variant))
+    assert f".target sm_{sm}" in art.ptx
+    assert len(entry_params(art.ptx, mma8.KERNEL)) == len(mma8.PARAMS)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in art.ptx
+    assert "lop3.b32" in art.ptx and "prmt.b32" in art.ptx and "sub.f16x2" in art.ptx
+    width = {16: ".v4.u32", 8: ".v2.u32", 4: ".u32"}[variant[1]]
+    assert f"ld.global.nc{'.L2::128B' if variant[3] else ''}{width}" in art.ptx  # the vec-byte weight loads
+    assert ".local" not in art.ptx  # no stack arrays (fragments stay in registers)
+    assert art.cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize("variant", VARIANTS[:3])
+def test_w8_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(variant, tmp_path):
+    """What the speed rests on, read from the sm_90 SASS: vec-byte weight loads, HMMA, no spills, and the
+    dequantisation budget of one PRMT + one LOP3 + one HADD2 per two weights (plus a few for addressing)."""
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import compile_cuda
+
+    warps, vec, u, _ = variant
+    art = compile_cuda(mma8.SOURCE, mma8.KERNEL, mma8.PARAMS, sm=90, threads=32 * warps, cache=AotCache(tmp_path),
+                       extra_flags=mma8.variant_flags(*variant))
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(art.cubin)
+    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = [ln.split()[1].split(".")[0] for ln in sass.splitlines() if ln.strip().startswith("/*") and "*/" in ln
+           and len(ln.split()) > 1]
+    load = {16: "LDG.E.128", 8: "LDG.E.64", 4: "LDG.E.CONSTANT"}[vec]  # x itself is one LDG.E.64
+    assert load in sass and "HMMA.16816.F32" in sass
+    assert "LDL" not in sass and "STL" not in sass
+    # The loop body appears twice (two register buffers): 2 * u steps * (4 rows * vec weights / 2) pairs per lane.
+    pairs = 2 * u * 2 * vec
+    assert ops.count("PRMT") == pairs
+    assert ops.count("HMMA") == 2 * u * vec // 2
+
+
+def test_w8_gemv_plan_and_support():
+    f16 = torch.float16
+    assert mma8.unsupported_reason(1, 4096, 4096, f16) is None
+    assert mma8.unsupported_reason(8, 36, 64, f16) is None  # N a multiple of 4 only
+    assert "fp16 only" in mma8.unsupported_reason(1, 4096, 4096, torch.bfloat16)
+    assert "outside" in mma8.unsupported_reason(9, 4096, 4096, f16)
+    assert "outside" in mma8.unsupported_reason(0, 4096, 4096, f16)
+    assert "multiple of 4" in mma8.unsupported_reason(1, 4098, 4096, f16)
+    assert "multiple of 16" in mma8.unsupported_reason(1, 4104, 4096, f16, vec=16)
+    assert "multiple of 64" in mma8.unsupported_reason(1, 4096, 4000, f16)
+    assert "multiple of 128" in mma8.unsupported_reason(1, 4096, 4160, f16, vec=16, u=8)
+    assert "vec=2" in mma8.unsupported_reason(1, 4096, 4096, f16, vec=2)
+    # Longest runs that still give 132 SMs a block each: gate_up 16 B per lane; qkv, o, down, 8k 4 B.
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]
+    assert [mma8.gemv_plan(1, N, K)["vec"] for N, K in shapes] == [4, 4, 16, 4, 4]
+    assert [mma8.gemv_plan(1, N, K)["warps"] for N, K in shapes] == [8, 16, 8, 16, 8]
+    for M, N, K in [(1, 4096, 4096), (3, 28672, 4096), (8, 36, 64), (1, 4104, 14336), (5, 1000, 192)]:
+        p = mma8.gemv_plan(M, N, K)
+        cols = 8 * p["vec"]
+        assert p["grid"][0] * cols >= N > (p["grid"][0] - 1) * cols
+        assert N % p["vec"] == 0 and K % (16 * p["u"]) == 0
+        assert 1 <= p["warps"] <= K // (16 * p["u"])  # no warp without a chunk of K
+        assert p["warps"] * 8 * p["vec"] <= 1024  # the shared-memory reduction's bound (static_assert in the .cu)
+        assert 4 * p["vec"] * p["u"] == mma8.BYTES_PER_BUFFER
+
+
+def test_w8_gemv_rejects_unsupported_input():
+    q = quantize_int8(torch.randn(32, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp16 only"):
+        mma8.w8a16_gemv_mma(torch.randn(1, 128, dtype=torch.bfloat16), q.qweight, q.scales)
+    q = quantize_int8(torch.randn(32, 96, dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mma8.w8a16_gemv_mma(torch.randn(1, 96, dtype=torch.float16), q.qweight, q.scales)
+    q = quantize_int8(torch.randn(32, 128, dtype=torch.float16))
+    x = torch.randn(1, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="x has K=64"):
+        mma8.w8a16_gemv_mma(x[:, :64], q.qweight, q.scales)
+    with pytest.raises(ValueError, match="outside 1..8"):
+        mma8.w8a16_gemv_mma(torch.randn(9, 128, dtype=torch.float16), q.qweight, q.scales)
+    with pytest.raises(ValueError, match="warps=32"):
+        mma8.w8a16_gemv_mma(x, q.qweight, q.scales, warps=32)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        mma8.w8a16_gemv_mma(x, q.qweight, q.scales)
+
+
+# ------------------------------------------------------------------------------------------------------- GPU tier
+def _case(M, N, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).half()
+    x = torch.randn(M, K, generator=g).half().cuda()
+    q = quantize_int8(w).to("cuda")
+    bias = torch.randn(N, generator=g).half().cuda()
+    return x, q, bias
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 7, 8])
+@pytest.mark.parametrize("N,K", [(6144, 448), (4096, 256), (28672, 320), (4096, 1792), (8192, 1024),
+                                 (36, 64), (1000, 192), (4104, 4096)])
+def test_w8_gemv_matches_reference(M, N, K):
+    """The five Llama-3-8B / 8k output widths at small K, plus N = 36 (one partial block), N = 1000 and 4104
+    (multiples of 4 and 8, not of 32: partial blocks and lanes past N)."""
+    x, q, bias = _case(M, N, K, M * 13 + N + K)
+    ref = w8a16_reference(x, q.qweight, q.scales, bias)
+    base = x @ dequantize(q).t() + bias  # cuBLAS on the fp16-rounded weight: the error the dtype itself forces
+    plan = mma8.gemv_plan(M, N, K)
+    variants = [{}, dict(l2_128=True), dict(warps=max(1, plan["warps"] // 2)), dict(warps=1, u=1)]
+    variants += [dict(vec=v) for v in mma8.VECS if v != plan["vec"] and N % v == 0]
+    variants += [dict(vec=4, u=2), dict(vec=8, u=4)] if N % 8 == 0 and K % 64 == 0 else []
+    for ov in variants:
+        out = poisoned((M, N), torch.float16, "cuda")
+        y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias, out=out, **ov)
+        assert y is out
+        # Exact q in fp16, fp32 tensor-core sums, one fp32 scale per column, one fp16 rounding: at most twice
+        # cuBLAS's error on the fp16-rounded weight plus half an ulp of the largest output (assert_gemm_close).
+        assert_gemm_close(y, ref, base)
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, ov
+    # x rows with a stride > K (a slice of a wider buffer), no bias.
+    xw = torch.zeros(M, K + 12, dtype=torch.float16, device="cuda")
+    xw[:, :K] = x
+    y = mma8.w8a16_gemv_mma(xw[:, :K], q.qweight, q.scales)
+    assert_gemm_close(y, w8a16_reference(x, q.qweight, q.scales), x @ dequantize(q).t())
+
+
+@pytest.mark.gpu
+def test_w8_gemv_extreme_codes_and_deterministic():
+    """q = -127, 0, 127 in every column (the ends of the magic-number range) and a repeat call bit-identical."""
+    x, q, _ = _case(8, 264, 512, 5)
+    q.qweight[:3] = torch.tensor([-127, 0, 127], dtype=torch.int8, device="cuda")[:, None]
+    ref = w8a16_reference(x, q.qweight, q.scales)
+    y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales)
+    assert_gemm_close(y, ref, x @ dequantize(q).t())
+    assert torch.equal(y, mma8.w8a16_gemv_mma(x, q.qweight, q.scales))  # fixed-order reduction
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 8, 9])
+def test_op_routes_small_fp16_w8_to_gemv_and_agrees_with_triton(M):
+    import kernels.ops  # noqa: F401
+    from kernels.gemm_w8a16 import w8a16_gemm
+    from kernels.ops import gemm as ops_gemm
+
+    x, q, bias = _case(M, 2048, 4096, 100 + M)
+    y_op = torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, None)
+    y_tr = w8a16_gemm(x, q.qweight, q.scales, bias)
+    if M <= ops_gemm.CUDA_W8_GEMV_MAX_M:
+        assert torch.equal(y_op, mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias))  # routed to the GEMV
+    else:
+        assert torch.equal(y_op, y_tr)
+    ref = w8a16_reference(x, q.qweight, q.scales, bias)
+    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())  # two independent roundings: one ulp apart at most
+    assert float((y_op.float() - y_tr.float()).abs().max()) <= tol
+    # With a residual the op keeps the Triton kernel (the GEMV has no residual input).
+    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
+    assert torch.equal(torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, r),
+                       w8a16_gemm(x, q.qweight, q.scales, bias, r))
