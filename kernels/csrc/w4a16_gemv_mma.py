@@ -59,12 +59,11 @@ def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
     return min(65536 // (regs * 32 * warps), 2048 // (32 * warps), 32)
 
 
-def _mt_for(M: int) -> int:
-    """x tiles per block for M > 8: the fewest power-of-two tiles covering M, at most MT_MAX."""
-    mt = 1
-    while mt < MT_MAX and 8 * mt < M:
-        mt *= 2
-    return mt
+# x tiles per block for M > 8. H200 (benchmarks/results/bench_gemm_mma_tiled_h200.md, five Llama shapes): at M=16
+# mt=2 gives 1.60-2.06x over cuBLAS; at M=64 and 128 mt=2 was the best or within ~15% of the best of mt 2/4/8 on
+# every shape, while mt=8 (the most reuse of each dequantized weight) was 1.7-4x slower: 194 registers leave few
+# warps per SM, and x comes through L1 once per tile per warp. So 2, whatever M.
+MT_DEFAULT = 2
 
 
 def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
@@ -75,7 +74,7 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     warps, 1 block/SM), half the warps 17-54% longer at o/down; at M=1 this rule picks the best measured of 2-3
     choices on all five shapes."""
     if mt is None:
-        mt = 1 if M <= MAX_M else _mt_for(M)
+        mt = 1 if M <= MAX_M else MT_DEFAULT
     if wscale is None:
         wscale = mt >= 4  # per-group fp32 partial sums for 4+ tiles would double the accumulator registers
     rows = MAX_M * mt

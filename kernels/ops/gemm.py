@@ -2,7 +2,7 @@
 ``kernels/ops/__init__.py``; weights come from ``kernels.quant`` (use ``kernels.quant.linear`` rather than these).
 
 CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations (no
-residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA GEMV (``kernels.csrc.w4a16_gemv_mma``), else for
+residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA kernel (``kernels.csrc.w4a16_gemv_mma``), else for
 M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster; for W8A16
 with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
 (``kernels.csrc.w8a16_gemv_mma``).
@@ -21,10 +21,12 @@ from torch import Tensor
 # bench_gemm_*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton tensor-core
 # path wins (0.9-1.1x vs 0.6-0.85x), so only M=1 goes to CUDA.
 CUDA_GEMV_MAX_M = 1
-# M up to which fp16 W4A16 goes to the tensor-core GEMV first (0 disables it; shapes it does not take fall through
+# M up to which fp16 W4A16 goes to the tensor-core kernel first (0 disables it; shapes it does not take fall through
 # to the scalar GEMV / Triton). H200 run 2 (bench_gemm_gemv_h200_run2.md), speed-up over cuBLAS on the five Llama
-# shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x). M > 8 not measured.
-CUDA_GEMV_MMA_MAX_M = 8
+# shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x); tiled in M
+# (bench_gemm_mma_tiled_h200.md): M=16 1.60-2.06x (Triton 0.94-1.07x); at M=64 it is within +-20% of Triton, either
+# side depending on the shape, and at 128 both are 0.45-0.6x, so M > 16 stays on Triton.
+CUDA_GEMV_MMA_MAX_M = 16
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). Written for issue 4's M = 1 target (Triton: 1.39-1.73x cuBLAS
 # on H200); not yet measured on a GPU: set from the first bench_gemm run (BENCH_GEMM_KERNELS=gemv8).

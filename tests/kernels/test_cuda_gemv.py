@@ -67,7 +67,7 @@ def test_gemv_matches_reference(M, N, K, group_size, symmetric):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("M", [1, 4, 8, 16])
 def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M):
     import kernels.ops  # noqa: F401
     from kernels.gemm_w4a16 import w4a16_gemm
@@ -159,12 +159,14 @@ def test_mma_gemv_plan_and_support():
         assert 1 <= p["warps"] <= K // (32 * p["u"])  # no warp without a chunk of K
         assert p["u"] % p["gsteps"] == 0 and p["mmax"] >= M and p["mmax"] in (1, 8) and p["chains"] in (1, 2)
         assert p["gsteps"] * 32 <= g  # a scale run never leaves its group
-    # M > 8: the fewest power-of-two x tiles covering M (at most 8 = 64 rows), row tiles x column slices in the grid,
-    # fp16-scaled weights from 4 tiles on (register budget), the cross-warp sum within 32 KiB of shared memory.
+    # M > 8: tiles of 16 rows (the measured default), row tiles x column slices in the grid, fp16-scaled weights
+    # from 4 tiles on (register budget), the cross-warp sum within 32 KiB of shared memory.
     for M, N, K in [(9, 4096, 4096), (16, 6144, 4096), (33, 28672, 4096), (64, 4096, 14336), (128, 8192, 8192),
                     (300, 100, 128)]:
         p = mma.gemv_plan(M, N, K, 128)
-        assert 8 * p["mt"] >= min(M, 64) and (p["mt"] == 1 or 8 * p["mt"] < 2 * M)
+        assert p["mt"] == mma.MT_DEFAULT == 2
+        q = mma.gemv_plan(M, N, K, 128, mt=8)
+        assert q["wscale"] and q["warps"] * 8 <= 32 and q["grid"][0] == -(-N // 32) * -(-M // 64)
         assert p["grid"][0] == -(-N // 32) * -(-M // (8 * p["mt"]))
         assert p["wscale"] == (p["mt"] >= 4) and p["warps"] * p["mt"] <= 32 and p["chains"] == 1
         assert 1 <= p["warps"] <= K // (32 * p["u"])
