@@ -57,10 +57,10 @@ def compile_variant(gemv_m: int, tn: int, sm: int = 90, prefetch: bool = PREFETC
 
 
 def _kernel(gemv_m: int, tn: int, prefetch: bool):
+    from kernels._utils import device_sm
     from kernels.aot.launcher import AotKernel
 
-    major, minor = torch.cuda.get_device_capability()
-    key = (10 * major + minor, gemv_m, tn, prefetch)
+    key = (device_sm(), gemv_m, tn, prefetch)
     k = _KERNELS.get(key)
     if k is None:
         k = _KERNELS[key] = AotKernel(compile_variant(gemv_m, tn, sm=key[0], prefetch=prefetch))

@@ -112,10 +112,10 @@ def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CH
 
 
 def _kernel(*variant):
+    from kernels._utils import device_sm
     from kernels.aot.launcher import AotKernel
 
-    major, minor = torch.cuda.get_device_capability()
-    key = (10 * major + minor, *variant)
+    key = (device_sm(), *variant)
     k = _KERNELS.get(key)
     if k is None:
         k = _KERNELS[key] = AotKernel(compile_variant(*variant, sm=key[0]))
