@@ -1,9 +1,10 @@
-"""Run the plugin ONNX flavour on CPU: ``onnx.reference.ReferenceEvaluator`` for the standard ops, our torch
-references for the ``tritrt`` plugin nodes; and the same as a Polygraphy runner.
+"""Run the plugin ONNX flavour without TensorRT: ``onnx.reference.ReferenceEvaluator`` for the standard ops, our
+torch references for the ``tritrt`` plugin nodes; and the same as a Polygraphy runner.
 
 Each plugin op becomes an ``OpRun`` class (domain ``tritrt``) that calls ``trt_plugins.reference.run_reference``
 (the spec's fp32-upcast torch reference, the same math the kernel tests judge against). Nothing here re-implements an
-op.
+op. The plugin nodes and ``MatMul`` (the lm_head: too slow in numpy's float16 loop) run through torch on ``device``
+("cpu" or "cuda": the same math, tensors moved per call); the other standard ops are numpy on the host.
 
 ``PluginReferenceRunner`` wraps the evaluator as a ``polygraphy.backend.base.BaseRunner`` so Polygraphy's
 ``Comparator`` can put it next to ``OnnxrtRunner`` (the reference flavour) and ``TrtRunner`` (the engine).
@@ -21,51 +22,72 @@ from .onnx_graph import PLUGIN_DOMAIN
 from .onnx_ops import TRT_PARSER_ATTRS
 
 
-def run_plugin_op(op_type: str, inputs: list, attrs: dict) -> list:
-    """Outputs of one plugin node on CPU: the spec's fp32-upcast torch reference (``trt_plugins.reference``)."""
+def run_plugin_op(op_type: str, inputs: list, attrs: dict, device="cpu") -> list:
+    """Outputs of one plugin node: the spec's fp32-upcast torch reference (``trt_plugins.reference``) on ``device``.
+
+    fp32 graphs (the tiny test models) are a reference-only check: the kernels take fp16/bf16, so the spec refuses
+    fp32; the float-width check is waived here (``allow_fp32``), every other check applies (an engine build still
+    refuses fp32).
+    """
     from trt_plugins.reference import run_reference
-    from trt_plugins.specs import SPECS
 
-    try:
-        return run_reference(op_type, list(inputs), attrs)
-    except TypeError:
-        if not any(np.asarray(a).dtype == np.float32 for a in inputs if a is not None):
-            raise
-        # fp32 graphs (the tiny test models) are a CPU-only check: the kernels take fp16/bf16, so the spec refuses
-        # fp32; run the spec's own reference with that dtype check waived (an engine build still refuses them)
-        return _spec_reference(SPECS[op_type], list(inputs), attrs)
+    return run_reference(op_type, list(inputs), attrs, allow_fp32=True, device=device)
 
 
-def _spec_reference(spec, inputs: list, attrs: dict) -> list:
-    """The spec's reference on fp32 inputs where the spec takes only half dtypes; every other check still applies
-    (ranks, shapes, integer dtypes, attributes), so only the float width is waived."""
+def matmul(a, b, device="cpu"):
+    """ONNX ``MatMul`` of float16/float32 arrays through torch on ``device``, as numpy's: fp32 accumulation, one
+    rounding to the inputs' dtype.
+
+    ReferenceEvaluator's MatMul is ``np.matmul``, which has no BLAS for float16 (the Llama-3-8B lm_head,
+    [T, 4096] @ [4096, 128256], took ~10 s a call there); numpy's float16 loop accumulates in fp32 and rounds once,
+    which is what this computes (fp32 upcast, fp32 matmul, one cast). Other dtypes go to numpy.
+    """
     import torch
-    from trt_plugins.specs import dtype_name
 
-    tensors = [torch.from_numpy(np.ascontiguousarray(a).copy()) for a in inputs]
-    full = spec.full_attrs(attrs)
-    shapes, dtypes = {}, {}
-    for t_spec, t in zip(spec.input_specs, tensors):
-        shapes[t_spec.name] = tuple(t.shape)
-        name = dtype_name(t.dtype)
-        dtypes[t_spec.name] = "fp16" if name == "fp32" and "fp32" not in t_spec.dtypes else name
-    spec.check_inputs(shapes, dtypes, full)
-    outs = spec.reference(tensors, full)  # fresh copies: aliased cache inputs may be written
-    return [o.detach().cpu().numpy() for o in outs]
+    from trt_plugins.reference import to_torch
+
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.dtype not in (np.float16, np.float32):
+        return np.matmul(a, b)
+    ta, tb = to_torch(a, device), to_torch(b, device)
+    with fp32_matmul():
+        out = torch.matmul(ta.float(), tb.float())
+    return out.to(ta.dtype).cpu().numpy()
 
 
-def plugin_op_classes(model: onnx.ModelProto) -> list[type]:
-    """One ``OpRun`` subclass per plugin op type used in ``model`` (ReferenceEvaluator's ``new_ops``)."""
+class fp32_matmul:
+    """Full fp32 matmuls inside (no TF32 on the GPU: that would round the inputs to 10 mantissa bits)."""
+
+    def __enter__(self):
+        import torch
+
+        self._prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.set_float32_matmul_precision(self._prev)
+
+
+def plugin_op_classes(model: onnx.ModelProto, device="cpu") -> list[type]:
+    """``OpRun`` subclasses (ReferenceEvaluator's ``new_ops``): one per plugin op type used in ``model``, and
+    ``MatMul`` through torch (``matmul``); all run on ``device``."""
     from onnx.reference.op_run import OpRun
 
     def _run(self, *inputs, **attrs):
         # only the node's own attributes: OpRun may add defaults of a same-named op from another schema
         own = {a.name for a in self.onnx_node.attribute} - set(TRT_PARSER_ATTRS)
         attrs = {k: v for k, v in attrs.items() if k in own and v is not None}
-        return tuple(run_plugin_op(self.op_type, list(inputs), attrs))
+        return tuple(run_plugin_op(self.op_type, list(inputs), attrs, device=device))
+
+    def _run_matmul(self, a, b):
+        return (matmul(a, b, device=device),)
 
     types = sorted({n.op_type for n in model.graph.node if n.domain == PLUGIN_DOMAIN})
-    return [type(op_type, (OpRun,), {"op_domain": PLUGIN_DOMAIN, "_run": _run}) for op_type in types]
+    classes = [type(op_type, (OpRun,), {"op_domain": PLUGIN_DOMAIN, "_run": _run, "__module__": __name__})
+               for op_type in types]
+    return classes + [type("MatMul", (OpRun,), {"op_domain": "", "_run": _run_matmul, "__module__": __name__})]
 
 
 def load_model(path_or_model) -> onnx.ModelProto:
@@ -74,12 +96,21 @@ def load_model(path_or_model) -> onnx.ModelProto:
     return onnx.load(str(path_or_model))  # also loads the external weights beside it
 
 
-def make_evaluator(path_or_model):
-    """A ``ReferenceEvaluator`` that runs every node of the plugin (or reference) flavour on CPU."""
+def make_evaluator(path_or_model, device="cpu"):
+    """A ``ReferenceEvaluator`` that runs every node of the plugin (or reference) flavour: the standard ops in numpy
+    on the host, the plugin nodes and MatMul through torch on ``device``."""
     from onnx.reference import ReferenceEvaluator
 
     model = load_model(path_or_model)
-    return ReferenceEvaluator(model, new_ops=plugin_op_classes(model))
+    return ReferenceEvaluator(model, new_ops=plugin_op_classes(model, device))
+
+
+def release_gpu_cache(device):
+    """Hand the torch allocator's cached GPU blocks back, so that the next runner (the fp32 HF model) has them."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _make_runner_class():
@@ -88,13 +119,14 @@ def _make_runner_class():
     class PluginReferenceRunner(BaseRunner):
         """Polygraphy runner: the plugin-flavour ONNX on CPU (ReferenceEvaluator + plugin reference ops)."""
 
-        def __init__(self, path_or_model, name=None):
+        def __init__(self, path_or_model, name=None, device="cpu"):
             super().__init__(name=name, prefix="tritrt-plugin-ref-runner")
             self._source = path_or_model
+            self.device = device
 
         def activate_impl(self):
             self.model = load_model(self._source)
-            self.evaluator = make_evaluator(self.model)
+            self.evaluator = make_evaluator(self.model, self.device)
             self.output_names = [o.name for o in self.model.graph.output]
 
         def get_input_metadata_impl(self):
@@ -117,6 +149,7 @@ def _make_runner_class():
 
         def deactivate_impl(self):
             del self.evaluator, self.model
+            release_gpu_cache(self.device)
 
     return PluginReferenceRunner
 

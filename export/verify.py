@@ -4,11 +4,15 @@ Runners, all fed the same inputs (a prefill of two sequences of different length
 step and a chunked-prefill step, each on the caches the step before wrote):
 
 - ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime);
-- ``plugin-ref``: ``model.plugin.onnx`` on CPU, plugin nodes through their torch references
-  (``export.onnx_reference_runner``);
-- ``hf``: ``transformers``' own LlamaForCausalLM rebuilt from OUT's ``config.json`` and ``weights.safetensors``
-  (quantized weights dequantized, so quantization error is not counted), run on each sequence's full tokens;
+- ``plugin-ref``: ``model.plugin.onnx`` through ``onnx.reference``, plugin nodes (and MatMul) through their torch
+  references (``export.onnx_reference_runner``) on ``--device``;
+- ``hf``: ``transformers``' own LlamaForCausalLM (fp32) rebuilt from OUT's ``config.json`` and
+  ``weights.safetensors`` (quantized weights dequantized, so quantization error is not counted) on ``--device``, run
+  on each sequence's full tokens;
 - ``trt``: the engine (``model.engine``) through Polygraphy's ``TrtRunner``, only where TensorRT is importable.
+
+``--device`` (auto: cuda when torch sees a GPU) moves only the torch parts, same math: a Llama-3-8B-shaped build
+needs the GPU for them to finish in minutes. ONNX Runtime always runs on the host CPU (all cores).
 
 Every runner is compared with ``onnxrt`` on the outputs both have (logits; the updated caches too between the ONNX
 flavours and the engine). Polygraphy prints its report; the summary table at the end gives the max error per
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,17 +75,36 @@ def load_out(out) -> dict:
     return {"out": out, "build": build, "config": config, "block_size": int(build.get("block_size", 16))}
 
 
-def ort_session(path):
-    """ONNX Runtime (CPU) on the reference flavour, with its QDQ fusions off.
+def resolve_device(device: str = "auto") -> str:
+    """``"cpu"`` or ``"cuda"`` for ``--device {auto,cpu,cuda}`` (auto: cuda when torch sees a GPU)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise VerifyError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise VerifyError("--device cuda, but torch sees no CUDA GPU; run with --device cpu (or auto)")
+    return device
+
+
+def host_threads() -> int:
+    """CPU cores this process may use (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def ort_session(path, threads: int | None = None):
+    """ONNX Runtime (CPU) on the reference flavour, with its QDQ fusions off, on ``threads`` cores (default: all).
 
     By default ORT turns ``DequantizeLinear`` + ``MatMul`` into an integer MatMul that also quantizes the activations
     to 8 bits (observed: ~3e-3 logit error on the tiny int8 model, 0 with the fusion off). The reference flavour means
-    weight-only quantization, so it must run as written.
+    weight-only quantization, so it must run as written. (ORT still constant-folds ``DequantizeLinear`` of the
+    weight initializers into fp32 weights at session creation, single-threaded: the same values, but most of the
+    session's creation time and host memory on an 8B model.)
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.add_session_config_entry("session.disable_quant_qdq", "1")
+    options.intra_op_num_threads = threads or host_threads()
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -136,46 +161,76 @@ def _batch_feed(b) -> dict:
 
 # --- the Hugging Face model -------------------------------------------------------------------------------------------
 def hf_state_dict(weights: dict, config) -> dict:
-    """HF tensor names from our internal weights, dequantized, as contiguous fp32 copies."""
-    from .quantize import dequantize_state_dict
+    """HF tensor names from our internal weights, dequantized, as contiguous fp32 tensors (on the weights' device).
+
+    A quantized weight is dequantized in the build dtype (what the quantized model computes) and upcast; one weight at
+    a time, so that the peak is the fp32 model plus one half-precision weight, not a half copy of every weight too.
+    """
+    from kernels.quant import dequantize
+
     from .runtime.hf_baseline import hf_state_dict as hf_views
 
-    return {k: v.float().contiguous() for k, v in hf_views(dequantize_state_dict(weights), config).items()}
+    fp32, seen = {}, {}
+    for name, w in weights.items():
+        if id(w) not in seen:  # tied embeddings: lm_head is the embed tensor itself, one fp32 copy
+            seen[id(w)] = (w if isinstance(w, torch.Tensor) else dequantize(w)).float()
+        fp32[name] = seen[id(w)]
+    return {k: v.contiguous() for k, v in hf_views(fp32, config).items()}
 
 
-def load_hf_model(out: Path, config):
-    """transformers' LlamaForCausalLM (fp32) from OUT's config.json and weights.safetensors."""
+def load_hf_model(out: Path, config, device: str = "cpu"):
+    """transformers' LlamaForCausalLM (fp32) on ``device`` from OUT's config.json and weights.safetensors.
+
+    The model is made on the meta device and given our fp32 tensors (``assign``): no random initialisation, and on
+    cuda the weights are read straight to the GPU and dequantized there, never as an fp32 copy in host memory.
+    """
     import transformers
 
     from .quantize import load_weights
 
     hf_config = transformers.AutoConfig.from_pretrained(str(out))
-    # fp32 whatever the build dtype; no dtype keyword (renamed between transformers 4 and 5)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).to(torch.float32).eval()
-    sd = hf_state_dict(load_weights(out / "weights.safetensors"), config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    sd = hf_state_dict(load_weights(out / "weights.safetensors", device=device), config)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    del sd
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise VerifyError(f"weights.safetensors does not fill the HF model: missing {missing[:3]}, unexpected "
                           f"{unexpected[:3]}; rebuild OUT")
-    return model
+    if config.tie_word_embeddings:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    # Buffers computed at construction (RoPE's inverse frequencies, fp32 in HF) were made on meta: make them again.
+    rotary = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=hf_config)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise VerifyError(f"the HF model has tensors that weights.safetensors does not give: {left[:3]}; rebuild OUT")
+    return model.to(torch.float32).eval()  # a no-op on the fp32 weights; any other float buffer to fp32 as before
 
 
-def _make_hf_runner(model, sequences):
+def _make_hf_runner(out, config, sequences, device: str = "cpu", log=print):
     from collections import OrderedDict
 
     from polygraphy.backend.base import BaseRunner
 
+    from .onnx_reference_runner import fp32_matmul, release_gpu_cache
+
     class HfRunner(BaseRunner):
-        """The HF model on each sequence's full tokens; one entry of ``sequences`` per feed, in order."""
+        """The HF model on each sequence's full tokens; one entry of ``sequences`` per feed, in order. The fp32 model
+        exists only while this runner is active (the other runners do not hold it in memory)."""
 
         def __init__(self):
             super().__init__(name="hf", prefix="hf-runner")
 
         def activate_impl(self):
             self._step = 0
+            start = time.perf_counter()
+            self.model = load_hf_model(out, config, device)
+            log(f"export.verify: fp32 HF model loaded on {device} in {time.perf_counter() - start:.1f} s")
 
         def get_input_metadata_impl(self):
             from polygraphy.common import TensorMetadata
@@ -185,13 +240,17 @@ def _make_hf_runner(model, sequences):
         def infer_impl(self, feed_dict):
             seqs = sequences[self._step]
             self._step += 1
-            with torch.no_grad():
-                logits = [model(torch.as_tensor(s, dtype=torch.long)[None]).logits[0, -1] for s in seqs]
-            self.inference_time = 0.0
-            return OrderedDict(logits=torch.stack(logits).float().numpy())
+            start = time.perf_counter()
+            with torch.no_grad(), fp32_matmul():
+                logits = [self.model(torch.as_tensor(s, dtype=torch.long, device=device)[None]).logits[0, -1]
+                          for s in seqs]
+                logits = torch.stack(logits).float().cpu().numpy()
+            self.inference_time = time.perf_counter() - start
+            return OrderedDict(logits=logits)
 
         def deactivate_impl(self):
-            pass
+            del self.model
+            release_gpu_cache(device)
 
     return HfRunner()
 
@@ -218,16 +277,25 @@ def _trt_runner(out: Path):
     return TrtRunner(EngineFromBytes((out / "model.engine").read_bytes()), name="trt"), None
 
 
-def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print) -> bool:
-    """Run every comparison on OUT; returns True when all match. Raises ``VerifyError`` for an unusable OUT."""
+def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device: str = "auto") -> bool:
+    """Run every comparison on OUT; returns True when all match. Raises ``VerifyError`` for an unusable OUT.
+
+    ``device`` (auto, cpu, cuda): where the torch parts run (plugin references, MatMul, the fp32 HF model); ONNX
+    Runtime runs on the host CPU whatever it is.
+    """
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator, CompareFunc
 
     from .onnx_reference_runner import PluginReferenceRunner
 
+    device = resolve_device(device)
     info = load_out(out)
     out, config, build = info["out"], info["config"], info["build"]
     atol, rtol = _tolerances(build, atol, rtol)
+    log(f"export.verify: torch references and the HF model on {device}"
+        f"{' (' + torch.cuda.get_device_name() + ')' if device == 'cuda' else ''}; ONNX Runtime on the CPU, "
+        f"{host_threads()} threads")
+    start = time.perf_counter()
     try:
         sess = ort_session(out / "model.reference.onnx")
     except Exception as e:  # ORT raises its own exception types for unreadable/invalid models
@@ -241,17 +309,22 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print) -> boo
     def prefill_runner(feed):
         return dict(zip(names, sess.run(None, feed)))
 
+    log(f"export.verify: ONNX Runtime session created in {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
     feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
                                   prefill_runner=prefill_runner)
+    log(f"export.verify: {len(feeds)} feeds made in {time.perf_counter() - start:.1f} s")
     runners = [OnnxrtRunner(sess, name="onnxrt"),
-               PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref"),
-               _make_hf_runner(load_hf_model(out, config), sequences)]
+               PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref", device=device),
+               _make_hf_runner(out, config, sequences, device, log)]
     trt, why = _trt_runner(out)
     if trt is None:
         log(why)
     else:
         runners.append(trt)
+    start = time.perf_counter()
     results = Comparator.run(runners, data_loader=feeds)
+    log(f"export.verify: runners ran in {time.perf_counter() - start:.1f} s")
     try:  # Polygraphy >= 0.53 spells it as a class; CompareFunc.simple is deprecated there
         from polygraphy.comparator.compare import SimpleCompareFunc
     except ImportError:
@@ -326,9 +399,12 @@ def main(argv=None) -> int:
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: 1e-5 fp32, 1e-2 fp16)")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-4 fp32, 1e-2 fp16)")
     p.add_argument("--no-decode", action="store_true", help="compare the prefill feed only (no decode/chunk steps)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the torch references and the fp32 HF model run (default auto: cuda if available); "
+                        "ONNX Runtime always runs on the CPU")
     args = p.parse_args(argv)
     try:
-        ok = run_verify(args.out, atol=args.atol, rtol=args.rtol, decode=not args.no_decode)
+        ok = run_verify(args.out, atol=args.atol, rtol=args.rtol, decode=not args.no_decode, device=args.device)
     except VerifyError as e:
         print(f"export.verify: error: {e}", file=sys.stderr)
         return 2

@@ -54,6 +54,7 @@ def test_good_out_passes(built_out, capsys):
     assert _verify(built_out) == 0
     text = capsys.readouterr().out
     assert "export.verify: PASSED" in text
+    assert "torch references and the HF model on cpu" in text  # --device auto on a machine without CUDA
     assert "TensorRT" in text  # the engine comparison says why it was skipped (no TensorRT here) or ran
     # every comparison of the summary table is present: plugin-ref and hf against onnxrt, for both feeds
     for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    2 logits"):
@@ -95,6 +96,50 @@ def test_bad_arguments(out_copy):
     with pytest.raises(SystemExit) as e:
         _verify(out_copy, "--atol", "tight")
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        _verify(out_copy, "--device", "tpu")
+    assert e.value.code == 2
+
+
+def test_cuda_without_a_gpu_says_what_to_do(out_copy, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert _verify(out_copy, "--device", "cuda") == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("shapes", [((7, 123), (123, 257)), ((1, 64), (64, 1)), ((2, 3, 37), (37, 5))])
+def test_matmul_through_torch_is_numpys_matmul(dtype, shapes):
+    """The plugin flavour's MatMul (the lm_head) runs through torch on --device: the same math as numpy's (which
+    accumulates float16 products in fp32 and rounds once); checked here with device="cpu", also as a graph node."""
+    import onnx.helper as oh
+    import torch
+
+    from export.onnx_reference_runner import make_evaluator, matmul
+
+    rng = np.random.default_rng(len(shapes[0]) + shapes[0][-1])
+    a = rng.standard_normal(shapes[0]).astype(dtype)
+    b = rng.standard_normal(shapes[1]).astype(dtype)
+    want = np.matmul(a, b)
+    got = matmul(a, b, device="cpu")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Both are fp32 sums of the same products rounded once to the output dtype, in different orders: at most one
+    # rounding step of the output dtype apart (rtol = its eps), plus fp32 order error on near-zero sums (K * 2^-24
+    # * the products' size ~ 1e-5 here).
+    tol = dict(rtol=float(np.finfo(dtype).eps), atol=1e-5 * shapes[0][-1] ** 0.5)
+    torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), **tol)
+    np.testing.assert_array_equal(matmul(a.astype(np.int64), b.astype(np.int64)), a.astype(np.int64) @ b.astype(np.int64))
+
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = oh.make_graph([oh.make_node("MatMul", ["a", "b"], ["y"])], "mm",
+                          [oh.make_tensor_value_info("a", elem, None), oh.make_tensor_value_info("b", elem, None)],
+                          [oh.make_tensor_value_info("y", elem, None)])
+    ev = make_evaluator(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), device="cpu")
+    assert type(ev.rt_nodes_[0]).__module__ == "export.onnx_reference_runner"  # ours, not onnx's numpy MatMul
+    np.testing.assert_array_equal(ev.run(None, {"a": a, "b": b})[0], got)
 
 
 def test_feeds_have_the_documented_layout(built_out):
@@ -146,6 +191,14 @@ def built_half_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("verify_half") / "out"
     assert build_main(["--quant", "int8", "--dtype", "float16", "--out", str(out), "--no-engine"]) == 0
     return out
+
+
+@pytest.mark.gpu
+def test_half_build_verifies_on_cuda(built_half_out, capsys):
+    """--device cuda: the torch references, the lm_head MatMul and the fp32 HF model on the GPU pass the same rule."""
+    assert _verify(built_half_out, "--device", "cuda") == 0
+    text = capsys.readouterr().out
+    assert "torch references and the HF model on cuda" in text and "export.verify: PASSED" in text
 
 
 def test_half_build_uses_measured_dtype_error(built_half_out, tmp_path, capsys):

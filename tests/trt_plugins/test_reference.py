@@ -62,3 +62,56 @@ def test_bad_calls_say_what_to_do():
         run_reference("RmsNorm", ins, {"epsilon": 1e-5})
     with pytest.raises(KeyError, match="no plugin spec"):
         run_reference("Nope", ins, {})
+
+
+@pytest.mark.parametrize("op", sorted(SPECS))
+def test_allow_fp32_waives_only_the_float_width(op):
+    """fp32 graphs (the tiny test models): ops whose kernels take only fp16/bf16 refuse fp32 by default and accept it
+    with ``allow_fp32``, giving the fp32 reference itself in fp32 (ops that take fp32 give the same either way); the
+    other checks still reject a malformed node."""
+    ins, attrs = make_case(op, dtype=torch.float32)
+    spec = SPECS[op]
+    refuses = any("fp32" not in s.dtypes and "fp16" in s.dtypes for s in spec.input_specs)
+    outs = run_reference(op, ins, attrs, allow_fp32=True)
+    if refuses:
+        with pytest.raises(TypeError, match="fp32"):
+            run_reference(op, ins, attrs)
+    else:
+        for o, d in zip(outs, run_reference(op, ins, attrs)):
+            torch.testing.assert_close(o, d, atol=0, rtol=0)
+    want = spec.reference([t.clone() for t in ins], spec.full_attrs(attrs))
+    for o, w, name in zip(outs, want, spec.outputs):
+        # the spec's own torch code on the same fp32 inputs: bit-equal, fp32 out (nothing rounds to a half dtype)
+        assert o.dtype == w.dtype and (o.dtype == torch.float32 or not o.dtype.is_floating_point), name
+        torch.testing.assert_close(o, w, atol=0, rtol=0, msg=lambda m: f"{op}.{name}: {m}")
+    bad = [ins[0][None]] + ins[1:]  # first input of the wrong rank
+    with pytest.raises(ValueError, match="rank"):
+        run_reference(op, bad, attrs, allow_fp32=True)
+
+
+def test_allow_fp32_keeps_integer_dtype_checks():
+    ins, attrs = make_case("WriteKvCache", dtype=torch.float32)
+    ins[-1] = ins[-1].long()  # slot_mapping must be int32
+    with pytest.raises(TypeError, match="slot_mapping"):
+        run_reference("WriteKvCache", ins, attrs, allow_fp32=True)
+
+
+@pytest.mark.parametrize("op", ["W4A16Linear", "PagedAttention", "WriteKvCache", "Rope"])
+def test_device_argument(op):
+    """``device`` moves the inputs and runs the same torch code there: with device="cpu" (all this machine can show)
+    the result is bit-equal to the default, numpy in gives numpy out, torch in gives torch on the device; on a GPU
+    the same call is compared within the fp32 summation-order error."""
+    ins, attrs = make_case(op, dtype=torch.float16)
+    base = run_reference(op, ins, attrs)
+    as_np = run_reference(op, [t.numpy() for t in ins], attrs, device="cpu")
+    for b, n in zip(base, as_np):
+        assert isinstance(n, np.ndarray)
+        torch.testing.assert_close(torch.from_numpy(n), b, atol=0, rtol=0)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        outs = run_reference(op, ins, attrs, device=dev)
+        for o, b in zip(outs, base):
+            assert o.device.type == dev
+            # cpu: the identical computation; cuda: fp32 sums in another order, rounded once to fp16: 1 fp16 ulp
+            tol = 0 if dev == "cpu" else torch.finfo(torch.float16).eps
+            torch.testing.assert_close(o.cpu(), b, atol=tol, rtol=tol)
