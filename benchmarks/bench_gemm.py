@@ -179,19 +179,21 @@ def main():
                         sets4, b4, err, label)
             if not gemv_only and mma8.unsupported_reason(M, N, K, x.dtype) is None:
                 # Tensor-core W8A16 GEMV: the plan's variant, then one change at a time (bytes per lane load vec,
-                # warps per block, rows per chunk u, L2 hint).
+                # blocks per cluster splitting K, warps per block, rows per chunk u, L2 hint).
                 p8 = mma8.gemv_plan(M, N, K, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
                 alts = [dict(vec=v) for v in mma8.VECS if v != p8["vec"]] + [
-                    dict(warps=2 * p8["warps"]), dict(warps=p8["warps"] // 2), dict(u=2 * p8["u"]),
-                    dict(l2_128=True)]
+                    dict(ksplit=2 * p8["ksplit"]), dict(ksplit=p8["ksplit"] // 2), dict(warps=2 * p8["warps"]),
+                    dict(warps=p8["warps"] // 2), dict(u=2 * p8["u"]), dict(l2_128=True)]
                 w8_variants = [("default", {})] + [
                     (" ".join(f"{k}={v}" for k, v in o.items()), o) for o in alts
-                    if mma8.unsupported_reason(M, N, K, x.dtype, o.get("vec", p8["vec"]), o.get("u")) is None
+                    if mma8.unsupported_reason(M, N, K, x.dtype, o.get("vec", p8["vec"]), o.get("u", p8["u"]),
+                                               o.get("ksplit", p8["ksplit"])) is None
                     and o.get("warps", 1) in mma8.WARPS
                     and o.get("warps", p8["warps"]) * 8 * o.get("vec", p8["vec"]) <= 1024]
                 for lab, ov in w8_variants:
                     err = rel_err(mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, **ov), ref8)
-                    label = lab if lab != "default" else f"default vec={p8['vec']} warps={p8['warps']} u={p8['u']}"
+                    label = lab if lab != "default" else (f"default vec={p8['vec']} ksplit={p8['ksplit']} "
+                                                          f"warps={p8['warps']} u={p8['u']}")
                     row("w8a16_cuda_gemv_mma", lambda qw, s: mma8.w8a16_gemv_mma(x, qw, s, **ov), sets8, b8, err,
                         label)
             done = [r for r in rows if r["M"] == M and r["shape"] == name]

@@ -23,17 +23,25 @@
 // g * VEC .. g * VEC + VEC - 1 of the block, tile T (0 .. VEC/2 - 1) takes columns 2T, 2T + 1 of them as its rows g,
 // g + 8. A block covers 8 * VEC columns; a warp load instruction reads 4 rows (t) x 8 * VEC contiguous bytes (g).
 //
-// VEC (16, 8 or 4 bytes) trades run length for block count: VEC = 16 reads 128-byte runs but gives N / 128 blocks
-// (32 at N = 4096: too few SMs busy), VEC = 4 gives N / 32 blocks with 32-byte (one sector) runs and 4 x the load
-// instructions. The launcher's plan picks it from N and the SM count.
+// VEC (16, 8 or 4 bytes) trades run length for block count: VEC = 16 reads 128-byte runs but gives only N / 128
+// column blocks (32 at N = 4096: too few SMs busy), VEC = 4 gives N / 32 with 32-byte (one sector) runs and 4 x the
+// load instructions. GEMV_KSPLIT > 1 (sm_90) keeps the long runs and splits K over a thread-block cluster of KSPLIT
+// blocks (grid y) instead: each block reduces its warps in shared memory, then every block of the cluster sums one
+// slice of the columns over the cluster's shared memories (DSMEM, fixed order), so there is still one launch, no
+// global scratch, no memset, and the result is deterministic. The launcher's plan picks VEC and KSPLIT from N, K and
+// the SM count.
 //
 // Instruction budget per weight (VEC = 16): 1.5 dequantisation + 1/8 HMMA + 1/16 LDG.128 + 1/64 x LDG, plus loop
-// addressing. VEC = 4: LDG.32 instead, 1/4 per weight.
+// addressing. VEC = 4: LDG.32 instead, 1/4 per weight. sm_90 SASS of the main loop (nvcc 13.0; two chunks, 128
+// weights per lane): VEC = 16, U = 1: 293 instructions = 2.29 per weight (PRMT 64, HADD2 64, LOP3 71, HMMA 16, IMAD
+// 20, IADD3 15, LDG 10, ...), 96 registers, no local memory; VEC = 4, U = 4: 446 = 3.48 per weight (IMAD 88, IADD3
+// 53, LDG 40: the address arithmetic of 4 x more, narrower loads). At 4.3 TB/s (H200) an SM must retire ~16 weights
+// per cycle: VEC = 16 then issues ~1.2 of its 4 warp-instructions per cycle, so the loop stays memory-bound.
 //
-// Work split: a block = GEMV_WARPS warps on the same 8 * VEC columns, warps splitting K in chunks of GEMV_U 16-row
-// steps (register double buffer: the next chunk's loads are issued before this chunk's math), reduced through shared
-// memory at the end with scale and bias; one launch, no memset, deterministic. The launcher checks: N % VEC == 0,
-// K % (16 * GEMV_U) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
+// Work split: a block = GEMV_WARPS warps on the same 8 * VEC columns and K / KSPLIT rows, warps splitting them in
+// chunks of GEMV_U 16-row steps (register double buffer: the next chunk's loads are issued before this chunk's math),
+// reduced through shared memory (and DSMEM across the cluster) at the end with scale and bias. The launcher checks:
+// N % VEC == 0, K % (16 * GEMV_U * KSPLIT) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
 #include "mma_common.cuh"
 
 #ifndef GEMV_WARPS
@@ -48,6 +56,18 @@
 #ifndef GEMV_L2_128
 #define GEMV_L2_128 0  // 1: weight loads ask L2 to fetch the whole 128-byte line (neighbouring blocks' columns)
 #endif
+#ifndef GEMV_KSPLIT
+#define GEMV_KSPLIT 1  // blocks (one cluster, grid y) splitting K: 1, 2, 4 or 8
+#endif
+#if GEMV_KSPLIT > 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "GEMV_KSPLIT > 1 uses thread-block clusters (sm_90+); build with GEMV_KSPLIT=1 for older GPUs"
+#endif
+#include <cooperative_groups.h>
+#define TRITRT_CLUSTER_DIMS __cluster_dims__(1, GEMV_KSPLIT, 1)
+#else
+#define TRITRT_CLUSTER_DIMS
+#endif
 
 namespace {
 using namespace tritrt;
@@ -57,7 +77,9 @@ constexpr int kWords = kVec / 4;  // 32-bit words per row load
 constexpr int kTiles = kVec / 2;  // mma tiles per lane (2 columns of each lane's VEC per tile)
 constexpr int kCols = 8 * kVec;   // columns per block
 constexpr int kU = GEMV_U;
+constexpr int kSplit = GEMV_KSPLIT;
 static_assert(kVec == 4 || kVec == 8 || kVec == 16, "GEMV_VEC is 4, 8 or 16");
+static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4 || kSplit == 8, "GEMV_KSPLIT is 1, 2, 4 or 8 (portable)");
 // red[] below is kWarps * 8 * kCols floats: keep it within 32 KB of static shared memory.
 static_assert(kWarps * kCols <= 1024, "GEMV_WARPS * 8 * GEMV_VEC must be <= 1024 (shared-memory reduction)");
 
@@ -96,7 +118,7 @@ __device__ __forceinline__ uint32_t pair_to_half2(uint32_t lo, uint32_t hi, int 
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1)
+extern "C" __global__ void TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1)
 w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
                const half* __restrict__ bias, half* __restrict__ out, int M, int N, int K, int stride_xm,
                int has_bias) {
@@ -107,7 +129,8 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   const int col = blockIdx.x * kCols + kVec * g;
   const bool col_ok = col < N;    // N % VEC == 0: a lane's VEC columns are all in or all out
   const bool x_ok = g < M;        // B column g is row g of x; rows >= M feed zeros
-  const int chunks = K / (16 * kU);
+  const int k_rows = K / kSplit;  // this block's slice of K: rows blockIdx.y * k_rows ..
+  const int chunks = k_rows / (16 * kU);
 
   float acc[kTiles][4];
 #pragma unroll
@@ -118,8 +141,9 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   // Lanes past N read columns N - VEC .. N - 1 instead (valid memory, no predication); their sums are never stored.
   const int colc = col_ok ? col : N - kVec;
   // Row k of this lane's columns starts at qweight + k * N + colc; the lane's rows of step s are 16 s + 4 t + j.
-  const uint8_t* qw = reinterpret_cast<const uint8_t*>(qweight) + (size_t)(4 * t) * N + colc;
-  const half* xw = x + (size_t)g * stride_xm + 4 * t;  // x[g][16 s + 4t .. 16 s + 4t + 3] = the B registers
+  const size_t k_first = (size_t)blockIdx.y * k_rows;
+  const uint8_t* qw = reinterpret_cast<const uint8_t*>(qweight) + (k_first + 4 * t) * N + colc;
+  const half* xw = x + (size_t)g * stride_xm + k_first + 4 * t;  // x[g][16 s + 4t .. +3] = the B registers
   const size_t row_n = (size_t)N;
 
   auto load_chunk = [&](int c, Row (&q)[kU][4]) {
@@ -173,6 +197,7 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
     }
   }
   __syncthreads();
+#if GEMV_KSPLIT == 1
   for (int i = threadIdx.x; i < 8 * kCols; i += 32 * kWarps) {
     const int m = i / kCols, cl = i % kCols;
     const int n = blockIdx.x * kCols + cl;
@@ -185,4 +210,36 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
       out[(size_t)m * N + n] = __float2half_rn(sum);
     }
   }
+#else
+  // Sum over warps into red[0] (each thread reads and writes only its own (m, cl): no race), then over the cluster:
+  // block r of the cluster finishes columns r * kSlice .. of all KSPLIT blocks' red[0], read through DSMEM. The
+  // second cluster barrier keeps every block (and its shared memory) alive until all reads are done.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  for (int i = threadIdx.x; i < 8 * kCols; i += 32 * kWarps) {
+    const int m = i / kCols, cl = i % kCols;
+    if (m < M) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
+      red[0][m][cl] = sum;
+    }
+  }
+  cluster.sync();
+  constexpr int kSlice = kCols / kSplit;
+  const int c0 = (int)cluster.block_rank() * kSlice;
+  for (int i = threadIdx.x; i < 8 * kSlice; i += 32 * kWarps) {
+    const int m = i / kSlice, cl = c0 + i % kSlice;
+    const int n = blockIdx.x * kCols + cl;
+    if (m < M && n < N) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
+      sum *= __half2float(scales[n]);
+      if (has_bias) sum += __half2float(bias[n]);
+      out[(size_t)m * N + n] = __float2half_rn(sum);
+    }
+  }
+  cluster.sync();
+#endif
 }

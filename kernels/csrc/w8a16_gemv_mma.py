@@ -2,9 +2,9 @@
 
 Compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
 torch's current stream by ``kernels.aot.launcher.AotKernel``, like ``kernels.csrc.w4a16_gemv_mma``. A variant is
-(warps per block, bytes per lane load ``vec`` = columns per lane, 16-row steps per chunk ``u``, L2 128-byte prefetch
-hint); the launch plan is a pure function of shapes and the SM count. Shapes it does not take go to the Triton kernel
-(``kernels.gemm_w8a16.w8a16_gemm``).
+(warps per block, bytes per lane load ``vec`` = columns per lane, 16-row steps per chunk ``u``, blocks per cluster
+splitting K ``ksplit`` (sm_90), L2 128-byte prefetch hint); the launch plan is a pure function of shapes, the SM
+count and whether clusters exist. Shapes it does not take go to the Triton kernel (``kernels.gemm_w8a16``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 SOURCE = Path(__file__).with_name("w8a16_gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
 MAX_M = 8
-VECS = (16, 8, 4)  # tried in this order: the longest weight runs that still give every SM a block
+VECS = (16, 8, 4)  # tried in this order: the longest weight loads that divide N (with clusters), or that fill the SMs
+KSPLITS = (1, 2, 4, 8)  # tried in this order: the fewest blocks per cluster that give ~every SM a block (8: portable max)
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 BYTES_PER_BUFFER = 64  # weight bytes per lane per register buffer (4 rows x vec x u), as the W4 GEMV's u = 4
 L2_128 = False  # L2::128B hint on weight loads (GEMV_L2_128): not measured yet, so off
@@ -37,7 +38,7 @@ def default_u(vec: int) -> int:
 
 
 def unsupported_reason(M: int, N: int, K: int, dtype: torch.dtype, vec: Optional[int] = None,
-                       u: Optional[int] = None) -> Optional[str]:
+                       u: Optional[int] = None, ksplit: Optional[int] = None) -> Optional[str]:
     """None if this GEMV handles the shape (with the plan's variant, or the given ``vec``/``u``), else why not (the op
     then uses the Triton kernel)."""
     if dtype != torch.float16:
@@ -46,12 +47,15 @@ def unsupported_reason(M: int, N: int, K: int, dtype: torch.dtype, vec: Optional
         return f"M={M} is outside 1..{MAX_M}"
     if vec is not None and vec not in VECS:
         return f"vec={vec} is not one of {VECS}"
+    if ksplit is not None and ksplit not in KSPLITS:
+        return f"ksplit={ksplit} is not one of {KSPLITS}"
     need_n = vec or VECS[-1]
     if N < need_n or N % need_n:
         return f"N={N} is not a multiple of {need_n} (a lane loads {need_n} adjacent columns)"
-    step = 16 * (u if u is not None else default_u(vec) if vec else default_u(VECS[-1]))
+    step = 16 * (u if u is not None else default_u(vec) if vec else default_u(VECS[-1])) * (ksplit or 1)
     if K <= 0 or K % step:
-        return f"K={K} is not a positive multiple of {step} (a chunk is {step} rows of K)"
+        return f"K={K} is not a positive multiple of {step} (a chunk is {step // (ksplit or 1)} rows of K" + (
+            f", {ksplit} blocks split K)" if ksplit and ksplit > 1 else ")")
     return None
 
 
@@ -60,47 +64,63 @@ def _blocks_per_sm(warps: int, vec: int) -> int:
     return min(65536 // (REGS_BOUND * 32 * warps), 2048 // (32 * warps), 32, SMEM_PER_SM // smem)
 
 
+def _fills(blocks: int, sm_count: int) -> bool:
+    return 16 * blocks >= 15 * sm_count  # 128 blocks on 132 SMs count as full (o, down with 4 blocks per cluster)
+
+
 def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional[int] = None,
-              u: Optional[int] = None, sm_count: int = 132) -> dict:
-    """Variant and grid. ``vec``: the longest weight runs (16 B per lane, 128-byte rows per block) whose N / (8 vec)
-    blocks still give every SM one, else the shortest that divides N (at N = 4096, vec = 16 leaves 100 of 132 SMs
-    idle). ``warps``: the most per block (splitting K, at most one per chunk) that fit all blocks in one wave (the
-    rule the W4 GEMV measured best), within the 32 KB shared-memory reduction (warps * 8 * vec <= 1024). Not yet
-    measured for W8: the benchmark times the neighbouring vec / warps / u choices."""
+              u: Optional[int] = None, ksplit: Optional[int] = None, sm_count: int = 132, clusters: bool = True
+              ) -> dict:
+    """Variant and grid (x: column blocks of 8 * vec, y: ksplit blocks of one cluster splitting K).
+
+    With clusters (sm_90): ``vec`` the longest loads that divide N (16 B per lane: 128-byte rows per block), and
+    ``ksplit`` the fewest blocks per cluster that give ~every SM a block (N = 4096: 32 column blocks x 4). Without:
+    ``vec`` the longest whose N / (8 vec) blocks alone fill the SMs, else the shortest (at N = 4096, vec = 16 would
+    leave 100 of 132 SMs idle). ``warps``: the most per block (splitting its K, at most one per chunk) that fit all
+    blocks in one wave (the rule the W4 GEMV measured best), within the 32 KB shared-memory reduction
+    (warps * 8 * vec <= 1024). Not yet measured for W8: the benchmark times the neighbouring choices."""
+    fits = [v for v in VECS if N % v == 0] or [VECS[-1]]
     if vec is None:
-        fits = [v for v in VECS if N % v == 0]
-        vec = next((v for v in fits if -(-N // (8 * v)) >= sm_count), fits[-1] if fits else VECS[-1])
+        vec = fits[0] if clusters else next((v for v in fits if _fills(-(-N // (8 * v)), sm_count)), fits[-1])
     u = default_u(vec) if u is None else u
     blocks = -(-N // (8 * vec))
-    chunks = K // (16 * u)
+    if ksplit is None:
+        cands = [s for s in KSPLITS if (clusters or s == 1) and K % (16 * u * s) == 0] or [1]
+        ksplit = next((s for s in cands if _fills(blocks * s, sm_count)), cands[-1])
+    chunks = K // (16 * u * ksplit)
     allowed = [w for w in WARPS if w * 8 * vec <= 1024]
     if warps is None:
-        warps = next((w for w in allowed if blocks <= sm_count * _blocks_per_sm(w, vec)), allowed[-1])
+        warps = next((w for w in allowed if blocks * ksplit <= sm_count * _blocks_per_sm(w, vec)), allowed[-1])
         while warps > 1 and warps > chunks:
             warps //= 2
-    return dict(warps=warps, vec=vec, u=u, grid=(blocks,))
+    return dict(warps=warps, vec=vec, u=u, ksplit=ksplit, grid=(blocks, ksplit))
 
 
-def variant_flags(warps: int, vec: int, u: int, l2_128: bool = L2_128):
-    return (f"-DGEMV_WARPS={warps}", f"-DGEMV_VEC={vec}", f"-DGEMV_U={u}", f"-DGEMV_L2_128={int(l2_128)}")
+def variant_flags(warps: int, vec: int, u: int, ksplit: int = 1, l2_128: bool = L2_128):
+    return (f"-DGEMV_WARPS={warps}", f"-DGEMV_VEC={vec}", f"-DGEMV_U={u}", f"-DGEMV_KSPLIT={ksplit}",
+            f"-DGEMV_L2_128={int(l2_128)}")
 
 
-def compile_variant(warps: int, vec: int, u: int, l2_128: bool = L2_128, sm: int = 90):
-    """The PTX/cubin artifact for one variant (no GPU needed)."""
+def compile_variant(warps: int, vec: int, u: int, ksplit: int = 1, l2_128: bool = L2_128, sm: int = 90):
+    """The PTX/cubin artifact for one variant (no GPU needed; ksplit > 1 needs sm >= 90)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
-                        extra_flags=variant_flags(warps, vec, u, l2_128))
+                        extra_flags=variant_flags(warps, vec, u, ksplit, l2_128))
 
 
-def _kernel(warps: int, vec: int, u: int, l2_128: bool):
+def _sm() -> int:
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+def _kernel(warps: int, vec: int, u: int, ksplit: int, l2_128: bool):
     from kernels.aot.launcher import AotKernel
 
-    major, minor = torch.cuda.get_device_capability()
-    key = (10 * major + minor, warps, vec, u, l2_128)
+    key = (_sm(), warps, vec, u, ksplit, l2_128)
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(warps, vec, u, l2_128, sm=key[0]))
+        k = _KERNELS[key] = AotKernel(compile_variant(warps, vec, u, ksplit, l2_128, sm=key[0]))
     return k
 
 
@@ -113,10 +133,10 @@ def _sm_count(device) -> int:
 
 def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, vec: Optional[int] = None, warps: Optional[int] = None,
-                   u: Optional[int] = None, l2_128: bool = L2_128) -> torch.Tensor:
+                   u: Optional[int] = None, ksplit: Optional[int] = None, l2_128: bool = L2_128) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores; W is ``kernels.quant.quantize_int8``'s
-    ``qweight`` int8 ``[K, N]`` and ``scales`` fp16 ``[N]``. ``vec``/``warps``/``u``/``l2_128`` override the plan's
-    variant (benchmarks, tests)."""
+    ``qweight`` int8 ``[K, N]`` and ``scales`` fp16 ``[N]``. ``vec``/``warps``/``u``/``ksplit``/``l2_128`` override
+    the plan's variant (benchmarks, tests)."""
     from kernels.gemm_w8a16 import check_w8_weight
 
     if x.dim() != 2:
@@ -125,7 +145,7 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     M = x.shape[0]
     if warps is not None and (warps not in WARPS or warps * 8 * (vec or 4) > 1024):
         raise ValueError(f"tensor-core W8A16 GEMV: warps={warps} must be one of {WARPS} with warps * 8 * vec <= 1024")
-    reason = unsupported_reason(M, N, K, x.dtype, vec, u)
+    reason = unsupported_reason(M, N, K, x.dtype, vec, u, ksplit)
     if reason:
         raise ValueError(f"tensor-core W8A16 GEMV: {reason}; use kernels.gemm_w8a16.w8a16_gemm")
     if not x.is_cuda:
@@ -141,12 +161,18 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W8A16 GEMV: bias must have shape [{N}], got {tuple(bias.shape)}")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
         raise ValueError(f"tensor-core W8A16 GEMV: out must be contiguous float16 {(M, N)}")
-    plan = gemv_plan(M, N, K, vec, warps, u, _sm_count(x.device))
+    clusters = _sm() >= 90
+    if ksplit is not None and ksplit > 1 and not clusters:
+        raise ValueError(f"tensor-core W8A16 GEMV: ksplit={ksplit} needs thread-block clusters (sm_90+); use ksplit=1")
+    plan = gemv_plan(M, N, K, vec, warps, u, ksplit, _sm_count(x.device), clusters)
     if plan["warps"] * 8 * plan["vec"] > 1024:
         raise ValueError(f"tensor-core W8A16 GEMV: warps={plan['warps']} with vec={plan['vec']} exceeds the "
                          f"32 KB shared-memory reduction (warps * 8 * vec <= 1024)")
+    if K % (16 * plan["u"] * plan["ksplit"]):
+        raise ValueError(f"tensor-core W8A16 GEMV: K={K} is not a multiple of 16 * u * ksplit = "
+                         f"{16 * plan['u'] * plan['ksplit']}")
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
-    _kernel(plan["warps"], plan["vec"], plan["u"], bool(l2_128)).launch(
+    _kernel(plan["warps"], plan["vec"], plan["u"], plan["ksplit"], bool(l2_128)).launch(
         plan["grid"], x, qweight, scales, bias if bias is not None else scales, out, M, N, K, x.stride(0),
         int(bias is not None))
     return out

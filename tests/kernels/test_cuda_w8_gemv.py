@@ -15,8 +15,9 @@ from kernels.gemm_w8a16 import w8a16_reference
 from kernels.quant import dequantize, quantize_int8
 from tests.helpers import assert_gemm_close, poisoned
 
-# warps, vec, u, l2_128: each vec, the largest block the shared reduction allows, u = 1..4, the L2 hint on and off.
-VARIANTS = [(8, 16, 1, False), (16, 8, 2, True), (16, 4, 4, False), (1, 4, 1, True), (4, 16, 2, False)]
+# warps, vec, u, ksplit, l2_128: each vec, the largest block the shared reduction allows, u = 1..4, clusters of 1..8
+# blocks splitting K, the L2 hint on and off.
+VARIANTS = [(8, 16, 1, 4, False), (16, 8, 2, 1, True), (16, 4, 4, 2, False), (1, 4, 1, 8, True), (4, 16, 2, 1, False)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH")
 
 
@@ -37,6 +38,8 @@ def test_w8_gemv_compiles_to_ptx_and_cubin(variant, sm, tmp_path):
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
+    if sm < 90:
+        variant = (*variant[:3], 1, variant[4])  # clusters are sm_90+: sm_80 builds split K over warps only
     art = compile_cuda(mma8.SOURCE, mma8.KERNEL, mma8.PARAMS, sm=sm, threads=32 * variant[0],
                        cache=AotCache(tmp_path), extra_flags=mma8.variant_flags(*variant))
     assert f".target sm_{sm}" in art.ptx
@@ -44,9 +47,23 @@ def test_w8_gemv_compiles_to_ptx_and_cubin(variant, sm, tmp_path):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in art.ptx
     assert "lop3.b32" in art.ptx and "prmt.b32" in art.ptx and "sub.f16x2" in art.ptx
     width = {16: ".v4.u32", 8: ".v2.u32", 4: ".u32"}[variant[1]]
-    assert f"ld.global.nc{'.L2::128B' if variant[3] else ''}{width}" in art.ptx  # the vec-byte weight loads
+    assert f"ld.global.nc{'.L2::128B' if variant[4] else ''}{width}" in art.ptx  # the vec-byte weight loads
+    assert (f".reqnctapercluster 1, {variant[3]}, 1" in art.ptx) == (variant[3] > 1)
+    assert ("mapa" in art.ptx) == (variant[3] > 1)  # DSMEM reads only in the cluster reduction
     assert ".local" not in art.ptx  # no stack arrays (fragments stay in registers)
     assert art.cubin[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_w8_gemv_cluster_build_for_sm80_fails_with_a_clear_error(tmp_path):
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import AotError
+
+    with pytest.raises(AotError, match="thread-block clusters"):
+        from kernels.aot.compile import compile_cuda
+
+        compile_cuda(mma8.SOURCE, mma8.KERNEL, mma8.PARAMS, sm=80, threads=256, cache=AotCache(tmp_path),
+                     extra_flags=mma8.variant_flags(8, 16, 1, 2))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
@@ -57,7 +74,7 @@ def test_w8_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(variant, t
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda
 
-    warps, vec, u, _ = variant
+    warps, vec, u, _, _ = variant
     art = compile_cuda(mma8.SOURCE, mma8.KERNEL, mma8.PARAMS, sm=90, threads=32 * warps, cache=AotCache(tmp_path),
                        extra_flags=mma8.variant_flags(*variant))
     cubin = tmp_path / "k.cubin"
@@ -70,7 +87,9 @@ def test_w8_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(variant, t
     assert "LDL" not in sass and "STL" not in sass
     # The loop body appears twice (two register buffers): 2 * u steps * (4 rows * vec weights / 2) pairs per lane.
     pairs = 2 * u * 2 * vec
-    assert ops.count("PRMT") == pairs
+    # Dequantisation PRMTs carry the selectors {c, c, 4+c, 4+c} (the cluster epilogue has PRMTs of its own).
+    sels = [f", 0x{4 + c}{4 + c}{c}{c}," for c in range(4)]  # 0x4400, 0x5511, 0x6622, 0x7733
+    assert sum(1 for ln in sass.splitlines() if "PRMT" in ln and any(sel in ln for sel in sels)) == pairs
     assert ops.count("HMMA") == 2 * u * vec // 2
 
 
@@ -85,17 +104,24 @@ def test_w8_gemv_plan_and_support():
     assert "multiple of 16" in mma8.unsupported_reason(1, 4104, 4096, f16, vec=16)
     assert "multiple of 64" in mma8.unsupported_reason(1, 4096, 4000, f16)
     assert "multiple of 128" in mma8.unsupported_reason(1, 4096, 4160, f16, vec=16, u=8)
+    assert "4 blocks split K" in mma8.unsupported_reason(1, 4096, 4128, f16, vec=16, u=1, ksplit=4)
     assert "vec=2" in mma8.unsupported_reason(1, 4096, 4096, f16, vec=2)
-    # Longest runs that still give 132 SMs a block each: gate_up 16 B per lane; qkv, o, down, 8k 4 B.
+    assert "ksplit=3" in mma8.unsupported_reason(1, 4096, 4096, f16, ksplit=3)
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]
-    assert [mma8.gemv_plan(1, N, K)["vec"] for N, K in shapes] == [4, 4, 16, 4, 4]
-    assert [mma8.gemv_plan(1, N, K)["warps"] for N, K in shapes] == [8, 16, 8, 16, 8]
-    for M, N, K in [(1, 4096, 4096), (3, 28672, 4096), (8, 36, 64), (1, 4104, 14336), (5, 1000, 192)]:
-        p = mma8.gemv_plan(M, N, K)
+    # With clusters: 16 B per lane everywhere, and the fewest K-splitting blocks that (nearly) fill 132 SMs.
+    plans = [mma8.gemv_plan(1, N, K) for N, K in shapes]
+    assert [(p["vec"], p["ksplit"], p["warps"]) for p in plans] == [(16, 4, 8), (16, 4, 8), (16, 1, 8), (16, 4, 8),
+                                                                    (16, 2, 8)]
+    # Without (sm_80): the longest loads whose column blocks alone fill the SMs.
+    assert [mma8.gemv_plan(1, N, K, clusters=False)["vec"] for N, K in shapes] == [4, 4, 16, 4, 8]
+    for M, N, K, clusters in [(1, 4096, 4096, True), (3, 28672, 4096, False), (8, 36, 64, True),
+                              (1, 4104, 14336, True), (5, 1000, 192, False), (2, 4096, 64, True)]:
+        p = mma8.gemv_plan(M, N, K, clusters=clusters)
         cols = 8 * p["vec"]
-        assert p["grid"][0] * cols >= N > (p["grid"][0] - 1) * cols
-        assert N % p["vec"] == 0 and K % (16 * p["u"]) == 0
-        assert 1 <= p["warps"] <= K // (16 * p["u"])  # no warp without a chunk of K
+        assert p["grid"][0] * cols >= N > (p["grid"][0] - 1) * cols and p["grid"][1] == p["ksplit"]
+        assert N % p["vec"] == 0 and K % (16 * p["u"] * p["ksplit"]) == 0
+        assert clusters or p["ksplit"] == 1
+        assert 1 <= p["warps"] <= K // (16 * p["u"] * p["ksplit"])  # no warp without a chunk of K
         assert p["warps"] * 8 * p["vec"] <= 1024  # the shared-memory reduction's bound (static_assert in the .cu)
         assert 4 * p["vec"] * p["u"] == mma8.BYTES_PER_BUFFER
 
@@ -140,9 +166,10 @@ def test_w8_gemv_matches_reference(M, N, K):
     ref = w8a16_reference(x, q.qweight, q.scales, bias)
     base = x @ dequantize(q).t() + bias  # cuBLAS on the fp16-rounded weight: the error the dtype itself forces
     plan = mma8.gemv_plan(M, N, K)
-    variants = [{}, dict(l2_128=True), dict(warps=max(1, plan["warps"] // 2)), dict(warps=1, u=1)]
+    variants = [{}, dict(l2_128=True), dict(warps=max(1, plan["warps"] // 2)), dict(warps=1, u=1, ksplit=1)]
     variants += [dict(vec=v) for v in mma8.VECS if v != plan["vec"] and N % v == 0]
     variants += [dict(vec=4, u=2), dict(vec=8, u=4)] if N % 8 == 0 and K % 64 == 0 else []
+    variants += [dict(ksplit=s) for s in mma8.KSPLITS if s != plan["ksplit"] and K % (64 * s) == 0]
     for ov in variants:
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias, out=out, **ov)
