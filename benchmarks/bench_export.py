@@ -1,10 +1,11 @@
 """Export + verify of a Llama-3-8B-shaped random checkpoint: wall time and peak memory of each step.
 
 What a user runs on a real checkpoint, timed: ``python -m export.build --checkpoint CK --quant int4 --dtype float16``
-then ``python -m export.verify OUT``. The checkpoint is random (no download), written as sharded fp16 safetensors
-with the Llama-3-8B config. Each step runs as a child process so its peak RSS (``ru_maxrss``) is its own.
+then ``python -m export.verify OUT --device D``. The checkpoint is random (no download), written as sharded fp16
+safetensors with the Llama-3-8B config. Each step runs as a child process so its peak RSS (``ru_maxrss``) is its own
+(host memory; verify's GPU use is not in it). The results say which device verify's torch parts ran on.
 
-    python benchmarks/bench_export.py [--layers 32] [--quant int4] [--workdir /tmp/bench_export]
+    python benchmarks/bench_export.py [--layers 32] [--quant int4] [--device auto] [--workdir /tmp/bench_export]
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--quant", default="int4", choices=["none", "int8", "int4"])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_export"))
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="export.verify's --device (torch references + fp32 HF model); auto: cuda if available")
     args = p.parse_args()
+    # resolved here (export.verify's rule), so that the results name the device verify actually used
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
     shutil.rmtree(args.workdir, ignore_errors=True)
     ck, out, log = args.workdir / "checkpoint", args.workdir / "out", args.workdir / "log.txt"
     args.workdir.mkdir(parents=True)
@@ -94,21 +100,35 @@ def main() -> int:
     gib = write_random_checkpoint(ck, args.layers)
     rows = [dict(step="write random checkpoint", seconds=round(time.perf_counter() - t0, 1), size_gib=round(gib, 2))]
     py = sys.executable
-    meta = dict(model=f"Llama-3-8B-shaped, random fp16, {args.layers} layers", quant=args.quant, cpus=os.cpu_count())
+    meta = dict(model=f"Llama-3-8B-shaped, random fp16, {args.layers} layers", quant=args.quant, cpus=os.cpu_count(),
+                verify_device=device + (f" ({gpu})" if gpu else ""))
     steps = [("export.build", [py, "-m", "export.build", "--checkpoint", str(ck), "--quant", args.quant,
                                "--dtype", "float16", "--out", str(out), "--no-engine"]),
-             ("export.verify", [py, "-m", "export.verify", str(out)])]
+             ("export.verify", [py, "-m", "export.verify", str(out), "--device", device])]
     for name, argv in steps:
         rows.append(run_step(name, argv, log))
+        if name == "export.verify":
+            rows[-1]["device"] = meta["verify_device"]
+            meta["verify_phases"] = "; ".join(ln[len("export.verify: "):] for ln in log.read_text().splitlines()
+                                              if ln.startswith("export.verify:") and " in " in ln)
         if name == "export.build" and rows[-1]["exit_code"] == 0:
             rows[-1]["size_gib"] = round(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**30, 2)
         # Results after every step, so that a step cut off by a time limit still leaves the ones before it.
-        write_results("bench_export", rows, ["step", "seconds", "peak_rss_gib", "size_gib", "exit_code"], meta=meta,
-                      notes="Build and verify run on the CPU (ONNX Runtime, torch references, HF transformers); "
-                            "the GPU only generates the random weights. No TensorRT engine (not installable here).")
+        write_results("bench_export", rows, ["step", "seconds", "peak_rss_gib", "size_gib", "device", "exit_code"],
+                      meta=meta,
+                      notes=f"Build runs on the CPU. Verify: ONNX Runtime on the CPU ({os.cpu_count()} cores), the "
+                            f"plugin nodes' torch references, the lm_head MatMul and the fp32 HF model on {device}. "
+                            "The GPU also generates the random weights. No TensorRT engine (not installable here). "
+                            "peak_rss_gib is host memory only.")
         if rows[-1]["exit_code"] != 0:
             break
-    print(log.read_text()[-6000:])
+    text = log.read_text()
+    # verify's own phase timings and error summary, whatever Polygraphy printed around them
+    keep = [ln for ln in text.splitlines() if ln.startswith(("export.verify:", "half build:"))]
+    print(text[-4000:], "\n".join(keep), sep="\n")
+    results_dir = os.environ.get("TRITRT_RESULTS_DIR")
+    if results_dir:
+        shutil.copy(log, Path(results_dir) / "bench_export.log")
     return 0 if all(r.get("exit_code", 0) == 0 for r in rows) else 1
 
 

@@ -31,7 +31,8 @@ def run_plugin_op(op_type: str, inputs: list, attrs: dict, device="cpu") -> list
     """
     from trt_plugins.reference import run_reference
 
-    return run_reference(op_type, list(inputs), attrs, allow_fp32=True, device=device)
+    with fp32_matmul():  # the references' fp32 matmuls/einsums stay fp32 on a GPU (no TF32)
+        return run_reference(op_type, list(inputs), attrs, allow_fp32=True, device=device)
 
 
 def matmul(a, b, device="cpu"):
@@ -39,7 +40,8 @@ def matmul(a, b, device="cpu"):
     rounding to the inputs' dtype.
 
     ReferenceEvaluator's MatMul is ``np.matmul``, which has no BLAS for float16 (the Llama-3-8B lm_head,
-    [T, 4096] @ [4096, 128256], took ~10 s a call there); numpy's float16 loop accumulates in fp32 and rounds once,
+    [T, 4096] @ [4096, 128256], ~10 s a call on a 2-core host, scaled from 0.6 s measured at
+    [T, 1024] @ [1024, 32000]); numpy's float16 loop accumulates in fp32 and rounds once,
     which is what this computes (fp32 upcast, fp32 matmul, one cast). Other dtypes go to numpy.
     """
     import torch
