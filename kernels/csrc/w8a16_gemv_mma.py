@@ -65,7 +65,17 @@ def _blocks_per_sm(warps: int, vec: int) -> int:
 
 
 def _fills(blocks: int, sm_count: int) -> bool:
-    return 16 * blocks >= 15 * sm_count  # 128 blocks on 132 SMs count as full (o, down with 4 blocks per cluster)
+    return 16 * blocks >= 15 * sm_count  # 128 blocks on 132 SMs count as full
+
+
+def _warps_for(blocks: int, vec: int, chunks: int, sm_count: int) -> int:
+    """The most warps per block that fit all blocks in one wave (the rule the W4 GEMV measured best), within the
+    32 KB shared-memory reduction (warps * 8 * vec <= 1024), and no more than the block has chunks of K."""
+    allowed = [w for w in WARPS if w * 8 * vec <= 1024]
+    w = next((w for w in allowed if blocks <= sm_count * _blocks_per_sm(w, vec)), allowed[-1])
+    while w > 1 and w > chunks:
+        w //= 2
+    return w
 
 
 def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional[int] = None,
@@ -74,25 +84,27 @@ def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional
     """Variant and grid (x: column blocks of 8 * vec, y: ksplit blocks of one cluster splitting K).
 
     With clusters (sm_90): ``vec`` the longest loads that divide N (16 B per lane: 128-byte rows per block), and
-    ``ksplit`` the fewest blocks per cluster that give ~every SM a block (N = 4096: 32 column blocks x 4). Without:
+    ``ksplit`` the one that keeps the most warps resident in one wave (ties: fewer blocks per cluster). Memory-level
+    parallelism is what a GEMV needs: at N = 4096, 32 column blocks x 8 blocks per cluster x 8 warps = 2048 warps
+    (~16 per SM, what the W4 GEMV runs at o / down), where 4 per cluster would leave 8 per SM. Without clusters:
     ``vec`` the longest whose N / (8 vec) blocks alone fill the SMs, else the shortest (at N = 4096, vec = 16 would
-    leave 100 of 132 SMs idle). ``warps``: the most per block (splitting its K, at most one per chunk) that fit all
-    blocks in one wave (the rule the W4 GEMV measured best), within the 32 KB shared-memory reduction
-    (warps * 8 * vec <= 1024). Not yet measured for W8: the benchmark times the neighbouring choices."""
+    leave 100 of 132 SMs idle). ``warps``: see ``_warps_for``. Not yet measured for W8: the benchmark times the
+    neighbouring choices (vec, ksplit x 2 and / 2, warps x 2 and / 2, u x 2, L2 hint)."""
     fits = [v for v in VECS if N % v == 0] or [VECS[-1]]
     if vec is None:
         vec = fits[0] if clusters else next((v for v in fits if _fills(-(-N // (8 * v)), sm_count)), fits[-1])
     u = default_u(vec) if u is None else u
     blocks = -(-N // (8 * vec))
+
+    def resident_warps(s: int) -> int:
+        w = warps or _warps_for(blocks * s, vec, K // (16 * u * s), sm_count)
+        return min(blocks * s, sm_count * _blocks_per_sm(w, vec)) * w
+
     if ksplit is None:
         cands = [s for s in KSPLITS if (clusters or s == 1) and K % (16 * u * s) == 0] or [1]
-        ksplit = next((s for s in cands if _fills(blocks * s, sm_count)), cands[-1])
-    chunks = K // (16 * u * ksplit)
-    allowed = [w for w in WARPS if w * 8 * vec <= 1024]
+        ksplit = max(cands, key=lambda s: (resident_warps(s), -s))
     if warps is None:
-        warps = next((w for w in allowed if blocks * ksplit <= sm_count * _blocks_per_sm(w, vec)), allowed[-1])
-        while warps > 1 and warps > chunks:
-            warps //= 2
+        warps = _warps_for(blocks * ksplit, vec, K // (16 * u * ksplit), sm_count)
     return dict(warps=warps, vec=vec, u=u, ksplit=ksplit, grid=(blocks, ksplit))
 
 
