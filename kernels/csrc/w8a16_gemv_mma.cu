@@ -32,11 +32,13 @@
 // the SM count.
 //
 // Instruction budget per weight (VEC = 16): 1.5 dequantisation + 1/8 HMMA + 1/16 LDG.128 + 1/64 x LDG, plus loop
-// addressing. VEC = 4: LDG.32 instead, 1/4 per weight. sm_90 SASS of the main loop (nvcc 13.0; two chunks, 128
-// weights per lane): VEC = 16, U = 1: 293 instructions = 2.29 per weight (PRMT 64, HADD2 64, LOP3 71, HMMA 16, IMAD
-// 20, IADD3 15, LDG 10, ...), 96 registers, no local memory; VEC = 4, U = 4: 446 = 3.48 per weight (IMAD 88, IADD3
-// 53, LDG 40: the address arithmetic of 4 x more, narrower loads). At 4.3 TB/s (H200) an SM must retire ~16 weights
-// per cycle: VEC = 16 then issues ~1.2 of its 4 warp-instructions per cycle, so the loop stays memory-bound.
+// addressing. VEC = 4: LDG.32 instead, 1/4 per weight. sm_90 SASS of the main loop (nvcc 13.0; two chunks): VEC = 16,
+// U = 1 (128 weights per lane): 263 instructions = 2.05 per weight (LOP3 69, PRMT 64, HADD2 64, HMMA 16, IMAD 15,
+// LDG 10, IADD3 8, ...), 95 registers, no local memory (U = 2: 1.94 per weight but 141 registers); VEC = 4, U = 4
+// (128 weights): 326 = 2.55 per weight (LDG 40, IMAD 35: 4 x more, narrower loads). The chunk pointers advance
+// instead of being recomputed from the chunk index: with an index, ptxas rematerialised the whole address (S2R, LDC,
+// 64-bit IMADs) at every load, 2.51 per weight. At 4.3 TB/s (H200) an SM must retire ~16 weights per cycle: VEC = 16
+// then issues ~1 of its 4 warp-instructions per cycle, so the loop stays memory-bound.
 //
 // Work split: a block = GEMV_WARPS warps on the same 8 * VEC columns and K / KSPLIT rows, warps splitting them in
 // chunks of GEMV_U 16-row steps (register double buffer: the next chunk's loads are issued before this chunk's math),
@@ -85,6 +87,13 @@ static_assert(kWarps * kCols <= 1024, "GEMV_WARPS * 8 * GEMV_VEC must be <= 1024
 
 struct Row {
   uint32_t w[kWords];
+};
+
+// One chunk's registers: 4 weight rows per 16-row step, and the step's x[g][4t .. 4t+3] (B), loaded together so that
+// the x load's latency is hidden behind the previous chunk's math like the weights'.
+struct Chunk {
+  Row q[kU][4];
+  uint2 x[kU];
 };
 
 // Read-only load of VEC bytes (one k row, VEC columns); optionally with the L2 128-byte prefetch hint.
@@ -143,30 +152,40 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   // Row k of this lane's columns starts at qweight + k * N + colc; the lane's rows of step s are 16 s + 4 t + j.
   const size_t k_first = (size_t)blockIdx.y * k_rows;
   const uint8_t* qw = reinterpret_cast<const uint8_t*>(qweight) + (k_first + 4 * t) * N + colc;
-  const half* xw = x + (size_t)g * stride_xm + k_first + 4 * t;  // x[g][16 s + 4t .. +3] = the B registers
+  // x[g][16 s + 4t .. 16 s + 4t + 3] = the B registers of step s: uint2 number 4 s of xw. Rows g >= M read row 0
+  // (valid memory, no branch in the loop) and are zeroed by the mask.
+  const uint2* xw = reinterpret_cast<const uint2*>(x + (size_t)(x_ok ? g : 0) * stride_xm + k_first + 4 * t);
+  const uint32_t x_mask = x_ok ? 0xFFFFFFFFu : 0u;
   const size_t row_n = (size_t)N;
 
-  auto load_chunk = [&](int c, Row (&q)[kU][4]) {
-    const uint8_t* p = qw + (size_t)c * (16 * kU) * row_n;
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) q[u][j] = load_row(p + (size_t)(16 * u + j) * row_n);
-  };
-
-  auto process_chunk = [&](int c, const Row (&q)[kU][4]) {
+  // Chunk pointers advance by kWarps chunks per load (no per-load index arithmetic in the loop).
+  const uint8_t* pq = qw + (size_t)warp * (16 * kU) * row_n;
+  const uint2* px = xw + warp * (4 * kU);
+  const size_t q_step = (size_t)kWarps * (16 * kU) * row_n;
+  auto load_chunk = [&](Chunk& b) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      uint2 xv = make_uint2(0u, 0u);
-      if (x_ok) xv = __ldg(reinterpret_cast<const uint2*>(xw + (size_t)(c * kU + u) * 16));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b.q[u][j] = load_row(pq + (size_t)(16 * u + j) * row_n);
+      b.x[u] = __ldg(px + 4 * u);
+    }
+    pq += q_step;
+    px += kWarps * 4 * kU;
+  };
+
+  auto process_chunk = [&](const Chunk& b) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const Row(&q)[4] = b.q[u];
+      const uint2 xv = make_uint2(b.x[u].x & x_mask, b.x[u].y & x_mask);
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         // Columns 4w .. 4w+3 of the lane: tile 2w takes 4w (row g), 4w+1 (row g+8); tile 2w+1 takes 4w+2, 4w+3.
         uint32_t lo[4], hi[4];  // lo: k rows 4t, 4t+1 (mma k 2t, 2t+1); hi: rows 4t+2, 4t+3 (mma k 2t+8, 2t+9)
 #pragma unroll
         for (int cc = 0; cc < 4; ++cc) {
-          lo[cc] = pair_to_half2(q[u][0].w[w], q[u][1].w[w], cc);
-          hi[cc] = pair_to_half2(q[u][2].w[w], q[u][3].w[w], cc);
+          lo[cc] = pair_to_half2(q[0].w[w], q[1].w[w], cc);
+          hi[cc] = pair_to_half2(q[2].w[w], q[3].w[w], cc);
         }
         mma16816(acc[2 * w], lo[0], lo[1], hi[0], hi[1], xv.x, xv.y);
         mma16816(acc[2 * w + 1], lo[2], lo[3], hi[2], hi[3], xv.x, xv.y);
@@ -175,14 +194,15 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   };
 
   // Two register buffers used in turn (no copies): the next chunk's loads are in flight during this chunk's math.
-  Row qa[kU][4], qb[kU][4];
-  if (warp < chunks) load_chunk(warp, qa);
+  // Chunks warp, warp + kWarps, ... are loaded in that order (each load_chunk advances the pointers by one).
+  Chunk qa, qb;
+  if (warp < chunks) load_chunk(qa);
   for (int c = warp; c < chunks; c += 2 * kWarps) {
-    if (c + kWarps < chunks) load_chunk(c + kWarps, qb);
-    process_chunk(c, qa);
+    if (c + kWarps < chunks) load_chunk(qb);
+    process_chunk(qa);
     if (c + kWarps >= chunks) break;
-    if (c + 2 * kWarps < chunks) load_chunk(c + 2 * kWarps, qa);
-    process_chunk(c + kWarps, qb);
+    if (c + 2 * kWarps < chunks) load_chunk(qa);
+    process_chunk(qb);
   }
 
   // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic), then scale and bias.

@@ -23,7 +23,8 @@ WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that s
 BYTES_PER_BUFFER = 64  # weight bytes per lane per register buffer (4 rows x vec x u), as the W4 GEMV's u = 4
 L2_128 = False  # L2::128B hint on weight loads (GEMV_L2_128): not measured yet, so off
 K_MULTIPLE = 64  # K % 64 == 0: the largest default chunk (vec = 4, u = 4) is 64 rows of K
-# Register bound used for residency (ptxas, sm_90, __launch_bounds__(threads, 1): 56-127 for the variants above).
+# Register bound used for residency (ptxas, sm_90, __launch_bounds__(threads, 1): 80-95 for the default u of each
+# vec; vec = 16 with u = 2 takes 141, i.e. one 8-warp block per SM: the plan never picks it, the benchmark times it).
 REGS_BOUND = 128
 SMEM_PER_SM = 227 * 1024
 PARAMS = [("x", "*fp16"), ("qweight", "*i8"), ("scales", "*fp16"), ("bias", "*fp16"), ("out", "*fp16"),
