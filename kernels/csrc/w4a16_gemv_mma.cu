@@ -28,7 +28,7 @@
 // memory at the end; one launch, no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
 // multiple of 32 with GEMV_GSTEPS = min(group_size / 32, GEMV_U) dividing GEMV_U (a scale run never straddles a
 // group), x rows 16-byte aligned.
-#include "mma_common.cuh"
+#include "w4_dequant.cuh"
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
@@ -77,23 +77,6 @@ __device__ __forceinline__ int4 load_weight(const int4* p) {
 #else
   return __ldg(p);
 #endif
-}
-
-__device__ __forceinline__ uint32_t hmul2_u(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
-// q - z for the 8 nibbles of one packed int32, as 4 half2: {n0,n4}, {n1,n5}, {n2,n6}, {n3,n7}.
-__device__ __forceinline__ void dequant8(uint32_t q, uint32_t zlo, uint32_t zhi, uint32_t h[4]) {
-  constexpr uint32_t kMagic = 0x64006400u;    // fp16 1024 in both halves
-  constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 1/16 in both halves
-  const uint32_t q8 = q >> 8;
-  h[0] = hsub2_u(lop3_and_or(q, 0x000F000Fu, kMagic), zlo);
-  h[1] = hfma2_u(lop3_and_or(q, 0x00F000F0u, kMagic), kSixteenth, zhi);
-  h[2] = hsub2_u(lop3_and_or(q8, 0x000F000Fu, kMagic), zlo);
-  h[3] = hfma2_u(lop3_and_or(q8, 0x00F000F0u, kMagic), kSixteenth, zhi);
 }
 
 }  // namespace
@@ -178,8 +161,8 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t z = (zraw >> (8 * j)) & 0xFFu;  // 0..16
-          zlo[j] = (0x6400u + z) * 0x00010001u;           // fp16 1024 + z, both halves
-          zhi[j] = (0xD400u + (z << 4)) * 0x00010001u;    // fp16 -(64 + z), both halves
+          zlo[j] = zero_lo(z);
+          zhi[j] = zero_hi(z);
         }
       }
       uint32_t h[4][4];
