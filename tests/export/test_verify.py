@@ -54,7 +54,10 @@ def test_good_out_passes(built_out, capsys):
     assert _verify(built_out) == 0
     text = capsys.readouterr().out
     assert "export.verify: PASSED" in text
-    assert "torch references and the HF model on cpu" in text  # --device auto on a machine without CUDA
+    import torch
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"  # --device auto
+    assert f"torch references and the HF model on {auto}" in text
     assert "TensorRT" in text  # the engine comparison says why it was skipped (no TensorRT here) or ran
     # every comparison of the summary table is present: plugin-ref and hf against onnxrt, for both feeds
     for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    2 logits"):
@@ -212,3 +215,28 @@ def test_half_build_uses_measured_dtype_error(built_half_out, tmp_path, capsys):
     _scale_initializer(bad / "model.plugin.onnx", "layers.0.mlp_norm")
     assert _verify(bad, "--no-decode") == 1
     assert "export.verify: FAILED" in capsys.readouterr().out
+
+
+def test_hf_state_dict_is_the_dequantized_weights_in_fp32(built_out, built_half_out):
+    """The HF model's fp32 tensors: each quantized weight dequantized in the build dtype (what the quantized model
+    computes), then upcast; built one weight at a time; the tied lm_head is the embed tensor itself, one copy."""
+    import torch
+
+    from export.quantize import dequantize_state_dict, load_weights
+    from export.runtime.hf_baseline import hf_state_dict as hf_views
+    from export.verify import hf_state_dict, load_out
+
+    config = load_out(built_out)["config"]
+    weights = load_weights(built_out / "weights.safetensors")
+    got = hf_state_dict(weights, config)
+    want = hf_views(dequantize_state_dict(weights), config)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == torch.float32 and got[k].is_contiguous(), k
+        torch.testing.assert_close(got[k], want[k].float(), atol=0, rtol=0, msg=k)
+    # tied embeddings (as load_weights gives them: one tensor under both names), in a half build where the fp32
+    # copy is a new tensor: made once
+    half = load_weights(built_half_out / "weights.safetensors")
+    assert half["embed"].dtype == torch.float16
+    sd = hf_state_dict(dict(half, lm_head=half["embed"]), load_out(built_half_out)["config"])
+    assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
