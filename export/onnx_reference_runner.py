@@ -119,16 +119,26 @@ def _make_runner_class():
     from polygraphy.backend.base import BaseRunner
 
     class PluginReferenceRunner(BaseRunner):
-        """Polygraphy runner: the plugin-flavour ONNX on CPU (ReferenceEvaluator + plugin reference ops)."""
+        """Polygraphy runner: the plugin-flavour ONNX (ReferenceEvaluator + plugin reference ops on ``device``)."""
 
         def __init__(self, path_or_model, name=None, device="cpu"):
             super().__init__(name=name, prefix="tritrt-plugin-ref-runner")
             self._source = path_or_model
             self.device = device
+            self._loaded = None
+
+        def preload(self):
+            """Load the model and build the evaluator now (``export.verify`` does it while ONNX Runtime starts);
+            the next activation uses them."""
+            model = load_model(self._source)
+            self._loaded = (model, make_evaluator(model, self.device))
 
         def activate_impl(self):
-            self.model = load_model(self._source)
-            self.evaluator = make_evaluator(self.model, self.device)
+            loaded, self._loaded = self._loaded, None
+            if loaded is None:
+                model = load_model(self._source)
+                loaded = (model, make_evaluator(model, self.device))
+            self.model, self.evaluator = loaded
             self.output_names = [o.name for o in self.model.graph.output]
 
         def get_input_metadata_impl(self):

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +213,8 @@ def load_hf_model(out: Path, config, device: str = "cpu"):
     return model.to(torch.float32).eval()  # a no-op on the fp32 weights; any other float buffer to fp32 as before
 
 
-def _make_hf_runner(out, config, sequences, device: str = "cpu", log=print):
+def _make_hf_runner(out, config, sequences, device: str = "cpu", log=print, preloaded: dict | None = None):
+    """The ``hf`` runner; its model is ``preloaded.pop("hf")`` when given there, else loaded on activation."""
     from collections import OrderedDict
 
     from polygraphy.backend.base import BaseRunner
@@ -228,9 +230,11 @@ def _make_hf_runner(out, config, sequences, device: str = "cpu", log=print):
 
         def activate_impl(self):
             self._step = 0
-            start = time.perf_counter()
-            self.model = load_hf_model(out, config, device)
-            log(f"export.verify: fp32 HF model loaded on {device} in {time.perf_counter() - start:.1f} s")
+            self.model = (preloaded or {}).pop("hf", None)
+            if self.model is None:
+                start = time.perf_counter()
+                self.model = load_hf_model(out, config, device)
+                log(f"export.verify: fp32 HF model loaded on {device} in {time.perf_counter() - start:.1f} s")
 
         def get_input_metadata_impl(self):
             from polygraphy.common import TensorMetadata
@@ -277,11 +281,13 @@ def _trt_runner(out: Path):
     return TrtRunner(EngineFromBytes((out / "model.engine").read_bytes()), name="trt"), None
 
 
-def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device: str = "auto") -> bool:
+def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device: str = "auto",
+               preload: bool | None = None) -> bool:
     """Run every comparison on OUT; returns True when all match. Raises ``VerifyError`` for an unusable OUT.
 
     ``device`` (auto, cpu, cuda): where the torch parts run (plugin references, MatMul, the fp32 HF model); ONNX
-    Runtime runs on the host CPU whatever it is.
+    Runtime runs on the host CPU whatever it is. ``preload`` (default: on cuda): load the plugin model and the HF
+    model while ONNX Runtime's session is being created.
     """
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator, CompareFunc
@@ -295,11 +301,23 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
     log(f"export.verify: torch references and the HF model on {device}"
         f"{' (' + torch.cuda.get_device_name() + ')' if device == 'cuda' else ''}; ONNX Runtime on the CPU, "
         f"{host_threads()} threads")
+    plugin_ref = PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref", device=device)
+    preloaded = {}
     start = time.perf_counter()
-    try:
-        sess = ort_session(out / "model.reference.onnx")
-    except Exception as e:  # ORT raises its own exception types for unreadable/invalid models
-        raise VerifyError(f"ONNX Runtime cannot load {out / 'model.reference.onnx'} ({e}); rebuild OUT") from e
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # ORT's session creation (most of it: constant-folding the dequantized weights) is single-threaded and
+        # releases the GIL: on cuda the torch side loads meanwhile (the plugin model and its evaluator, the fp32 HF
+        # model on the GPU). On cpu they load in turn, so that the fp32 HF model is in host memory only while it runs.
+        pending = pool.submit(ort_session, out / "model.reference.onnx")
+        if device == "cuda" if preload is None else preload:
+            plugin_ref.preload()
+            preloaded["hf"] = load_hf_model(out, config, device)
+            log(f"export.verify: plugin model and fp32 HF model loaded in {time.perf_counter() - start:.1f} s, "
+                "while ONNX Runtime's session was being created")
+        try:
+            sess = pending.result()
+        except Exception as e:  # ORT raises its own exception types for unreadable/invalid models
+            raise VerifyError(f"ONNX Runtime cannot load {out / 'model.reference.onnx'} ({e}); rebuild OUT") from e
     cache_dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
     if "bfloat16" in sess.get_inputs()[-1].type:
         raise VerifyError("bf16 reference graphs cannot run in ONNX Runtime's CPU provider; build with --dtype "
@@ -314,9 +332,8 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
     feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
                                   prefill_runner=prefill_runner)
     log(f"export.verify: {len(feeds)} feeds made in {time.perf_counter() - start:.1f} s")
-    runners = [OnnxrtRunner(sess, name="onnxrt"),
-               PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref", device=device),
-               _make_hf_runner(out, config, sequences, device, log)]
+    runners = [OnnxrtRunner(sess, name="onnxrt"), plugin_ref,
+               _make_hf_runner(out, config, sequences, device, log, preloaded)]
     trt, why = _trt_runner(out)
     if trt is None:
         log(why)

@@ -204,6 +204,22 @@ def test_half_build_verifies_on_cuda(built_half_out, capsys):
     assert "torch references and the HF model on cuda" in text and "export.verify: PASSED" in text
 
 
+def test_preloading_while_onnxruntime_starts_gives_the_same_result(built_half_out):
+    """On cuda, verify loads the plugin model and the HF model while ONNX Runtime's session is created (a thread);
+    the same path forced on cpu gives the same comparison table as loading in turn."""
+    from export.verify import run_verify
+
+    logs = {}
+    for preload in (False, True):
+        lines = []
+        assert run_verify(built_half_out, decode=False, device="cpu", preload=preload, log=lines.append)
+        logs[preload] = lines
+    assert any("while ONNX Runtime's session was being created" in ln for ln in logs[True])
+    assert not any("while ONNX Runtime" in ln for ln in logs[False])
+    table = [[ln for ln in lines if ln.startswith("comparison")] for lines in logs.values()]
+    assert table[0] and table[0] == table[1]
+
+
 def test_half_build_uses_measured_dtype_error(built_half_out, tmp_path, capsys):
     """fp16: the plugin path's logits are held to 4x ONNX Runtime's own error vs the fp32 HF model (measured in the
     run); a tampered plugin weight (x1.5, far above fp16 rounding) must still fail."""
