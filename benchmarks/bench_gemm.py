@@ -9,6 +9,8 @@ decode step runs: graph or TensorRT engine, no Python per kernel); single eager 
 reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for alternative tile configurations.
 ``BENCH_GEMM_SHAPES=qkv,o`` / ``BENCH_GEMM_MS=1,4,8`` restrict shapes / M; ``BENCH_GEMM_KERNELS=gemv`` times only
 cuBLAS, the default W4A16 Triton kernel and the CUDA GEMVs (scalar and tensor-core, with their variants);
+``BENCH_GEMM_KERNELS=routed`` times what the model runs: the ``torch.ops.tritrt`` GEMM ops (whichever kernel they
+route to; the thresholds are recorded), the default Triton kernels and, from M = 64, dequantize + cuBLAS.
 ``BENCH_GEMM_KERNELS=gemv8`` times only cuBLAS, the default W8A16 Triton kernel and the tensor-core W8A16 GEMV (its
 plan's variant, then one change at a time).
 
@@ -93,6 +95,12 @@ def main():
     sweep = os.environ.get("BENCH_GEMM_SWEEP") == "1"
     gemv_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv"
     gemv8_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv8"  # W8: cuBLAS, Triton default, tensor-core GEMV
+    # What the model runs: the torch ops (whatever kernel they route to), the Triton defaults, and from M = 64 the
+    # dequantize-then-cuBLAS path (kernels.gemm_dequant) that the ops take from DEQUANT_MIN_M on.
+    routed = os.environ.get("BENCH_GEMM_KERNELS") == "routed"
+    import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
+    from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
+    from kernels.ops import gemm as ops_gemm
     ms_list = [int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS") else MS
     shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [
         s for s in SHAPES if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
@@ -126,18 +134,32 @@ def main():
             row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16,
                 rel_err(F.linear(x, w), x.float() @ w.float().t()))
             ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
-            variants8 = [] if gemv_only else [("default", {})] + ([] if gemv8_only else
+            if routed:
+                err = rel_err(torch.ops.tritrt.w8a16_linear(x, q8.qweight, q8.scales, None, None), ref8)
+                row("w8a16_op", lambda qw, s: torch.ops.tritrt.w8a16_linear(x, qw, s, None, None), sets8, b8, err,
+                    "default (routed)")
+                err = rel_err(torch.ops.tritrt.w4a16_linear(x, q4.qweight, q4.scales, q4.zeros, GROUP, None, None), ref4)
+                row("w4a16_op", lambda qw, s, z: torch.ops.tritrt.w4a16_linear(x, qw, s, z, GROUP, None, None), sets4,
+                    b4, err, "default (routed)")
+                if M >= 64:
+                    err = rel_err(dequant_matmul(x, dequantize_w8_kn(q8.qweight, q8.scales)), ref8)
+                    row("w8a16_dequant_cublas", lambda qw, s: dequant_matmul(x, dequantize_w8_kn(qw, s)), sets8, b8,
+                        err)
+                    err = rel_err(dequant_matmul(x, dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, GROUP)), ref4)
+                    row("w4a16_dequant_cublas", lambda qw, s, z: dequant_matmul(x, dequantize_w4_kn(qw, s, z, GROUP)),
+                        sets4, b4, err)
+            variants8 = [] if gemv_only else [("default", {})] + ([] if gemv8_only or routed else
                 [(lab, o) for lab, f, o in SWEEP_W8 if f(M)] if sweep else [(lab, o) for lab, f, o in EXTRA_W8 if f(M)])
             for label, ov in variants8:
                 err = rel_err(w8a16_gemm(x, q8.qweight, q8.scales, **ov), ref8)
                 row("w8a16", lambda qw, s: w8a16_gemm(x, qw, s, **ov), sets8, b8, err, label)
-            variants4 = [] if gemv8_only else [("default", {})] + ([] if gemv_only else
+            variants4 = [] if gemv8_only else [("default", {})] + ([] if gemv_only or routed else
                                              [(lab, o) for lab, f, o in SWEEP_W4 if f(M)] if sweep else
                                              [(lab, o) for lab, f, o in EXTRA_W4 if f(M)])
             for label, ov in variants4:
                 err = rel_err(w4a16_gemm(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
                 row("w4a16", lambda qw, s, z: w4a16_gemm(x, qw, s, z, GROUP, **ov), sets4, b4, err, label)
-            if not gemv8_only and cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
+            if not (gemv8_only or routed) and cu.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 # The plan's variant, plus (M == 1) the other threads-across-N / prefetch choices for comparison.
                 plan_tn = cu.gemv_plan(M, N)["tn"]
                 cu_variants = [(plan_tn, cu.PREFETCH)]
@@ -148,7 +170,7 @@ def main():
                     label = ("default" if (tn, pf) == cu_variants[0] else "variant") + f" tn={tn} pf={int(pf)}"
                     row("w4a16_cuda_gemv", lambda qw, s, z: cu.w4a16_gemv(x, qw, s, z, GROUP, tn=tn, prefetch=pf),
                         sets4, b4, err, label)
-            if not gemv8_only and mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
+            if not (gemv8_only or routed) and M <= 64 and mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 # Tensor-core GEMV: the plan's variant, then one change at a time (accumulator chains, L2 hint,
                 # warps per block, rows per lane, and at M = 1 the M <= 8 build).
                 plan = mma.gemv_plan(M, N, K, GROUP, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -177,7 +199,7 @@ def main():
                                                               f" mmax={plan['mmax']} mt={mt} wscale={int(plan['wscale'])}")
                     row("w4a16_cuda_gemv_mma", lambda qw, s, z: mma.w4a16_gemv_mma(x, qw, s, z, GROUP, **ov),
                         sets4, b4, err, label)
-            if not gemv_only and mma8.unsupported_reason(M, N, K, x.dtype) is None:
+            if not (gemv_only or routed) and mma8.unsupported_reason(M, N, K, x.dtype) is None:
                 # Tensor-core W8A16 GEMV: the plan's variant, then one change at a time (bytes per lane load vec,
                 # blocks per cluster splitting K, warps per block, rows per chunk u, L2 hint).
                 p8 = mma8.gemv_plan(M, N, K, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -203,10 +225,12 @@ def main():
         torch.cuda.empty_cache()
 
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
-            "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep}
+            "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep,
+            "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M",
+                                                         "DEQUANT_MIN_M")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
             "speedup_eager"]
-    write_results("bench_gemm" + ("_sweep" if sweep else ""), rows, cols, meta,
+    write_results("bench_gemm" + ("_sweep" if sweep else "_routed" if routed else ""), rows, cols, meta,
                   notes="ms/speedup: CUDA-graph replay of back-to-back calls over rotating weights (no host launch "
                         "overhead), speedup = cuBLAS fp16 time / kernel time, same run, same M. ms_eager/speedup_eager: "
                         "do_bench of single eager calls (host launch included, L2 flushed between calls). weight_gbs "

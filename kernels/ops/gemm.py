@@ -5,7 +5,8 @@ CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for 
 residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA kernel (``kernels.csrc.w4a16_gemv_mma``), else for
 M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster; for W8A16
 with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
-(``kernels.csrc.w8a16_gemv_mma``).
+(``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M`` (prefill sizes) both dequantize the weight once and
+call cuBLAS (``kernels.gemm_dequant``).
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -24,9 +25,13 @@ CUDA_GEMV_MAX_M = 1
 # M up to which fp16 W4A16 goes to the tensor-core kernel first (0 disables it; shapes it does not take fall through
 # to the scalar GEMV / Triton). H200 run 2 (bench_gemm_gemv_h200_run2.md), speed-up over cuBLAS on the five Llama
 # shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x); tiled in M
-# (bench_gemm_mma_tiled_h200.md): M=16 1.60-2.06x (Triton 0.94-1.07x); at M=64 it is within +-20% of Triton, either
-# side depending on the shape, and at 128 both are 0.45-0.6x, so M > 16 stays on Triton.
-CUDA_GEMV_MMA_MAX_M = 16
+# (bench_gemm_mma_tiled_h200.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
+# 0.60-0.79x); at M=64 Triton is ahead on 4 of 5 shapes (0.66-0.84x against 0.66-0.81x), so M > 32 stays on Triton.
+CUDA_GEMV_MMA_MAX_M = 32
+# M from which W8A16 and W4A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound
+# sizes, where the fused kernels lose (Triton W4A16 0.33-0.36x cuBLAS at M=512 on H200). Set from bench_gemm's
+# w*_dequant_cublas rows (benchmarks/results/bench_gemm_*.md).
+DEQUANT_MIN_M = 256
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). Written for issue 4's M = 1 target (Triton: 1.39-1.73x cuBLAS
 # on H200); not yet measured on a GPU: set from the first bench_gemm run (BENCH_GEMM_KERNELS=gemv8).
@@ -77,6 +82,10 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
     if not x.is_cuda:
         return k.w8a16_reference(x2, qweight, scales, bias, r2).to(x.dtype).reshape(*lead, N)
     M, K = x2.shape
+    if M >= DEQUANT_MIN_M:
+        from ..gemm_dequant import dequant_matmul, dequantize_w8_kn
+
+        return dequant_matmul(x2, dequantize_w8_kn(qweight, scales), bias, r2).reshape(*lead, N)
     if r2 is None and M <= CUDA_W8_GEMV_MAX_M and _w8_gemv_operands_ok(qweight, scales, bias):
         from ..csrc import w8a16_gemv_mma as mma8
 
@@ -113,6 +122,10 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2).to(x.dtype)
         return y.reshape(*lead, N)
     M, K = x2.shape
+    if M >= DEQUANT_MIN_M and group_size % 8 == 0:
+        from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
+
+        return dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, r2).reshape(*lead, N)
     if r2 is None and M <= CUDA_GEMV_MMA_MAX_M:
         from ..csrc import w4a16_gemv_mma as mma
 
