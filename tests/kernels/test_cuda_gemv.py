@@ -67,7 +67,7 @@ def test_gemv_matches_reference(M, N, K, group_size, symmetric):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 8, 16])
+@pytest.mark.parametrize("M", [1, 4, 8, 16, 32])
 def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M):
     import kernels.ops  # noqa: F401
     from kernels.gemm_w4a16 import w4a16_gemm
