@@ -303,19 +303,24 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
         f"{host_threads()} threads")
     plugin_ref = PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref", device=device)
     preloaded = {}
-    start = time.perf_counter()
+
+    def timed_session():
+        start = time.perf_counter()
+        return ort_session(out / "model.reference.onnx"), time.perf_counter() - start
+
     with ThreadPoolExecutor(max_workers=1) as pool:
         # ORT's session creation (most of it: constant-folding the dequantized weights) is single-threaded and
         # releases the GIL: on cuda the torch side loads meanwhile (the plugin model and its evaluator, the fp32 HF
         # model on the GPU). On cpu they load in turn, so that the fp32 HF model is in host memory only while it runs.
-        pending = pool.submit(ort_session, out / "model.reference.onnx")
+        pending = pool.submit(timed_session)
         if device == "cuda" if preload is None else preload:
+            start = time.perf_counter()
             plugin_ref.preload()
             preloaded["hf"] = load_hf_model(out, config, device)
             log(f"export.verify: plugin model and fp32 HF model loaded in {time.perf_counter() - start:.1f} s, "
                 "while ONNX Runtime's session was being created")
         try:
-            sess = pending.result()
+            sess, seconds = pending.result()
         except Exception as e:  # ORT raises its own exception types for unreadable/invalid models
             raise VerifyError(f"ONNX Runtime cannot load {out / 'model.reference.onnx'} ({e}); rebuild OUT") from e
     cache_dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
@@ -327,7 +332,7 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
     def prefill_runner(feed):
         return dict(zip(names, sess.run(None, feed)))
 
-    log(f"export.verify: ONNX Runtime session created in {time.perf_counter() - start:.1f} s")
+    log(f"export.verify: ONNX Runtime session created in {seconds:.1f} s")
     start = time.perf_counter()
     feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
                                   prefill_runner=prefill_runner)
