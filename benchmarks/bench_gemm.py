@@ -96,7 +96,7 @@ def main():
     gemv_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv"
     gemv8_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv8"  # W8: cuBLAS, Triton default, tensor-core GEMV
     # What the model runs: the torch ops (whatever kernel they route to), the Triton defaults, and from M = 64 the
-    # dequantize-then-cuBLAS path (kernels.gemm_dequant) that the ops take from DEQUANT_MIN_M on.
+    # dequantize-then-cuBLAS path (kernels.gemm_dequant) that the ops take from DEQUANT_MIN_M_W4 / _W8 on.
     routed = os.environ.get("BENCH_GEMM_KERNELS") == "routed"
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
     from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
@@ -227,7 +227,7 @@ def main():
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
             "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep,
             "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M",
-                                                         "DEQUANT_MIN_M")}}
+                                                         "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
             "speedup_eager"]
     write_results("bench_gemm" + ("_sweep" if sweep else "_routed" if routed else ""), rows, cols, meta,

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from kernels._utils import device_sm
+
 SOURCE = Path(__file__).with_name("w8a16_gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
 MAX_M = 8
@@ -80,7 +82,7 @@ def _warps_for(blocks: int, vec: int, chunks: int, sm_count: int) -> int:
 
 
 def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional[int] = None,
-              u: Optional[int] = None, ksplit: Optional[int] = None, sm_count: int = 132, clusters: bool = True
+              u: Optional[int] = None, ksplit: Optional[int] = None, sm_count: int = 132, clusters: bool = False
               ) -> dict:
     """Variant and grid (x: column blocks of 8 * vec, y: ksplit blocks of one cluster splitting K).
 
@@ -90,7 +92,12 @@ def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional
     (~16 per SM, what the W4 GEMV runs at o / down), where 4 per cluster would leave 8 per SM. Without clusters:
     ``vec`` the longest whose N / (8 vec) blocks alone fill the SMs, else the shortest (at N = 4096, vec = 16 would
     leave 100 of 132 SMs idle). ``warps``: see ``_warps_for``. Not yet measured for W8: the benchmark times the
-    neighbouring choices (vec, ksplit x 2 and / 2, warps x 2 and / 2, u x 2, L2 hint)."""
+    neighbouring choices (vec, ksplit x 2 and / 2, warps x 2 and / 2, u x 2, L2 hint).
+
+    Measured (H100, benchmarks/results/bench_gemm_w8gemv_h100.md, M = 1/4/8 on the five Llama shapes): the
+    cluster plan (vec 16 + K split) was slower than the plain one on every shape where they differ (o 1.05x vs 1.67x
+    cuBLAS, down 1.29x vs 1.69x, 8k 1.35x vs 1.81x, qkv 1.49x vs 1.63x at M = 1), so ``clusters`` is off by default
+    and a K split is used only when asked for (``ksplit``)."""
     fits = [v for v in VECS if N % v == 0] or [VECS[-1]]
     if vec is None:
         vec = fits[0] if clusters else next((v for v in fits if _fills(-(-N // (8 * v)), sm_count)), fits[-1])
@@ -122,15 +129,10 @@ def compile_variant(warps: int, vec: int, u: int, ksplit: int = 1, l2_128: bool 
                         extra_flags=variant_flags(warps, vec, u, ksplit, l2_128))
 
 
-def _sm() -> int:
-    major, minor = torch.cuda.get_device_capability()
-    return 10 * major + minor
-
-
 def _kernel(warps: int, vec: int, u: int, ksplit: int, l2_128: bool):
     from kernels.aot.launcher import AotKernel
 
-    key = (_sm(), warps, vec, u, ksplit, l2_128)
+    key = (device_sm(), warps, vec, u, ksplit, l2_128)
     k = _KERNELS.get(key)
     if k is None:
         k = _KERNELS[key] = AotKernel(compile_variant(warps, vec, u, ksplit, l2_128, sm=key[0]))
@@ -174,8 +176,8 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W8A16 GEMV: bias must have shape [{N}], got {tuple(bias.shape)}")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
         raise ValueError(f"tensor-core W8A16 GEMV: out must be contiguous float16 {(M, N)}")
-    clusters = _sm() >= 90
-    if ksplit is not None and ksplit > 1 and not clusters:
+    clusters = ksplit is not None and ksplit > 1  # opt-in (see gemv_plan)
+    if clusters and device_sm() < 90:
         raise ValueError(f"tensor-core W8A16 GEMV: ksplit={ksplit} needs thread-block clusters (sm_90+); use ksplit=1")
     plan = gemv_plan(M, N, K, vec, warps, u, ksplit, _sm_count(x.device), clusters)
     if plan["warps"] * 8 * plan["vec"] > 1024:

@@ -5,8 +5,8 @@ CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for 
 residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA kernel (``kernels.csrc.w4a16_gemv_mma``), else for
 M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster; for W8A16
 with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
-(``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M`` (prefill sizes) both dequantize the weight once and
-call cuBLAS (``kernels.gemm_dequant``).
+(``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8`` (prefill sizes) they
+dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -28,14 +28,16 @@ CUDA_GEMV_MAX_M = 1
 # (bench_gemm_mma_tiled_h200.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
 # 0.60-0.79x); at M=64 Triton is ahead on 4 of 5 shapes (0.66-0.84x against 0.66-0.81x), so M > 32 stays on Triton.
 CUDA_GEMV_MMA_MAX_M = 32
-# M from which W8A16 and W4A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound
-# sizes, where the fused kernels lose (Triton W4A16 0.33-0.36x cuBLAS at M=512 on H200). Set from bench_gemm's
-# w*_dequant_cublas rows (benchmarks/results/bench_gemm_*.md).
-DEQUANT_MIN_M = 256
+# M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound sizes,
+# where the fused kernels lose. H100 (benchmarks/results/bench_gemm_routed_h100.md), speed-up over cuBLAS: W4A16 at
+# M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton ahead on 4 of 5; W8A16 at
+# M=256 Triton still ahead on 4 of 5 (0.53-0.64x vs 0.48-0.62x), M=512 decides it (same file).
+DEQUANT_MIN_M_W4 = 256
+DEQUANT_MIN_M_W8 = 512
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
-# it; shapes it does not take fall through to Triton). Written for issue 4's M = 1 target (Triton: 1.39-1.73x cuBLAS
-# on H200); not yet measured on a GPU: set from the first bench_gemm run (BENCH_GEMM_KERNELS=gemv8).
-CUDA_W8_GEMV_MAX_M = 8
+# it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md), plan without clusters, vs
+# Triton W8A16: M=1 1.63-1.91x vs 1.55-1.85x (ahead on 4 of 5, down 1.69 vs 1.74), M=4 ahead on 4 of 5, M=8 on 3.
+CUDA_W8_GEMV_MAX_M = 4
 
 
 def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
@@ -82,7 +84,7 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
     if not x.is_cuda:
         return k.w8a16_reference(x2, qweight, scales, bias, r2).to(x.dtype).reshape(*lead, N)
     M, K = x2.shape
-    if M >= DEQUANT_MIN_M:
+    if M >= DEQUANT_MIN_M_W8:
         from ..gemm_dequant import dequant_matmul, dequantize_w8_kn
 
         return dequant_matmul(x2, dequantize_w8_kn(qweight, scales), bias, r2).reshape(*lead, N)
@@ -122,7 +124,7 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2).to(x.dtype)
         return y.reshape(*lead, N)
     M, K = x2.shape
-    if M >= DEQUANT_MIN_M and group_size % 8 == 0:
+    if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
         from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
 
         return dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, r2).reshape(*lead, N)

@@ -1,6 +1,6 @@
 """The large-M path (kernels/gemm_dequant.py): the dequantize kernels give exactly ``kernels.quant.dequantize``'s
 16-bit weight (same fp32 math, one rounding: compared bit for bit, in the interpreter here and on the GPU), and the
-torch ops route M >= DEQUANT_MIN_M through it (the result is then cuBLAS on that weight, judged like the fused
+torch ops route M >= DEQUANT_MIN_M_W4 / _W8 through it (the result is then cuBLAS on that weight, judged like the fused
 kernels: against the fp32 reference with PyTorch's own 16-bit error as the yardstick)."""
 
 import pytest
@@ -62,7 +62,7 @@ def test_ops_route_large_m_through_dequantize_and_cublas(bits, dtype):
     from kernels.gemm_dequant import dequant_matmul
     from kernels.ops import gemm as ops_gemm
 
-    M, N, K = ops_gemm.DEQUANT_MIN_M + 37, 1000, 512
+    M, N, K = (ops_gemm.DEQUANT_MIN_M_W4 if bits == 4 else ops_gemm.DEQUANT_MIN_M_W8) + 37, 1000, 512
     g = torch.Generator().manual_seed(bits)
     w = torch.randn(N, K, generator=g).to(dtype)
     x = torch.randn(M, K, generator=g).to(dtype).cuda()
