@@ -60,7 +60,8 @@ def test_good_out_passes(built_out, capsys):
     assert f"torch references and the HF model on {auto}" in text
     assert "TensorRT" in text  # the engine comparison says why it was skipped (no TensorRT here) or ran
     # every comparison of the summary table is present: plugin-ref and hf against onnxrt, for both feeds
-    for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    2 logits"):
+    for row in ("plugin-ref vs onnxrt            0 logits", "hf vs onnxrt                    2 logits",
+                "hf vs onnxrt                    2 v_cache_out_1"):
         assert row in text
 
 
@@ -221,11 +222,12 @@ def test_preloading_while_onnxruntime_starts_gives_the_same_result(built_half_ou
 
 
 def test_half_build_uses_measured_dtype_error(built_half_out, tmp_path, capsys):
-    """fp16: the plugin path's logits are held to 4x ONNX Runtime's own error vs the fp32 HF model (measured in the
-    run); a tampered plugin weight (x1.5, far above fp16 rounding) must still fail."""
+    """fp16: the plugin path's logits and caches are held to 4x ONNX Runtime's own error vs the fp32 HF model (per
+    output, measured in the run); a tampered plugin weight (x1.5, far above fp16 rounding) must still fail."""
     assert _verify(built_half_out, "--no-decode") == 0
     text = capsys.readouterr().out
     assert "half build: ONNX Runtime's own logits error" in text and "plugin-ref vs hf" in text
+    assert "plugin-ref vs hf                0 k_cache_out_1" in text  # the caches are held to the rule too
     bad = tmp_path / "bad"
     shutil.copytree(built_half_out, bad, ignore=shutil.ignore_patterns("kernels"))
     _scale_initializer(bad / "model.plugin.onnx", "layers.0.mlp_norm")
@@ -256,3 +258,95 @@ def test_hf_state_dict_is_the_dequantized_weights_in_fp32(built_out, built_half_
     assert half["embed"].dtype == torch.float16
     sd = hf_state_dict(dict(half, lm_head=half["embed"]), load_out(built_half_out)["config"])
     assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+
+
+def test_hf_caches_are_the_graphs_on_the_fp32_model(built_out):
+    """The HF runner's caches (HF's own, post-RoPE keys, scattered through the feed's block tables) equal ONNX
+    Runtime's on the fp32 tiny model within FP32_TOL on every feed and layer: same layout, same RoPE convention; the
+    slots no sequence holds (block 0 included) are exactly 0 in both."""
+    from export.verify import FP32_TOL, load_out, make_feeds, make_hf_runner, ort_session
+
+    info = load_out(built_out)
+    sess = ort_session(built_out / "model.reference.onnx")
+    names = [o.name for o in sess.get_outputs()]
+
+    def ort(feed):
+        return dict(zip(names, sess.run(None, feed)))
+
+    feeds, seqs = make_feeds(info["config"], info["block_size"], lens=(5, 3), prefill_runner=ort)
+    runner = make_hf_runner(built_out, info["config"], seqs, feeds, device="cpu", log=lambda *_: None)
+    with runner:
+        for feed, seq in zip(feeds, seqs):
+            want, got = ort(feed), runner.infer(feed, check_inputs=False)
+            cache_names = [n for n in names if "_cache_out_" in n]
+            assert sorted(k for k in got if "_cache_out_" in k) == sorted(cache_names)
+            held = np.zeros(want[cache_names[0]].shape[:2], bool)  # [num_blocks, block_size]: slots with a token
+            for s, tokens in enumerate(seq):
+                pos = np.arange(len(tokens))
+                held[feed["block_table"][s, pos // info["block_size"]], pos % info["block_size"]] = True
+            assert not held[0].any()
+            for n in cache_names:
+                # FP32_TOL: fp32 summation order only (see export.verify); a slot off by one or RoPE's other pairing
+                # convention (interleaved vs halves) moves values by O(1)
+                np.testing.assert_allclose(got[n], want[n], atol=FP32_TOL[0], rtol=FP32_TOL[1], err_msg=n)
+                assert not got[n][~held].any() and not want[n][~held].any(), n
+                assert got[n][held].any(), n  # the held slots were written, not left at 0
+
+
+def test_paged_caches_cross_blocks_through_the_table():
+    """Token p of sequence s lands at block block_table[s][p // block_size], slot p % block_size, also past the
+    first block and with blocks out of order; everything else stays 0 (the tiny models' sequences fit one block)."""
+    import torch
+
+    from export.verify_hf import paged_caches
+
+    rng = np.random.default_rng(7)
+    kv_heads, head_dim, block_size = 2, 3, 4
+    lens = (7, 1)
+    per_seq = [[(torch.from_numpy(rng.standard_normal((1, kv_heads, n, head_dim))).float(),
+                 torch.from_numpy(rng.standard_normal((1, kv_heads, n, head_dim))).float())] for n in lens]
+    table = np.array([[4, 2], [1, 0]], np.int32)
+    out = paged_caches(per_seq, table, (6, block_size, kv_heads, head_dim))
+    assert sorted(out) == ["k_cache_out_0", "v_cache_out_0"]
+    want = np.zeros((6, block_size, kv_heads, head_dim), np.float32)
+    for s, n in enumerate(lens):
+        for p in range(n):
+            want[table[s][p // block_size], p % block_size] = per_seq[s][0][0][0, :, p, :].numpy()
+    np.testing.assert_array_equal(out["k_cache_out_0"], want)
+    assert out["k_cache_out_0"][2, 2].any() and not out["k_cache_out_0"][2, 3].any()  # seq 0's token 6; slot 7 empty
+
+
+@pytest.mark.parametrize("runner", ["onnxrt", "plugin-ref"])
+def test_cache_value_in_the_wrong_slot_fails_the_half_rule(built_half_out, runner, monkeypatch):
+    """fp16: one runner writes sequence 0's last prefill token one slot too far (an off-by-one slot_mapping) in one
+    layer's K cache; the half rules (ORT vs HF relative to the output's max; the plugin path vs HF within 4x ORT's
+    error) must catch it on that output, all else being right."""
+    from collections import OrderedDict
+
+    from export.verify import run_verify
+
+    if runner == "onnxrt":
+        from polygraphy.backend.onnxrt import OnnxrtRunner as cls
+    else:
+        from export.onnx_reference_runner import PluginReferenceRunner as cls
+    infer = cls.infer_impl
+
+    def misplaced(self, feed_dict, *args, **kwargs):
+        out = OrderedDict((k, np.array(v)) for k, v in infer(self, feed_dict, *args, **kwargs).items())
+        cache = out["k_cache_out_1"]
+        block_size = cache.shape[1]
+        slot = int(feed_dict["slot_mapping"][int(feed_dict["cu_seqlens_q"][1]) - 1])  # seq 0's last new token
+        block, off = divmod(slot, block_size)
+        assert off + 1 < block_size and not cache[block, off + 1].any()  # the next slot is free: moving is a change
+        cache[block, off + 1], cache[block, off] = cache[block, off], 0
+        return out
+
+    monkeypatch.setattr(cls, "infer_impl", misplaced)
+    lines = []
+    assert not run_verify(built_half_out, decode=False, device="cpu", log=lines.append)
+    assert "export.verify: FAILED" in lines[-1]
+    rows = [ln.split() for ln in "\n".join(lines).splitlines() if " k_cache_out_1 " in ln and " vs " in ln]
+    pair = "hf vs onnxrt" if runner == "onnxrt" else "plugin-ref vs hf"
+    (row,) = [r for r in rows if " ".join(r[:3]) == pair]
+    err, allowed = float(row[-3]), float(row[-1])
+    assert err > allowed  # the output's own half rule fails, not only some other comparison
