@@ -31,7 +31,8 @@ CUDA_GEMV_MMA_MAX_M = 32
 # M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound sizes,
 # where the fused kernels lose. H100 (benchmarks/results/bench_gemm_routed_h100.md), speed-up over cuBLAS: W4A16 at
 # M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton ahead on 4 of 5; W8A16 at
-# M=256 Triton still ahead on 4 of 5 (0.53-0.64x vs 0.48-0.62x), M=512 decides it (same file).
+# M=256 Triton still ahead on 4 of 5 (0.52-0.63x vs 0.47-0.62x); at M=512 dequant+cuBLAS ahead on all 5 (0.58-0.66x
+# vs 0.42-0.59x).
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
