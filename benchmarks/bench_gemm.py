@@ -172,14 +172,14 @@ def main():
                         sets4, b4, err, label)
             if not (gemv8_only or routed) and M <= 64 and mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 # Tensor-core GEMV: the plan's variant, then one change at a time (accumulator chains, L2 hint,
-                # warps per block, rows per lane, and at M = 1 the M <= 8 build).
+                # warps per block, rows per lane, and at M = 1 the M = 1 build, mmax=1).
                 plan = mma.gemv_plan(M, N, K, GROUP, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
                 wp, mt = plan["warps"], plan["mt"]
                 if mt == 1:
                     alternatives = (
                         (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])), ("l2_256", dict(l2_256=True)),
                         (f"warps={2 * wp}", dict(warps=2 * wp)), (f"warps={wp // 2}", dict(warps=wp // 2)),
-                        ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=8", dict(mmax=8)))
+                        ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=1", dict(mmax=1)))
                 else:  # M > 8: x tiles per block, fp16-scaled weights, warps per block, rows per lane
                     alternatives = tuple(
                         [(f"mt={m}", dict(mt=m)) for m in (2, 4, 8) if m != mt and 8 * m <= 2 * M] +
@@ -190,7 +190,7 @@ def main():
                 mma_variants = [("default", {})] + [
                     (lab, o) for lab, o in alternatives
                     if o.get("warps", 1) in mma.WARPS and not K % (32 * o.get("u", 4))
-                    and (plan["mmax"] == 1 or "mmax" not in o)
+                    and (M == 1 or "mmax" not in o)
                     and o.get("warps", wp) * o.get("mt", mt) <= 32 and not (o.get("mt", mt) >= 4 and
                                                                           o.get("wscale", plan["wscale"]) is False)]
                 for lab, ov in mma_variants:

@@ -88,12 +88,15 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
                      choices[-1] if mt == 1 else min(4, choices[0]))
         while warps > 1 and warps > chunks:
             warps //= 2
-    # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) the M <= 8 build with two accumulator
-    # chains ran 23.6 us at M = 1 against 28.6-32.2 us for the M = 1 builds; with more warps per block one chain and
-    # the M = 1 build were best (1-12% on the other four shapes). An explicit ``warps`` follows the same rule.
+    # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) two accumulator chains ran 23.6 us at
+    # M = 1 against 28.6-32.2 us with one (H200); with more warps per block one chain was best. The M = 1 build
+    # (GEMV_MMAX 1, which skips the other rows' loads and FMAs) is not used: H100 (benchmarks/results/
+    # bench_gemm_gemv_h100.md) ran the M <= 8 build 12-20% faster at M = 1 on the four shapes where they differ
+    # (qkv 2.37x vs 2.03x cuBLAS, o 2.52 vs 2.23, down 2.71 vs 2.35, 8k 2.94 vs 2.45); an older H200 build had the M = 1
+    # build 1-12% ahead (bench_gemm_gemv_h200_run2.md). It stays available as ``mmax=1``.
     few = warps <= 2 and mt == 1
-    return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M if (M > 1 or few) else 1,
-                chains=2 if few else 1, mt=mt, wscale=bool(wscale), grid=(blocks,))
+    return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M, chains=2 if few else 1, mt=mt,
+                wscale=bool(wscale), grid=(blocks,))
 
 
 def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,

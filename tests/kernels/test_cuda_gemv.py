@@ -152,7 +152,7 @@ def test_mma_gemv_plan_and_support():
                                                               (4096, 14336), (8192, 8192)]] == [8, 16, 2, 16, 8]
     # The measured exception: with <= 2 warps per block the M <= 8 build with two chains, also at M = 1.
     assert {k: mma.gemv_plan(1, 28672, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 8, "chains": 2}
-    assert {k: mma.gemv_plan(1, 4096, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 1, "chains": 1}
+    assert {k: mma.gemv_plan(1, 4096, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 8, "chains": 1}
     for M, N, K, g in [(1, 4096, 4096, 128), (3, 28672, 4096, 64), (8, 36, 128, 32), (1, 4096, 14336, 256)]:
         p = mma.gemv_plan(M, N, K, g)
         assert p["grid"][0] * 32 >= N > (p["grid"][0] - 1) * 32
@@ -205,7 +205,7 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
     base = x @ dequantize(qw).t() + bias
     plan = mma.gemv_plan(M, N, K, group_size)
     variants = [{}, dict(chains=1), dict(l2_256=True), dict(warps=max(1, plan["warps"] // 2)),
-                dict(u=8) if K % 256 == 0 else dict(warps=1)] + ([dict(mmax=8)] if M == 1 else [])
+                dict(u=8) if K % 256 == 0 else dict(warps=1)] + ([dict(mmax=1)] if M == 1 else [])
     for ov in variants:
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
