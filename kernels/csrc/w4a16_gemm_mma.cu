@@ -1,3 +1,4 @@
+// EXPERIMENTAL (not routed; measured 0.2-0.5x cuBLAS at M >= 64, see w4a16_gemm_mma.py).
 // W4A16 GEMM on tensor cores for M from ~16 to a few hundred, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias),
 // W in kernels.quant's INT4 layout (qweight int32 [K/8, N], nibble j of packed row r is k = 8r + j; scales fp16
 // [K/G, N]; zeros uint8 [K/G, N] or none = 8).

@@ -1,5 +1,11 @@
 """Launcher for the tensor-core W4A16 GEMM (``w4a16_gemm_mma.cu``): fp16 activations, M above the GEMV's range.
 
+Experimental, not routed by ``kernels.ops``: correct (gpu tier) but, as measured, slower than the alternatives it would
+replace. H200 sweeps (benchmarks/results/bench_gemm_mma_gemm_dev_h200.log): 0.2-0.5x cuBLAS at M >= 64, below the
+Triton kernel on most shapes; ncu at M=512 shows 12% warp occupancy (shared memory and ~214 registers allow 2 blocks
+of 4 warps per SM), 48% issue-slot use and 34% tensor-pipe use, i.e. latency-bound with the dequantization
+instructions (about 3 per HMMA) in the issue stream. It is kept as the starting point for issue 4's large-M target.
+
 A block computes a ``[8 mt, 32 nt wn]`` tile of y with ``wn`` warps side by side along N, staging x, the packed
 weights and their scales in shared memory with a ``stages``-deep cp.async pipeline over K steps of ``32 u``; split-K
 over ``gridDim.y`` when the tiles alone leave SMs idle (fp32 partials in a workspace, summed by the last block of each
@@ -22,7 +28,7 @@ KERNEL = "w4a16_gemm_mma"
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("workspace", "*fp32"), ("counters", "*i32"), ("M", "i32"), ("N", "i32"), ("K", "i32"),
           ("group_size", "i32"), ("stride_xm", "i32"), ("has_zeros", "i32"), ("has_bias", "i32"), ("splits", "i32")]
-# Defaults (not yet tuned on a GPU): 4 warps x 64 columns, 32 rows of x, K steps of 128, 3 stages.
+# Defaults: 4 warps x 64 columns, 32 rows of x, K steps of 128, 3 stages (no variant in the sweeps beat them by much).
 WN, NT, MT, U, STAGES, MINB = 4, 2, 4, 4, 3, 1
 REGS_BOUND = 232  # ptxas, sm_90, default variant: 214 (minb 3 caps it at 168, no spills)
 SHARED_LIMIT = 227 * 1024
