@@ -101,7 +101,7 @@ def main() -> int:
     log = Path(results_dir) / "bench_export.log" if results_dir else args.workdir / "log.txt"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    args.workdir.mkdir(parents=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)  # the log may have made it already
     t0 = time.perf_counter()
     gib = write_random_checkpoint(ck, args.layers)
     rows = [dict(step="write random checkpoint", seconds=round(time.perf_counter() - t0, 1), size_gib=round(gib, 2))]
