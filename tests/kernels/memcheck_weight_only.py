@@ -1,0 +1,34 @@
+"""compute-sanitizer memcheck of the weight-only CUDA kernels and dequantize kernels at small odd shapes (a script,
+not a pytest module: memcheck wraps the whole process). On a GPU machine:
+
+    PYTHONPATH=$PWD compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+        python3 tests/kernels/memcheck_weight_only.py
+
+API errors are not reported: cuda.bindings' driver-function lookup trips cuGetProcAddress_v2 invalid-value errors
+that are not memory errors. Last run: 0 errors (H100, 2026-11-26).
+"""
+import torch
+from kernels.csrc import w4a16_gemv_mma as mma, w8a16_gemv_mma as mma8, w4a16_gemm_mma as gm
+from kernels.gemm_dequant import dequantize_w4_kn, dequantize_w8_kn
+from kernels.quant import quantize_int4, quantize_int8
+torch.manual_seed(0)
+for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (100, 48, 256)]:
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
+    b = torch.randn(N, device="cuda", dtype=torch.float16)
+    for ov in ({}, dict(mt=2) if M > 8 else {}, dict(mt=8, warps=1) if M > 8 else dict(mmax=1) if M == 1 else {}):
+        mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
+    if N % 16 == 0 and M > 8:
+        for ov in ({}, dict(splits=3), dict(mt=8, nt=1)):
+            gm.w4a16_gemm_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
+    dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64)
+    q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
+    dequantize_w8_kn(q8.qweight, q8.scales)
+    if M <= 8 and N % 4 == 0:
+        for ov in ({}, dict(vec=4), dict(ksplit=2)):
+            try:
+                mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, b, **ov)
+            except ValueError as e:
+                print("skip", M, N, K, ov, e)
+torch.cuda.synchronize()
+print("memcheck script done")
