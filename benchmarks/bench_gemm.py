@@ -138,7 +138,8 @@ def main():
                 err = rel_err(torch.ops.tritrt.w8a16_linear(x, q8.qweight, q8.scales, None, None), ref8)
                 row("w8a16_op", lambda qw, s: torch.ops.tritrt.w8a16_linear(x, qw, s, None, None), sets8, b8, err,
                     "default (routed)")
-                err = rel_err(torch.ops.tritrt.w4a16_linear(x, q4.qweight, q4.scales, q4.zeros, GROUP, None, None), ref4)
+                y4 = torch.ops.tritrt.w4a16_linear(x, q4.qweight, q4.scales, q4.zeros, GROUP, None, None)
+                err = rel_err(y4, ref4)
                 row("w4a16_op", lambda qw, s, z: torch.ops.tritrt.w4a16_linear(x, qw, s, z, GROUP, None, None), sets4,
                     b4, err, "default (routed)")
                 if M >= 64:
@@ -177,7 +178,8 @@ def main():
                 wp, mt = plan["warps"], plan["mt"]
                 if mt == 1:
                     alternatives = (
-                        (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])), ("l2_256", dict(l2_256=True)),
+                        (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])),
+                        ("l2_256", dict(l2_256=True)),
                         (f"warps={2 * wp}", dict(warps=2 * wp)), (f"warps={wp // 2}", dict(warps=wp // 2)),
                         ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=1", dict(mmax=1)))
                 else:  # M > 8: x tiles per block, fp16-scaled weights, warps per block, rows per lane
@@ -195,8 +197,9 @@ def main():
                                                                           o.get("wscale", plan["wscale"]) is False)]
                 for lab, ov in mma_variants:
                     err = rel_err(mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, GROUP, **ov), ref4)
-                    label = lab if lab != "default" else (f"default warps={wp} u={plan['u']} chains={plan['chains']}"
-                                                              f" mmax={plan['mmax']} mt={mt} wscale={int(plan['wscale'])}")
+                    label = lab if lab != "default" else (
+                        f"default warps={wp} u={plan['u']} chains={plan['chains']} mmax={plan['mmax']} mt={mt} "
+                        f"wscale={int(plan['wscale'])}")
                     row("w4a16_cuda_gemv_mma", lambda qw, s, z: mma.w4a16_gemv_mma(x, qw, s, z, GROUP, **ov),
                         sets4, b4, err, label)
             if not (gemv_only or routed) and mma8.unsupported_reason(M, N, K, x.dtype) is None:
@@ -226,8 +229,8 @@ def main():
 
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
             "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep,
-            "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M",
-                                                         "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8")}}
+            "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M",
+                                                         "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
             "speedup_eager"]
     write_results("bench_gemm" + ("_sweep" if sweep else "_routed" if routed else ""), rows, cols, meta,

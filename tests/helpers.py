@@ -1,6 +1,7 @@
 """Helpers shared by the tests: comparisons (errors are judged against PyTorch's own error, and a failure says
 where), the device/dtype parameters and output-rounding tolerance of the elementwise kernel tests (norms, activations,
-RoPE), and the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``."""
+RoPE), the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``, and the inputs and tools of
+the CUDA weight-only kernel tests (``w4_gpu_case``, ``cuobjdump``)."""
 
 import pytest
 import torch
@@ -89,3 +90,36 @@ def rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
         return 1e-5 * top
     ulp = torch.finfo(dtype).eps * top  # eps is the ulp at 1.0, so this is the ulp at |top| (to within 2x)
     return ulp if (interpreting() and dtype == torch.bfloat16) else 0.5 * ulp
+
+
+def cuobjdump():
+    """Path of cuobjdump (Triton's bundled one, else the CUDA toolkit's), or None: the SASS checks need it."""
+    import shutil
+    from pathlib import Path
+
+    try:
+        import triton
+
+        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    except ImportError:
+        return None
+    return str(p) if p.exists() else shutil.which("cuobjdump")
+
+
+def w4_gpu_case(M, N, K, group_size, symmetric, seed):
+    """A W4A16 case on the GPU: fp16 x [M, K], an INT4 weight for a random [N, K] (with the largest zero point, 16 from
+    GPTQ v1 imports, in every third column of the first group), an fp16 bias, the fp32 reference on the dequantized
+    weight and PyTorch's fp16 result on it (the tolerance baseline). Returns (x, qw, bias, ref, baseline)."""
+    from kernels.gemm_w4a16 import w4a16_reference
+    from kernels.quant import dequantize, quantize_int4
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).half()
+    x = torch.randn(M, K, generator=g).half().cuda()
+    qw = quantize_int4(w, group_size, symmetric)
+    if qw.zeros is not None:
+        qw.zeros[0, ::3] = 16
+    qw = qw.to("cuda")
+    bias = torch.randn(N, generator=g).half().cuda()
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
+    return x, qw, bias, ref, x @ dequantize(qw).t() + bias

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from kernels.csrc import cached_kernel, device_sm_count
+
 SOURCE = Path(__file__).with_name("w4a16_gemm_mma.cu")
 KERNEL = "w4a16_gemm_mma"
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
@@ -35,7 +37,6 @@ SHARED_LIMIT = 227 * 1024
 
 _KERNELS: dict = {}
 _COUNTERS: dict = {}
-_SM_COUNT: dict = {}
 
 
 def tile_shape(wn: int = WN, nt: int = NT, mt: int = MT, u: int = U) -> tuple[int, int, int]:
@@ -99,29 +100,11 @@ def compile_variant(wn: int, nt: int, mt: int, u: int, gsteps: int, stages: int,
                         extra_flags=variant_flags(wn, nt, mt, u, gsteps, stages, minb))
 
 
-def _kernel(*variant):
-    from kernels._utils import device_sm
-    from kernels.aot.launcher import AotKernel
-
-    key = (device_sm(), *variant)
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(*variant, sm=key[0]))
-    return k
-
-
 def _counters(device, n: int) -> torch.Tensor:
     c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
         c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return c
-
-
-def _sm_count(device) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 def w4a16_gemm_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -147,7 +130,7 @@ def w4a16_gemm_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("tensor-core W4A16 GEMM: scales and bias must be float16")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
         raise ValueError(f"tensor-core W4A16 GEMM: out must be contiguous float16 {(M, N)}")
-    plan = gemm_plan(M, N, K, group_size, _sm_count(x.device), **variant)
+    plan = gemm_plan(M, N, K, group_size, device_sm_count(x.device), **variant)
     if plan["shared"] > SHARED_LIMIT:
         raise ValueError(f"tensor-core W4A16 GEMM: variant needs {plan['shared']} B of shared memory "
                          f"(> {SHARED_LIMIT})")
@@ -156,7 +139,8 @@ def w4a16_gemm_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     workspace = (torch.empty(splits * M * N, dtype=torch.float32, device=x.device) if splits > 1
                  else out)  # unused when splits == 1 (any valid pointer)
     counters = _counters(x.device, plan["grid"][0])
-    _kernel(plan["wn"], plan["nt"], plan["mt"], plan["u"], plan["gsteps"], plan["stages"], plan["minb"]).launch(
+    build = (plan["wn"], plan["nt"], plan["mt"], plan["u"], plan["gsteps"], plan["stages"], plan["minb"])
+    cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size, x.stride(0),
         int(zeros is not None), int(bias is not None), splits)

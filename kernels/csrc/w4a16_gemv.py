@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from kernels.csrc import cached_kernel
+
 SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
 KERNEL = "w4a16_gemv"
 THREADS = 256
@@ -48,23 +50,12 @@ def gemv_plan(M: int, N: int) -> dict:
     return dict(gemv_m=gemv_m, tn=tn, grid=(-(-N // (4 * tn)),))
 
 
-def compile_variant(gemv_m: int, tn: int, sm: int = 90, prefetch: bool = PREFETCH):
+def compile_variant(gemv_m: int, tn: int, prefetch: bool = PREFETCH, sm: int = 90):
     """The PTX/cubin artifact for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=THREADS,
                         extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}", f"-DGEMV_PREFETCH={int(prefetch)}"))
-
-
-def _kernel(gemv_m: int, tn: int, prefetch: bool):
-    from kernels._utils import device_sm
-    from kernels.aot.launcher import AotKernel
-
-    key = (device_sm(), gemv_m, tn, prefetch)
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(gemv_m, tn, sm=key[0], prefetch=prefetch))
-    return k
 
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -93,7 +84,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     tn = tn or plan["tn"]
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
     prefetch = PREFETCH if prefetch is None else bool(prefetch)
-    _kernel(plan["gemv_m"], tn, prefetch).launch(
+    cached_kernel(_KERNELS, compile_variant, plan["gemv_m"], tn, bool(prefetch)).launch(
         (-(-N // (4 * tn)),), x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
         int(bias is not None))

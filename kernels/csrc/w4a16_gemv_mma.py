@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from kernels.csrc import cached_kernel, device_sm_count
+
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
 MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
@@ -35,7 +37,6 @@ PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*
           ("has_zeros", "i32"), ("has_bias", "i32")]
 
 _KERNELS: dict = {}
-_SM_COUNT: dict = {}
 
 
 def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: int = U_DEFAULT
@@ -102,7 +103,8 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
 def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
                   mt: int = 1, wscale: bool = False):
     return (f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_GSTEPS={gsteps}", f"-DGEMV_MMAX={mmax}",
-            f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}", f"-DGEMV_MT={mt}", f"-DGEMV_WSCALE={int(wscale)}")
+            f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}", f"-DGEMV_MT={mt}",
+            f"-DGEMV_WSCALE={int(wscale)}")
 
 
 def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
@@ -112,24 +114,6 @@ def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CH
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
                         extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256, mt, wscale))
-
-
-def _kernel(*variant):
-    from kernels._utils import device_sm
-    from kernels.aot.launcher import AotKernel
-
-    key = (device_sm(), *variant)
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(*variant, sm=key[0]))
-    return k
-
-
-def _sm_count(device) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -161,7 +145,7 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W4A16 GEMV: out must be contiguous float16 {(M, N)}")
     if mt is not None and mt not in (1, 2, 4, 8):
         raise ValueError(f"tensor-core W4A16 GEMV: mt={mt} must be 1, 2, 4 or 8")
-    plan = gemv_plan(M, N, K, group_size, u, warps, _sm_count(x.device), mt, wscale)
+    plan = gemv_plan(M, N, K, group_size, u, warps, device_sm_count(x.device), mt, wscale)
     if mmax is not None and (mmax not in (1, MAX_M) or (mmax == 1 and M > 1) or (mmax == 1 and plan["mt"] > 1)):
         raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be {MAX_M}, or 1 for M = 1 with mt = 1")
     if plan["warps"] * plan["mt"] > 32:
@@ -170,8 +154,9 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     chains = int(chains or plan["chains"])
     if plan["mt"] > 1 and chains != 1:
         raise ValueError("tensor-core W4A16 GEMV: chains=2 is for mt = 1 only")
-    _kernel(plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], chains, bool(l2_256), plan["mt"],
-            plan["wscale"]).launch(
+    build = (plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], chains, bool(l2_256), plan["mt"],
+             plan["wscale"])
+    cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
         int(bias is not None))

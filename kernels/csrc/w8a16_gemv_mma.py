@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from kernels.csrc import cached_kernel, device_sm_count
+
 from kernels._utils import device_sm
 
 SOURCE = Path(__file__).with_name("w8a16_gemv_mma.cu")
@@ -33,7 +35,6 @@ PARAMS = [("x", "*fp16"), ("qweight", "*i8"), ("scales", "*fp16"), ("bias", "*fp
           ("M", "i32"), ("N", "i32"), ("K", "i32"), ("stride_xm", "i32"), ("has_bias", "i32")]
 
 _KERNELS: dict = {}
-_SM_COUNT: dict = {}
 
 
 def default_u(vec: int) -> int:
@@ -129,23 +130,6 @@ def compile_variant(warps: int, vec: int, u: int, ksplit: int = 1, l2_128: bool 
                         extra_flags=variant_flags(warps, vec, u, ksplit, l2_128))
 
 
-def _kernel(warps: int, vec: int, u: int, ksplit: int, l2_128: bool):
-    from kernels.aot.launcher import AotKernel
-
-    key = (device_sm(), warps, vec, u, ksplit, l2_128)
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = AotKernel(compile_variant(warps, vec, u, ksplit, l2_128, sm=key[0]))
-    return k
-
-
-def _sm_count(device) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
 def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, vec: Optional[int] = None, warps: Optional[int] = None,
                    u: Optional[int] = None, ksplit: Optional[int] = None, l2_128: bool = L2_128) -> torch.Tensor:
@@ -179,7 +163,7 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     clusters = ksplit is not None and ksplit > 1  # opt-in (see gemv_plan)
     if clusters and device_sm() < 90:
         raise ValueError(f"tensor-core W8A16 GEMV: ksplit={ksplit} needs thread-block clusters (sm_90+); use ksplit=1")
-    plan = gemv_plan(M, N, K, vec, warps, u, ksplit, _sm_count(x.device), clusters)
+    plan = gemv_plan(M, N, K, vec, warps, u, ksplit, device_sm_count(x.device), clusters)
     if plan["warps"] * 8 * plan["vec"] > 1024:
         raise ValueError(f"tensor-core W8A16 GEMV: warps={plan['warps']} with vec={plan['vec']} exceeds the "
                          f"32 KB shared-memory reduction (warps * 8 * vec <= 1024)")
@@ -187,7 +171,8 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W8A16 GEMV: K={K} is not a multiple of 16 * u * ksplit = "
                          f"{16 * plan['u'] * plan['ksplit']}")
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
-    _kernel(plan["warps"], plan["vec"], plan["u"], plan["ksplit"], bool(l2_128)).launch(
+    build = (plan["warps"], plan["vec"], plan["u"], plan["ksplit"], bool(l2_128))
+    cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, bias if bias is not None else scales, out, M, N, K, x.stride(0),
         int(bias is not None))
     return out

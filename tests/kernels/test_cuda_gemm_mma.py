@@ -11,7 +11,7 @@ import torch
 from kernels.csrc import w4a16_gemm_mma as gm
 from kernels.gemm_w4a16 import w4a16_reference
 from kernels.quant import dequantize, quantize_int4
-from tests.helpers import assert_close_to_ref, poisoned
+from tests.helpers import assert_close_to_ref, poisoned, w4_gpu_case
 
 VARIANTS = [dict(), dict(mt=8, nt=1), dict(mt=2), dict(stages=2), dict(u=2, stages=4), dict(wn=2)]
 
@@ -72,16 +72,7 @@ def test_gemm_rejects_unsupported_input():
 @pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1008, 14336, 32, True),
                                                       (48, 256, 64, False)])
 def test_gemm_matches_reference(M, N, K, group_size, symmetric):
-    g = torch.Generator().manual_seed(M * 31 + N + K)
-    w = torch.randn(N, K, generator=g).half()
-    x = torch.randn(M, K, generator=g).half().cuda()
-    qw = quantize_int4(w, group_size, symmetric)
-    if qw.zeros is not None:
-        qw.zeros[0, ::3] = 16  # the largest zero point (GPTQ v1 imports)
-    qw = qw.to("cuda")
-    bias = torch.randn(N, generator=g).half().cuda()
-    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
-    base = x @ dequantize(qw).t() + bias
+    x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 31 + N + K)
     for v in VARIANTS + [dict(splits=1), dict(splits=3)]:
         if K % (32 * v.get("u", gm.U)):
             continue

@@ -4,7 +4,6 @@ tolerance argument as test_gemm_w4a16.py: exact weights, fp32 sums, one output r
 small fp16 M to them."""
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from kernels.csrc import w4a16_gemv as cu
 from kernels.csrc import w4a16_gemv_mma as mma
 from kernels.gemm_w4a16 import w4a16_reference
 from kernels.quant import dequantize, quantize_int4
-from tests.helpers import assert_close_to_ref, poisoned
+from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
@@ -111,17 +110,7 @@ def test_mma_gemv_compiles_to_ptx_and_cubin(variant, tmp_path):
     assert art.cubin[:4] == b"\x7fELF"
 
 
-def _cuobjdump():
-    try:
-        import triton
-
-        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    except ImportError:
-        return None
-    return str(p) if p.exists() else shutil.which("cuobjdump")
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
 def test_mma_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(tmp_path):
     """What the speed rests on, read from the sm_90 SASS: 128-bit weight loads, HMMA, no spills."""
     import subprocess
@@ -133,7 +122,7 @@ def test_mma_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(tmp_path)
                        extra_flags=mma.variant_flags(16, 4, 4, 1))
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(art.cubin)
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "LDG.E.128" in sass and "HMMA.16816.F32" in sass
     assert "LDL" not in sass and "STL" not in sass
 
@@ -193,16 +182,7 @@ def test_mma_gemv_rejects_unsupported_input():
                                                       (28672, 4096, 64, False), (36, 128, 32, False),
                                                       (4100, 8192, 128, True)])
 def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
-    g = torch.Generator().manual_seed(M * 13 + N + K)
-    w = torch.randn(N, K, generator=g).half()
-    x = torch.randn(M, K, generator=g).half().cuda()
-    qw = quantize_int4(w, group_size, symmetric)
-    if qw.zeros is not None:  # zero point 16 exists (GPTQ v1 imports): the fp16 constants must hold it
-        qw.zeros[0, ::3] = 16
-    qw = qw.to("cuda")
-    bias = torch.randn(N, generator=g).half().cuda()
-    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
-    base = x @ dequantize(qw).t() + bias
+    x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 13 + N + K)
     plan = mma.gemv_plan(M, N, K, group_size)
     variants = [{}, dict(chains=1), dict(l2_256=True), dict(warps=max(1, plan["warps"] // 2)),
                 dict(u=8) if K % 256 == 0 else dict(warps=1)] + ([dict(mmax=1)] if M == 1 else [])
@@ -229,16 +209,7 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
                                                       (36, 256, 64, False)])
 def test_mma_gemm_tiled_in_m_matches_reference(M, N, K, group_size, symmetric):
     """M > 8: x tiles of 8 rows per block (mt), fp16-scaled weights (wscale), partial last tiles, odd N."""
-    g = torch.Generator().manual_seed(M * 17 + N + K)
-    w = torch.randn(N, K, generator=g).half()
-    x = torch.randn(M, K, generator=g).half().cuda()
-    qw = quantize_int4(w, group_size, symmetric)
-    if qw.zeros is not None:
-        qw.zeros[0, ::3] = 16  # the largest zero point (GPTQ v1 imports)
-    qw = qw.to("cuda")
-    bias = torch.randn(N, generator=g).half().cuda()
-    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
-    base = x @ dequantize(qw).t() + bias
+    x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 17 + N + K)
     for ov in ({}, dict(mt=2, wscale=False), dict(mt=2, wscale=True), dict(mt=8, warps=1), dict(mt=4, u=2)):
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)

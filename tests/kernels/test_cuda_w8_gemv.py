@@ -5,7 +5,6 @@ M to it."""
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,22 +12,12 @@ import torch
 from kernels.csrc import w8a16_gemv_mma as mma8
 from kernels.gemm_w8a16 import w8a16_reference
 from kernels.quant import dequantize, quantize_int8
-from tests.helpers import assert_gemm_close, poisoned
+from tests.helpers import assert_gemm_close, cuobjdump, poisoned
 
 # warps, vec, u, ksplit, l2_128: each vec, the largest block the shared reduction allows, u = 1..4, clusters of 1..8
 # blocks splitting K, the L2 hint on and off.
 VARIANTS = [(8, 16, 1, 4, False), (16, 8, 2, 1, True), (16, 4, 4, 2, False), (1, 4, 1, 8, True), (4, 16, 2, 1, False)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH")
-
-
-def _cuobjdump():
-    try:
-        import triton
-
-        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    except ImportError:
-        return None
-    return str(p) if p.exists() else shutil.which("cuobjdump")
 
 
 @needs_nvcc
@@ -66,7 +55,7 @@ def test_w8_gemv_cluster_build_for_sm80_fails_with_a_clear_error(tmp_path):
                      extra_flags=mma8.variant_flags(8, 16, 1, 2))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize("variant", VARIANTS[:3])
 def test_w8_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(variant, tmp_path):
     """What the speed rests on, read from the sm_90 SASS: vec-byte weight loads, HMMA, no spills, and the
@@ -79,7 +68,7 @@ def test_w8_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(variant, t
                        extra_flags=mma8.variant_flags(*variant))
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(art.cubin)
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = [ln.split()[1].split(".")[0] for ln in sass.splitlines() if ln.strip().startswith("/*") and "*/" in ln
            and len(ln.split()) > 1]
     load = {16: "LDG.E.128", 8: "LDG.E.64", 4: "LDG.E.CONSTANT"}[vec]  # x itself is one LDG.E.64
