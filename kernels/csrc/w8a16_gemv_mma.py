@@ -69,7 +69,10 @@ def _blocks_per_sm(warps: int, vec: int) -> int:
 
 
 def _fills(blocks: int, sm_count: int) -> bool:
-    return 16 * blocks >= 15 * sm_count  # 128 blocks on 132 SMs count as full
+    # >= 70% of the SMs: H100 (bench_gemm_w8gemv_h100.md, M=1) ran qkv faster with 96 blocks of 8-byte
+    # loads (vec 8: 1.71x cuBLAS) than with 192 blocks of 4-byte ones (1.63x), and 8k with 128 blocks of vec 8;
+    # at 64 blocks (o, down with vec 8) the idle SMs cost more (1.58x vs vec 4's 1.67x).
+    return 10 * blocks >= 7 * sm_count
 
 
 def _warps_for(blocks: int, vec: int, chunks: int, sm_count: int) -> int:
