@@ -36,8 +36,9 @@ CUDA_GEMV_MMA_MAX_M = 32
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
-# it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md), plan without clusters, vs
-# Triton W8A16: M=1 1.63-1.91x vs 1.55-1.85x (ahead on 4 of 5, down 1.69 vs 1.74), M=4 ahead on 4 of 5, M=8 on 3.
+# it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md, bench_gemm_routed_h100_m1-4_final
+# .md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68 vs 1.72), M=4 ahead on 4 of 5, M=8
+# on 3 of 5 (first run).
 CUDA_W8_GEMV_MAX_M = 4
 
 
