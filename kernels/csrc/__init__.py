@@ -24,3 +24,24 @@ def device_sm_count(device) -> int:
     import torch
 
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_operands(kernel: str, x, x_align: int, aligned, scales, bias, out, out_shape, dtype_hint: str = "") -> None:
+    """The launch checks every CUDA weight-only kernel here makes, with ``kernel`` naming it in the message: CUDA
+    tensors; ``x`` rows contiguous and ``x_align``-byte aligned (its row stride too); each ``(name, tensor, align)``
+    of ``aligned`` (None entries skipped) contiguous and aligned for the kernel's vector loads; ``scales`` and
+    ``bias`` float16; ``out``, when given, contiguous float16 of ``out_shape``."""
+    import torch
+
+    if not x.is_cuda:
+        raise ValueError(f"{kernel} needs CUDA tensors")
+    if x.stride(1) != 1 or x.stride(0) % (x_align // x.element_size()) or x.data_ptr() % x_align:
+        raise ValueError(f"{kernel}: x rows must be contiguous and {x_align}-byte aligned (call .contiguous())")
+    for name, t, align in aligned:
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
+            raise ValueError(f"{kernel}: {name} must be contiguous and {align}-byte aligned")
+    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
+        raise ValueError(f"{kernel}: scales and bias must be float16{dtype_hint}")
+    if out is not None and (tuple(out.shape) != tuple(out_shape) or out.dtype != torch.float16
+                            or not out.is_contiguous()):
+        raise ValueError(f"{kernel}: out must be contiguous float16 {tuple(out_shape)}")

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, device_sm_count
+from kernels.csrc import cached_kernel, check_operands, device_sm_count
 
 SOURCE = Path(__file__).with_name("w4a16_gemm_mma.cu")
 KERNEL = "w4a16_gemm_mma"
@@ -119,17 +119,10 @@ def w4a16_gemm_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     reason = unsupported_reason(M, N, K, group_size, x.dtype, variant.get("u", U))
     if reason:
         raise ValueError(f"tensor-core W4A16 GEMM: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
-    if not x.is_cuda:
-        raise ValueError("tensor-core W4A16 GEMM needs CUDA tensors")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        raise ValueError("tensor-core W4A16 GEMM: x rows must be contiguous and 16-byte aligned (call .contiguous())")
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
-            raise ValueError(f"tensor-core W4A16 GEMM: {name} must be contiguous and 16-byte aligned")
-    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
-        raise ValueError("tensor-core W4A16 GEMM: scales and bias must be float16")
-    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
-        raise ValueError(f"tensor-core W4A16 GEMM: out must be contiguous float16 {(M, N)}")
+    check_operands("tensor-core W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand
+                   tuple((name, t, 16) for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
+                                                        ("bias", bias))),
+                   scales, bias, out, (M, N))
     plan = gemm_plan(M, N, K, group_size, device_sm_count(x.device), **variant)
     if plan["shared"] > SHARED_LIMIT:
         raise ValueError(f"tensor-core W4A16 GEMM: variant needs {plan['shared']} B of shared memory "

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel
+from kernels.csrc import cached_kernel, check_operands
 
 SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
 KERNEL = "w4a16_gemv"
@@ -70,16 +70,10 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     reason = unsupported_reason(M, N, K, group_size, x.dtype)
     if reason:
         raise ValueError(f"CUDA W4A16 GEMV: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
-    if not x.is_cuda:
-        raise ValueError("CUDA W4A16 GEMV needs CUDA tensors")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        raise ValueError("CUDA W4A16 GEMV: x rows must be contiguous and 16-byte aligned (call .contiguous())")
-    # Vector loads: 16 B of qweight, 8 B of scales, 4 B of zeros per thread (N % 4 == 0 keeps rows aligned).
-    for name, t, align in (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
-            raise ValueError(f"CUDA W4A16 GEMV: {name} must be contiguous and {align}-byte aligned")
-    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
-        raise ValueError("CUDA W4A16 GEMV: scales and bias must be float16")
+    # Vector loads: 16 B of x and qweight, 8 B of scales, 4 B of zeros per thread (N % 4 == 0 keeps rows aligned).
+    check_operands("CUDA W4A16 GEMV", x, 16,
+                   (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)),
+                   scales, bias, out, (M, N))
     plan = gemv_plan(M, N)
     tn = tn or plan["tn"]
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out

@@ -17,12 +17,11 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, device_sm_count
+from kernels.csrc import cached_kernel, check_operands, device_sm_count
 
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
 MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
-MT_MAX = 8  # x tiles per block (kernel static_assert)
 # H200 runs 1-2 (benchmarks/results/bench_gemm_gemv_h200_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
 CHAINS = 1  # accumulators per tile (GEMV_CHAINS); the plan picks 2 for <= 2 warps per block (see gemv_plan)
@@ -131,18 +130,10 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if reason:
         raise ValueError(f"tensor-core W4A16 GEMV: {reason}; use kernels.csrc.w4a16_gemv or "
                          f"kernels.gemm_w4a16.w4a16_gemm")
-    if not x.is_cuda:
-        raise ValueError("tensor-core W4A16 GEMV needs CUDA tensors")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        raise ValueError("tensor-core W4A16 GEMV: x rows must be contiguous and 16-byte aligned (call .contiguous())")
-    # Vector loads: 16 B of qweight, 8 B of scales, 4 B of zeros per lane (N % 4 == 0 keeps every row aligned).
-    for name, t, align in (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
-            raise ValueError(f"tensor-core W4A16 GEMV: {name} must be contiguous and {align}-byte aligned")
-    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
-        raise ValueError("tensor-core W4A16 GEMV: scales and bias must be float16")
-    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
-        raise ValueError(f"tensor-core W4A16 GEMV: out must be contiguous float16 {(M, N)}")
+    # Vector loads: 16 B of x and qweight, 8 B of scales, 4 B of zeros per lane (N % 4 == 0 keeps every row aligned).
+    check_operands("tensor-core W4A16 GEMV", x, 16,
+                   (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)),
+                   scales, bias, out, (M, N))
     if mt is not None and mt not in (1, 2, 4, 8):
         raise ValueError(f"tensor-core W4A16 GEMV: mt={mt} must be 1, 2, 4 or 8")
     plan = gemv_plan(M, N, K, group_size, u, warps, device_sm_count(x.device), mt, wscale)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, device_sm_count
+from kernels.csrc import cached_kernel, check_operands, device_sm_count
 
 from kernels._utils import device_sm
 
@@ -22,7 +22,8 @@ SOURCE = Path(__file__).with_name("w8a16_gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
 MAX_M = 8
 VECS = (16, 8, 4)  # tried in this order: the longest weight loads that divide N (with clusters), or that fill the SMs
-KSPLITS = (1, 2, 4, 8)  # tried in this order: the fewest blocks per cluster that give ~every SM a block (8: portable max)
+# tried in this order: the fewest blocks per cluster that give ~every SM a block (8: the portable maximum)
+KSPLITS = (1, 2, 4, 8)
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 BYTES_PER_BUFFER = 64  # weight bytes per lane per register buffer (4 rows x vec x u), as the W4 GEMV's u = 4
 L2_128 = False  # L2::128B hint on weight loads (GEMV_L2_128): not measured yet, so off
@@ -150,19 +151,10 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     reason = unsupported_reason(M, N, K, x.dtype, vec, u, ksplit)
     if reason:
         raise ValueError(f"tensor-core W8A16 GEMV: {reason}; use kernels.gemm_w8a16.w8a16_gemm")
-    if not x.is_cuda:
-        raise ValueError("tensor-core W8A16 GEMV needs CUDA tensors")
-    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
-        raise ValueError("tensor-core W8A16 GEMV: x rows must be contiguous and 8-byte aligned (call .contiguous())")
-    for name, t, align in (("qweight", qweight, 16), ("scales", scales, 2), ("bias", bias, 2)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % align):
-            raise ValueError(f"tensor-core W8A16 GEMV: {name} must be contiguous and {align}-byte aligned")
-    if scales.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
-        raise ValueError("tensor-core W8A16 GEMV: scales and bias must be float16 (quantize_int8(w.half()))")
+    check_operands("tensor-core W8A16 GEMV", x, 8, (("qweight", qweight, 16), ("scales", scales, 2), ("bias", bias, 2)),
+                   scales, bias, out, (M, N), dtype_hint=" (quantize_int8(w.half()))")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"tensor-core W8A16 GEMV: bias must have shape [{N}], got {tuple(bias.shape)}")
-    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
-        raise ValueError(f"tensor-core W8A16 GEMV: out must be contiguous float16 {(M, N)}")
     clusters = ksplit is not None and ksplit > 1  # opt-in (see gemv_plan)
     if clusters and device_sm() < 90:
         raise ValueError(f"tensor-core W8A16 GEMV: ksplit={ksplit} needs thread-block clusters (sm_90+); use ksplit=1")

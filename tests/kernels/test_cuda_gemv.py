@@ -231,3 +231,32 @@ def test_mma_gemm_tiled_variants_compile_without_local_memory(mt, wscale, warps,
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in art.ptx
     assert ".local" not in art.ptx  # accumulators of all tiles stay in registers
     assert ("mul.f16x2" in art.ptx) == wscale
+
+
+def test_launch_operand_checks_say_what_is_wrong():
+    """kernels.csrc.check_operands, shared by the four CUDA launchers (the GPU-side cases need CUDA tensors; here the
+    first check and, through a stand-in for a CUDA tensor, the later ones)."""
+    from kernels.csrc import check_operands
+
+    x = torch.zeros(2, 64, dtype=torch.float16)
+    s = torch.zeros(4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="K needs CUDA tensors"):
+        check_operands("K", x, 16, (), s, None, None, (2, 4))
+
+    class Cuda:  # a CPU tensor that reports itself as on CUDA, for the host-side checks
+        def __init__(self, t):
+            self.t = t
+
+        def __getattr__(self, name):
+            return True if name == "is_cuda" else getattr(self.t, name)
+
+    xs = Cuda(torch.zeros(2, 72, dtype=torch.float16)[:, :68])  # row stride 72 halves = 144 B: 16-byte aligned
+    check_operands("K", xs, 16, (("w", s, 2),), s, None, torch.zeros(2, 4, dtype=torch.float16), (2, 4))
+    with pytest.raises(ValueError, match="K: x rows must be contiguous and 16-byte aligned"):
+        check_operands("K", Cuda(torch.zeros(2, 68, dtype=torch.float16)), 16, (), s, None, None, (2, 4))
+    with pytest.raises(ValueError, match="K: w must be contiguous"):
+        check_operands("K", xs, 16, (("w", torch.zeros(4, 2).t(), 2),), s, None, None, (2, 4))
+    with pytest.raises(ValueError, match="scales and bias must be float16 \\(hint\\)"):
+        check_operands("K", xs, 16, (), s.float(), None, None, (2, 4), dtype_hint=" (hint)")
+    with pytest.raises(ValueError, match=r"out must be contiguous float16 \(2, 4\)"):
+        check_operands("K", xs, 16, (), s, None, torch.zeros(2, 5, dtype=torch.float16), (2, 4))
