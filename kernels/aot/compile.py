@@ -243,11 +243,13 @@ def _local_headers(source: Path, seen=None) -> list:
 
 
 def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int, threads: int, shared: int = 0,
-                 cache: AotCache | None = None, nvcc: str = "nvcc", extra_flags=()) -> Artifact:
+                 cache: AotCache | None = None, nvcc: str = "nvcc", extra_flags=(), arch_specific: bool = False
+                 ) -> Artifact:
     """Compile the ``extern "C" __global__`` function ``kernel_name`` of a .cu file with nvcc to PTX and cubin.
 
     ``params`` lists its runtime parameters ``[(name, type)]`` in order; ``threads`` the block size it is written for;
-    ``shared`` its dynamic shared memory bytes.
+    ``shared`` its dynamic shared memory bytes. ``arch_specific``: compile for ``sm_XXa`` (e.g. sm_90a, needed by
+    Hopper's wgmma), whose code runs on exactly that SM and no later one.
     """
     _check_sm(sm)
     text = Path(source).read_text()
@@ -257,8 +259,9 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
     import hashlib
 
     src_hash = hashlib.sha256(text.encode() + b"".join(_local_headers(Path(source)))).hexdigest()
+    arch = f"sm_{sm}a" if arch_specific else f"sm_{sm}"
     key = make_key(kind="cuda", source=src_hash, name=kernel_name, params=[list(p) for p in params], sm=sm,
-                   threads=threads, shared=shared, flags=list(extra_flags))
+                   threads=threads, shared=shared, flags=list(extra_flags), arch=arch)
     hit = cache.get(key)
     if hit is not None:
         meta, ptx, cubin = hit
@@ -268,7 +271,7 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
     with tempfile.TemporaryDirectory() as d:
         for kind in ("ptx", "cubin"):
             out = Path(d) / f"k.{kind}"
-            cmd = [nvcc, f"-{kind}", f"-arch=sm_{sm}", "-O3", "-std=c++17", *extra_flags, str(source), "-o", str(out)]
+            cmd = [nvcc, f"-{kind}", f"-arch={arch}", "-O3", "-std=c++17", *extra_flags, str(source), "-o", str(out)]
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True)
             except FileNotFoundError:

@@ -1,5 +1,5 @@
-// INT4 (kernels.quant layout) -> fp16 mma fragments, shared by the W4A16 tensor-core kernels (w4a16_gemv_mma.cu,
-// w4a16_gemm_mma.cu). See w4a16_gemv_mma.cu's header for the k order of the fragments and why each step is exact.
+// INT4 (kernels.quant layout) -> fp16 mma fragments for the W4A16 tensor-core GEMV (w4a16_gemv_mma.cu; the wgmma GEMM
+// uses hmul2_u). See w4a16_gemv_mma.cu's header for the k order of the fragments and why each step is exact.
 #pragma once
 #include "mma_common.cuh"
 

@@ -3,7 +3,8 @@
 
 CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations (no
 residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA kernel (``kernels.csrc.w4a16_gemv_mma``), else for
-M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster; for W8A16
+M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster, and on
+Hopper (sm_90) for larger M below ``DEQUANT_MIN_M_W4`` the warpgroup-MMA GEMM (``kernels.csrc.w4a16_gemm_wgmma``); for W8A16
 with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
 (``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8`` (prefill sizes) they
 dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
@@ -35,6 +36,11 @@ CUDA_GEMV_MMA_MAX_M = 32
 # vs 0.42-0.59x).
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
+# fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
+# (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (bench_gemm_wgmma_sweep_h100.md), its plan's
+# variant vs cuBLAS on the five Llama shapes: M=64 1.03-1.42x (Triton 0.80-1.09x), M=128 0.73-1.20x (Triton
+# 0.56-0.74x); at M=256 dequantize + cuBLAS stays ahead on 3 of 5 (0.52-0.62x).
+WGMMA_W4 = True
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md, bench_gemm_routed_h100_m1-4_final
 # .md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68 vs 1.72), M=4 ahead on 4 of 5, M=8
@@ -135,6 +141,14 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
 
         if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
             return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
+    if r2 is None and CUDA_GEMV_MMA_MAX_M < M and WGMMA_W4:
+        from .._utils import device_sm
+        from ..csrc import device_sm_count, w4a16_gemm_wgmma as wg
+
+        if x2.dtype == torch.float16 and wg.operands_ok(x2, qweight, scales, zeros, bias):
+            bn = wg.gemm_plan(M, N, K, device_sm_count(x.device))["bn"]
+            if wg.unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device), bn) is None:
+                return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias).reshape(*lead, N)
     if r2 is None and M <= CUDA_GEMV_MAX_M:
         from ..csrc import w4a16_gemv as cu
 

@@ -8,7 +8,7 @@ API errors are not reported: cuda.bindings' driver-function lookup trips cuGetPr
 that are not memory errors. Last run: 0 errors (H100, 2026-11-26).
 """
 import torch
-from kernels.csrc import w4a16_gemv_mma as mma, w8a16_gemv_mma as mma8, w4a16_gemm_mma as gm
+from kernels.csrc import w4a16_gemv_mma as mma, w8a16_gemv_mma as mma8, w4a16_gemm_wgmma as wg
 from kernels.gemm_dequant import dequantize_w4_kn, dequantize_w8_kn
 from kernels.quant import quantize_int4, quantize_int8
 torch.manual_seed(0)
@@ -18,9 +18,6 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
     b = torch.randn(N, device="cuda", dtype=torch.float16)
     for ov in ({}, dict(mt=2) if M > 8 else {}, dict(mt=8, warps=1) if M > 8 else dict(mmax=1) if M == 1 else {}):
         mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
-    if N % 16 == 0 and M > 8:
-        for ov in ({}, dict(splits=3), dict(mt=8, nt=1)):
-            gm.w4a16_gemm_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
     dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64)
     q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
     dequantize_w8_kn(q8.qweight, q8.scales)
@@ -30,5 +27,15 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
                 mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, b, **ov)
             except ValueError as e:
                 print("skip", M, N, K, ov, e)
+# The Hopper wgmma GEMM (sm_90 only): ragged M, both tile heights, 1/2 warpgroups, split-K.
+if torch.cuda.get_device_capability() == (9, 0):
+    for M, N, K in [(37, 192, 256), (100, 256, 512), (130, 128, 1024)]:
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
+        b = torch.randn(N, device="cuda", dtype=torch.float16)
+        for ov in ({}, dict(splits=3), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=1, wgs=2, splits=2),
+                   dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6)):
+            if N % wg.gemm_plan(M, N, K, **ov)["bn"] == 0:  # blocks no wider than N
+                wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
 torch.cuda.synchronize()
 print("memcheck script done")

@@ -1,0 +1,325 @@
+// W4A16 GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~32 to a few hundred:
+// y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's INT4 layout (qweight int32 [K/8, N], nibble j of packed row
+// r is k = 8r + j; scales fp16 [K/G, N]; zeros uint8 [K/G, N] or none = 8).
+//
+// The product is computed transposed, y^T = W x^T, so that the weight is wgmma's A operand, which may come from
+// registers: each thread dequantizes its own A fragment and nothing dequantized goes through shared memory. x is the
+// B operand, read by the tensor cores straight from shared memory (K-major rows, 128-byte swizzle).
+//   * Block: WG_WGS warpgroups, each owning 64 output columns (wgmma M = 64), times BM = WG_BM rows of x (wgmma N).
+//     A stage is BK = 64 values of k: x [BM, 64] (one 128-byte row per x row), the packed weight [8, 64 WGS] int32,
+//     and one row of scales (and zeros) -- group_size % 64 == 0, so a stage never spans two groups. WG_STAGES stages
+//     are in flight through cp.async.
+//   * A fragment of warp w (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4; k = 2t, 2t+1, 2t+8, 2t+9 of
+//     each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of the warpgroup's 64, so that
+//     one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1 of a
+//     32-k step holds exactly the nibble pairs (k = 16 s + 2t, + 1) and (16 s + 2t + 8, + 9) of k16 step s: one PRMT
+//     puts byte t in both halves, one LOP3 makes {1024 + q_lo, 1024 + 16 q_hi}, one HFMA2 by {1, 1/16} with
+//     {-(1024 + z), -(64 + z)} gives q - z exactly, and one HMUL2 scales it: the weight is rounded once to fp16,
+//     (q - z) s, as cuBLAS would see the dequantized weight.
+//   * Async: the stage's four wgmmas are committed as one group and only the previous stage's group is waited for,
+//     so the dequantization of stage i + 1 runs while the tensor cores work on stage i. A stage's buffer is refilled
+//     two iterations after its wgmmas were issued (prefetch distance STAGES - 2), when they are known complete.
+//   * Split-K over gridDim.y when the tiles alone leave SMs idle: fp32 partials in `workspace` [splits, M, N], summed
+//     in split order (deterministic) by the last block of a tile to arrive, which also resets the tile's counter to 0
+//     (so counters start and end at 0; two launches sharing them must not run concurrently).
+// Launcher checks: N % (64 WGS) == 0, K % 64 == 0, group_size % 64 == 0, x rows and all operands 16-byte aligned.
+#include "w4_dequant.cuh"
+
+#ifndef WG_BM
+#define WG_BM 128  // rows of x per block: the wgmma N (64 or 128)
+#endif
+#ifndef WG_WGS
+#define WG_WGS 2  // warpgroups per block, 64 output columns each
+#endif
+#ifndef WG_WT
+#define WG_WT 1  // 64-column tiles per warpgroup (wgmmas per k16 step)
+#endif
+#ifndef WG_STAGES
+#define WG_STAGES 4
+#endif
+
+namespace {
+using namespace tritrt;
+constexpr int kBM = WG_BM, kWGs = WG_WGS, kWT = WG_WT, kStages = WG_STAGES;
+constexpr int kThreads = 128 * kWGs;
+constexpr int kBN = 64 * kWT * kWGs, kBK = 64;
+constexpr int kXBytes = kBM * 128;                     // x tile, 128-byte swizzled rows
+constexpr int kWBytes = (kBK / 8) * kBN * 4;           // packed weight rows
+constexpr int kSBytes = kBN * 2, kZBytes = kBN;        // one scale / zero row
+constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + kZBytes + 1023) / 1024 * 1024;  // x stays 1024-aligned
+static_assert(kBM == 64 || kBM == 128, "WG_BM must be 64 or 128");
+static_assert(kWT * kBM <= 256, "at most 128 fp32 accumulators per thread (WG_WT * WG_BM / 2)");
+static_assert(kStages >= 3, "WG_STAGES >= 3 (prefetch distance STAGES - 2)");
+
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes, 8-row groups 1024
+// bytes apart (SBO), leading offset unused for swizzled K-major layouts (1 by convention).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+    "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d[64 x BM] += A (registers, 64 x 16) * B (shared memory via desc, 16 x BM); fp32 accumulators.
+__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t a[4], uint64_t desc) {
+  if constexpr (kBM == 64) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+        "%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+        "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,"
+        "%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
+        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+}
+#undef WG_D8
+
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmmas.
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < kBM / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// {q_lo - z, q_hi - z} * s of one byte (two nibbles) of `word`, byte chosen by `sel` (t | 4 << 4 | t << 8 | 4 << 12).
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t word, uint32_t sel, uint32_t zc, uint32_t s2) {
+  const uint32_t y = prmt(word, 0u, sel);                        // [byte, 0, byte, 0]
+  const uint32_t v = lop3_and_or(y, 0x00F0000Fu, 0x64006400u);  // {1024 + q_lo, 1024 + 16 q_hi}
+  return hmul2_u(hfma2_u(v, 0x2C003C00u, zc), s2);               // ({1, 1/16} v - {1024 + z, 64 + z}) s
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(128 * WG_WGS, 1)
+w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+                 const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
+                 float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K, int group_size,
+                 int stride_xm, int has_zeros, int has_bias, int splits) {
+  extern __shared__ __align__(16) char smem_raw[];
+  __shared__ int is_last;
+  // Stage buffers start on a 1024-byte boundary (the 128-byte swizzle pattern repeats every 1024 bytes).
+  const uint32_t smem0 = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  char* const smem = smem_raw + (smem0 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wi = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int mtiles = (M + kBM - 1) / kBM;  // row tiles fastest: the blocks of one column tile run together
+  const int m0 = (blockIdx.x % mtiles) * kBM;
+  const int n0 = (blockIdx.x / mtiles) * kBN;
+  const int ktiles = K / kBK;
+  const int per = (ktiles + splits - 1) / splits;
+  const int kb = blockIdx.y * per;
+  const int nk = max(0, min(ktiles, kb + per) - kb);
+  // This thread's A rows: columns n0 + nl + 64 wt and the next one, for each of the warpgroup's kWT tiles.
+  const int nl = 64 * kWT * wg + 16 * wi + 2 * g;
+
+  auto load_stage = [&](int kt, int buf) {
+    const uint32_t xs = smem0 + buf * kStageBytes;
+    const uint32_t ws = xs + kXBytes, ss = ws + kWBytes, zs = ss + kSBytes;
+    const int k0 = kt * kBK;
+#pragma unroll
+    for (int i = tid; i < kBM * 8; i += kThreads) {
+      const int r = i >> 3, c = i & 7;
+      const bool ok = m0 + r < M;  // rows past M are zeros
+      cp_async16(xs + r * 128 + ((c ^ (r & 7)) << 4), x + (size_t)(ok ? m0 + r : 0) * stride_xm + k0 + 8 * c, ok);
+    }
+#pragma unroll
+    for (int i = tid; i < (kBK / 8) * (kBN / 4); i += kThreads) {
+      const int r = i / (kBN / 4), c = i % (kBN / 4);
+      cp_async16(ws + r * kBN * 4 + 16 * c, qweight + (size_t)(k0 / 8 + r) * N + n0 + 4 * c, true);
+    }
+    const size_t grp = (size_t)(k0 / group_size);
+    if (tid < kSBytes / 16) cp_async16(ss + 16 * tid, scales + grp * N + n0 + 8 * tid, true);
+    if (has_zeros && tid < kZBytes / 16) cp_async16(zs + 16 * tid, zeros + grp * N + n0 + 16 * tid, true);
+  };
+
+  float d[kWT][kBM / 2];
+#pragma unroll
+  for (int wt = 0; wt < kWT; ++wt)
+#pragma unroll
+    for (int i = 0; i < kBM / 2; ++i) d[wt][i] = 0.f;
+
+  const uint32_t sel = t | (4u << 4) | (t << 8) | (4u << 12);
+  // A fragments [k16 step parity][tile][register]: a step's A stays intact while its wgmmas are in flight (one step
+  // group may be outstanding while the next step is dequantized).
+  uint32_t a[2][kWT][4];
+
+  auto compute_stage = [&](int buf) {
+    const uint32_t xs = smem0 + buf * kStageBytes;
+    const char* ws = smem + buf * kStageBytes + kXBytes;
+    const char* ss = ws + kWBytes;
+    const char* zs = ss + kSBytes;
+    uint32_t slo[kWT], shi[kWT], zc0[kWT], zc1[kWT];
+#pragma unroll
+    for (int wt = 0; wt < kWT; ++wt) {
+      const int c = nl + 64 * wt;
+      const uint32_t sp = *reinterpret_cast<const uint32_t*>(ss + 2 * c);  // scales of the two rows
+      slo[wt] = prmt(sp, 0u, 0x1010u);
+      shi[wt] = prmt(sp, 0u, 0x3232u);
+      zc0[wt] = zc1[wt] = 0xD480E408u;  // z = 8: {-(1024 + 8), -(64 + 8)}
+      if (has_zeros) {
+        const uint32_t z0 = (uint8_t)zs[c], z1 = (uint8_t)zs[c + 1];
+        zc0[wt] = (0xE400u + z0) | ((0xD400u + (z0 << 4)) << 16);
+        zc1[wt] = (0xE400u + z1) | ((0xD400u + (z1 << 4)) << 16);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // 32-k halves of the stage
+      uint2 w[kWT][4];
+#pragma unroll
+      for (int wt = 0; wt < kWT; ++wt)
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+          w[wt][p] = *reinterpret_cast<const uint2*>(ws + (4 * h + p) * kBN * 4 + 4 * (nl + 64 * wt));
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {  // k16 step j = 2h + s; its parity is s
+#pragma unroll
+        for (int wt = 0; wt < kWT; ++wt) {
+          uint32_t* f = a[s][wt];
+          f[0] = dequant_pair(w[wt][2 * s].x, sel, zc0[wt], slo[wt]);      // row g,     k 2t, 2t+1
+          f[1] = dequant_pair(w[wt][2 * s].y, sel, zc1[wt], shi[wt]);      // row g + 8, k 2t, 2t+1
+          f[2] = dequant_pair(w[wt][2 * s + 1].x, sel, zc0[wt], slo[wt]);  // row g,     k 2t+8, 2t+9
+          f[3] = dequant_pair(w[wt][2 * s + 1].y, sel, zc1[wt], shi[wt]);  // row g + 8, k 2t+8, 2t+9
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int wt = 0; wt < kWT; ++wt) {
+          fence_acc(d[wt]);
+          wgmma_rs(d[wt], a[s][wt], sw128_desc(xs + 32 * (2 * h + s)));
+          fence_acc(d[wt]);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous step is complete: its A registers (the other parity) are free
+      }
+    }
+  };
+
+  // Prologue: stages kb .. kb + STAGES - 3 in flight; one commit group per stage (empty ones past the end keep the
+  // wait_group counts uniform).
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) {
+    if (s < nk) load_stage(kb + s, s);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nk; ++i) {
+    // Buffer (i + STAGES - 2) % STAGES held stage i - 2, whose wgmmas every warpgroup waited for last iteration.
+    if (i + kStages - 2 < nk) load_stage(kb + i + kStages - 2, (i + kStages - 2) % kStages);
+    cp_async_commit();
+    cp_async_wait<kStages - 2>();  // stage i has landed (this thread's copies)
+    __syncthreads();               // ... everyone's
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> visible to the tensor cores
+    compute_stage(i % kStages);  // leaves only its last step in flight: stage i - 1 is complete
+    __syncthreads();             // every warpgroup is past stage i - 1 before its buffer is refilled
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int wt = 0; wt < kWT; ++wt) fence_acc(d[wt]);
+  cp_async_wait<0>();
+
+  // d[4 i + e]: A row g (column n0 + nl) and d[4 i + 2 + e]: row g + 8 (column n0 + nl + 1), both for x row
+  // m0 + 8 i + 2 t + e.
+  if (splits == 1) {
+#pragma unroll
+    for (int wt = 0; wt < kWT; ++wt) {
+      const int col = n0 + nl + 64 * wt;
+      const float b0 = has_bias ? __half2float(bias[col]) : 0.f, b1 = has_bias ? __half2float(bias[col + 1]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int row = m0 + 8 * i + 2 * t + e;
+          if (row < M)
+            *reinterpret_cast<half2*>(out + (size_t)row * N + col) = __floats2half2_rn(d[wt][4 * i + e] + b0,
+                                                                                        d[wt][4 * i + 2 + e] + b1);
+        }
+    }
+    return;
+  }
+  float* part = workspace + (size_t)blockIdx.y * M * N;
+#pragma unroll
+  for (int wt = 0; wt < kWT; ++wt)
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = m0 + 8 * i + 2 * t + e;
+        if (row < M)
+          __stcg(reinterpret_cast<float2*>(part + (size_t)row * N + n0 + nl + 64 * wt),
+                 make_float2(d[wt][4 * i + e], d[wt][4 * i + 2 + e]));
+      }
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (tid == 0) {
+    const int arrived = atomicAdd(counters + blockIdx.x, 1) + 1;
+    is_last = arrived == splits;
+    if (is_last) counters[blockIdx.x] = 0;  // every split has arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // The sum: float4s of 4 adjacent columns, kU of them per thread in flight at once (the loads, not the adds, are
+  // the cost: one block reads splits x kBM x kBN floats through its SM).
+  constexpr int kU = 4, kQuads = kBM * kBN / 4;
+  static_assert(kQuads % (kThreads * kU) == 0, "tile quads must split evenly over the block");
+  for (int q0 = tid; q0 < kQuads; q0 += kThreads * kU) {
+    float4 sum[kU];
+    int row[kU], c[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int q = q0 + u * kThreads;
+      row[u] = m0 + q / (kBN / 4);
+      c[u] = n0 + 4 * (q % (kBN / 4));
+      sum[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int s = 0; s < splits; ++s) {  // split order: the same sum whichever block arrives last
+      float4 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        v[u] = row[u] < M ? __ldcg(reinterpret_cast<const float4*>(workspace + ((size_t)s * M + row[u]) * N + c[u]))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        sum[u].x += v[u].x;
+        sum[u].y += v[u].y;
+        sum[u].z += v[u].z;
+        sum[u].w += v[u].w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (row[u] >= M) continue;
+      if (has_bias) {
+        const uint2 b = *reinterpret_cast<const uint2*>(bias + c[u]);
+        const float2 b01 = __half22float2(*reinterpret_cast<const half2*>(&b.x));
+        const float2 b23 = __half22float2(*reinterpret_cast<const half2*>(&b.y));
+        sum[u].x += b01.x;
+        sum[u].y += b01.y;
+        sum[u].z += b23.x;
+        sum[u].w += b23.y;
+      }
+      const half2 lo = __floats2half2_rn(sum[u].x, sum[u].y), hi = __floats2half2_rn(sum[u].z, sum[u].w);
+      uint2 o;
+      o.x = *reinterpret_cast<const uint32_t*>(&lo);
+      o.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(out + (size_t)row[u] * N + c[u]) = o;
+    }
+  }
+}

@@ -1,0 +1,180 @@
+"""Launcher for the Hopper W4A16 GEMM (``w4a16_gemm_wgmma.cu``): fp16 activations, M above the GEMV's range, sm_90.
+
+A block computes y^T's ``[64 wgs, bm]`` tile (``wgs`` warpgroups of 64 output columns, ``bm`` = 64 or 128 rows of x)
+with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x is staged in shared memory with a
+``stages``-deep cp.async pipeline over K steps of 64. Split-K over ``gridDim.y`` when the tiles alone leave SMs idle
+(fp32 partials in a workspace, summed by the last block of each tile in a fixed order). Compiled for sm_90a with nvcc
+by ``kernels.aot.compile_cuda`` and launched with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan
+is a pure function of shapes and the SM count.
+
+The per-tile counters of the split-K path live in one zeroed int32 buffer per device; the kernel leaves them at 0,
+so launches must not run concurrently on two streams of one device (the same rule as Marlin's workspace).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kernels.csrc import cached_kernel, check_operands, device_sm_count
+
+SOURCE = Path(__file__).with_name("w4a16_gemm_wgmma.cu")
+KERNEL = "w4a16_gemm_wgmma"
+PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
+          ("out", "*fp16"), ("workspace", "*fp32"), ("counters", "*i32"), ("M", "i32"), ("N", "i32"), ("K", "i32"),
+          ("group_size", "i32"), ("stride_xm", "i32"), ("has_zeros", "i32"), ("has_bias", "i32"), ("splits", "i32")]
+BK = 64
+STAGES = 4
+SM = 90  # wgmma: sm_90a code, Hopper only
+SHARED_LIMIT = 227 * 1024
+# ptxas registers per thread by (bm, wt) (sm_90a, nvcc 13.0), for the blocks-per-SM estimate.
+REGS = {(64, 1): 112, (64, 2): 144, (64, 4): 248, (128, 1): 160, (128, 2): 200}
+# Plan search space: (wt, wgs) block shapes by bm (at most 128 accumulators per thread: wt * bm <= 256), split
+# factors, and the fewest K stages a split may have, by bm (H100 sweep: o at M = 128 with 8 stages per split ran at
+# 0.56x cuBLAS, with 16 at 0.78x; at M = 64, 8 stages per split was the best o variant).
+CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
+SPLITS = (1, 2, 4, 8)
+MIN_K_TILES = {64: 8, 128: 16}
+
+_KERNELS: dict = {}
+_COUNTERS: dict = {}
+
+
+def shared_bytes(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
+    """Dynamic shared memory of a variant (mirrors the .cu: 1024-byte aligned stages, plus 1024 for the alignment)."""
+    bn = 64 * wt * wgs
+    stage = bm * 128 + (BK // 8) * bn * 4 + bn * 2 + bn
+    return stages * (-(-stage // 1024) * 1024) + 1024
+
+
+def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device_sm: int = SM,
+                       bn: int = 64) -> Optional[str]:
+    """None if this GEMM handles the shape on a GPU of compute capability ``device_sm``, else why not."""
+    if device_sm != SM:
+        return f"sm_{device_sm}: the wgmma GEMM runs on sm_90 (Hopper) only"
+    if dtype != torch.float16:
+        return f"activations are {dtype}; the wgmma GEMM is fp16 only"
+    if M < 1:
+        return f"M={M} must be >= 1"
+    if N % bn:
+        return f"N={N} is not a multiple of {bn} (the block's columns)"
+    if K % BK:
+        return f"K={K} is not a multiple of {BK} (one pipeline stage)"
+    if group_size % BK:
+        return f"group_size={group_size} is not a multiple of {BK} (a stage must not span two scale groups)"
+    return None
+
+
+def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
+    """Blocks of a variant that fit on one SM at once (shared memory and registers)."""
+    return max(1, min(SHARED_LIMIT // shared_bytes(bm, wt, wgs, stages), 65536 // (REGS[(bm, wt)] * 128 * wgs)))
+
+
+def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
+              wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None) -> dict:
+    """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override).
+
+    bm = 64 for M <= 64, else 128. Candidates: the block shapes of ``CANDIDATES`` that divide N, each with no split
+    or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
+    ``MIN_K_TILES[bm]`` stages long. Ranked by: how well the blocks fill the GPU's block slots (fewest idle slots in
+    the last wave), then warps per SM (latency hiding), then the widest block (x crosses L2 N / bn times), then one
+    warpgroup per block, then fewer splits (each split's fp32 partial tile is written and read once more).
+    Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 44 variants per shape): on the five
+    Llama-3-8B shapes at M = 64 and 128 this picks the best variant or one within 7%, except qkv at M = 64 (1.05x
+    cuBLAS vs 1.17x) and gate_up at M = 64 (1.31x vs 1.69x).
+    """
+    bm = bm or (64 if M <= 64 else 128)
+    ktiles = K // BK
+    cands = [(a, b) for a, b in CANDIDATES[bm] if (wt is None or a == wt) and (wgs is None or b == wgs)]
+    best = None
+    for a, b in cands:
+        bn = 64 * a * b
+        if N % bn:
+            continue
+        tiles = -(-M // bm) * (N // bn)
+        cap = sm_count * blocks_per_sm(bm, a, b, stages)
+        for s in [splits] if splits else [s for s in SPLITS
+                                          if s == 1 or (ktiles // s >= MIN_K_TILES[bm] and tiles * s <= cap)]:
+            ctas = tiles * s
+            fill = ctas / (-(-ctas // cap) * cap)
+            key = (round(fill, 3), cap // sm_count * 4 * b, bn, -b, -s)
+            if best is None or key > best[0]:
+                best = (key, a, b, s)
+    if best is None:  # no candidate block divides N: the narrowest (unsupported_reason names the problem)
+        a, b = wt or 1, wgs or 1
+        s = splits or 1
+    else:
+        _, a, b, s = best
+    bn = 64 * a * b
+    s = max(1, min(int(s), ktiles))
+    per = -(-ktiles // s)
+    s = -(-ktiles // per)  # no empty split
+    return dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, grid=(-(-M // bm) * -(-N // bn), s),
+                shared=shared_bytes(bm, a, b, stages))
+
+
+def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor]) -> bool:
+    """What the kernel needs beyond shapes (the op falls back to another kernel otherwise): fp16 scales and bias,
+    contiguous operands and x rows, all 16-byte aligned (cp.async copies)."""
+    tensors = (qweight, scales, zeros, bias)
+    return (scales.dtype == torch.float16 and (bias is None or bias.dtype == torch.float16)
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors))
+
+
+def variant_flags(bm: int, wt: int, wgs: int, stages: int) -> tuple:
+    return (f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}")
+
+
+def compile_variant(bm: int, wt: int, wgs: int, stages: int, sm: int = SM):
+    """The PTX/cubin artifact (sm_90a) for one variant (no GPU needed)."""
+    from kernels.aot.compile import compile_cuda
+
+    if sm != SM:
+        raise ValueError(f"the wgmma W4A16 GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
+    return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages),
+                        extra_flags=variant_flags(bm, wt, wgs, stages), arch_specific=True)
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                     **variant) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper). ``variant`` (``bm``, ``wt``, ``wgs``,
+    ``stages``, ``splits``) overrides the plan (benchmarks, tests)."""
+    from kernels._utils import device_sm
+    from kernels.gemm_w4a16 import check_w4_weight
+
+    K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
+    M = x.shape[0]
+    if not x.is_cuda:
+        raise ValueError("wgmma W4A16 GEMM needs CUDA tensors")
+    plan = gemm_plan(M, N, K, device_sm_count(x.device), **variant)
+    reason = unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device), plan["bn"])
+    if reason:
+        raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
+    check_operands("wgmma W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand
+                   tuple((name, t, 16) for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
+                                                        ("bias", bias))),
+                   scales, bias, out, (M, N))
+    if plan["shared"] > SHARED_LIMIT:
+        raise ValueError(f"wgmma W4A16 GEMM: variant needs {plan['shared']} B of shared memory (> {SHARED_LIMIT})")
+    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    splits = plan["splits"]
+    workspace = (torch.empty(splits * M * N, dtype=torch.float32, device=x.device) if splits > 1
+                 else out)  # unused when splits == 1 (any valid pointer)
+    counters = _counters(x.device, plan["grid"][0])
+    cached_kernel(_KERNELS, compile_variant, plan["bm"], plan["wt"], plan["wgs"], plan["stages"]).launch(
+        plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
+        bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size, x.stride(0),
+        int(zeros is not None), int(bias is not None), splits)
+    return out

@@ -1,0 +1,118 @@
+"""The Hopper W4A16 GEMM (kernels/csrc/w4a16_gemm_wgmma.cu): compiles to sm_90a PTX/cubin here (nvcc, no GPU) with
+its accumulators and fragments in registers; its plan and input checks; on an sm_90 GPU it matches the fp32 reference
+on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups, every split-K factor tried,
+and split-K leaves its counters ready for the next launch (two launches give bit-identical results)."""
+
+import shutil
+
+import pytest
+import torch
+
+from kernels.csrc import w4a16_gemm_wgmma as wg
+from kernels.gemm_w4a16 import w4a16_reference
+from kernels.quant import dequantize, quantize_int4
+from tests.helpers import assert_close_to_ref, poisoned, w4_gpu_case
+
+VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm=64, wt=4, wgs=2, stages=3),
+            dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
+@pytest.mark.parametrize("bm,wt,wgs", [(64, 1, 1), (128, 2, 2), (64, 4, 2)])
+def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import compile_cuda, entry_params
+
+    art = compile_cuda(wg.SOURCE, wg.KERNEL, wg.PARAMS, sm=90, threads=128 * wgs,
+                       shared=wg.shared_bytes(bm, wt, wgs), cache=AotCache(tmp_path),
+                       extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES), arch_specific=True)
+    assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
+    assert len(entry_params(art.ptx, wg.KERNEL)) == len(wg.PARAMS)
+    assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
+    assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
+    assert ".local" not in art.ptx  # fragments and accumulators stay in registers
+
+
+def test_wgmma_gemm_is_hopper_only():
+    with pytest.raises(ValueError, match="sm_90a"):
+        wg.compile_variant(128, 1, 1, wg.STAGES, sm=80)
+    assert "Hopper" in wg.unsupported_reason(128, 4096, 4096, 128, torch.float16, device_sm=80)
+
+
+def test_wgmma_gemm_plan_and_support():
+    ok = dict(dtype=torch.float16, device_sm=90)
+    assert wg.unsupported_reason(128, 4096, 4096, 128, **ok) is None
+    assert "fp16 only" in wg.unsupported_reason(128, 4096, 4096, 128, torch.bfloat16, 90)
+    assert "multiple of 64" in wg.unsupported_reason(128, 4000, 4096, 128, **ok)
+    assert "multiple of 256" in wg.unsupported_reason(128, 4032, 4096, 128, bn=256, **ok)
+    assert "K=4100 is not a multiple of 64" in wg.unsupported_reason(128, 4096, 4100, 128, **ok)
+    assert "group_size=32" in wg.unsupported_reason(128, 4096, 4096, 32, **ok)
+    for M, N, K in [(64, 4096, 4096), (128, 28672, 4096), (100, 4096, 14336), (256, 6144, 4096), (33, 192, 256)]:
+        p = wg.gemm_plan(M, N, K)
+        assert p["bm"] == (64 if M <= 64 else 128)
+        assert p["bn"] == 64 * p["wt"] * p["wgs"] and N % p["bn"] == 0 and p["wt"] * p["bm"] <= 256
+        assert p["grid"][0] == -(-M // p["bm"]) * (N // p["bn"]) and p["grid"][1] == p["splits"]
+        ktiles = K // wg.BK
+        per = -(-ktiles // p["splits"])
+        assert 1 <= p["splits"] <= ktiles and (p["splits"] - 1) * per < ktiles  # no empty split
+        assert p["shared"] <= wg.SHARED_LIMIT
+    # Split-K only where the tiles leave SMs idle.
+    assert wg.gemm_plan(512, 28672, 4096)["splits"] == 1
+    assert wg.gemm_plan(128, 4096, 4096)["splits"] > 1
+
+
+def test_wgmma_gemm_rejects_unsupported_input():
+    x = torch.randn(32, 128, dtype=torch.float16)
+    qw = quantize_int4(torch.randn(64, 128, dtype=torch.float16), 64)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 33, 64, 100, 128, 200, 257])
+@pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1024, 14336, 64, True),
+                                                      (192, 256, 64, False)])
+def test_wgmma_gemm_matches_reference(M, N, K, group_size, symmetric):
+    from kernels._utils import device_sm
+
+    if device_sm() != 90:
+        pytest.skip("the wgmma GEMM is sm_90 (Hopper) code")
+    x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 31 + N + K)
+    for v in VARIANTS:
+        if N % wg.gemm_plan(M, N, K, **v)["bn"]:
+            continue  # a block wider than N
+        out = poisoned((M, N), torch.float16, "cuda")
+        y = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **v)
+        # (q - z) * s rounded once to fp16 (what dequantize() gives cuBLAS), fp32 sums (split partials in fp32):
+        # at most twice cuBLAS's error on that weight plus half an ulp of the largest output.
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, v
+        again = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, **v)
+        assert torch.equal(again, y), v  # counters were reset; split sums in a fixed order
+    y = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size)  # no bias
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size)
+    assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
+                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [33, 64, 128, 255])
+def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
+    import kernels.ops  # noqa: F401
+    from kernels._utils import device_sm
+    from kernels.gemm_w4a16 import w4a16_gemm
+    from kernels.ops import gemm as ops_gemm
+
+    x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
+    qw = quantize_int4(torch.randn(2048, 1024, dtype=torch.float16), 128).to("cuda")
+    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
+    y_op = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 128, None, None)
+    if device_sm() == 90 and ops_gemm.WGMMA_W4 and ops_gemm.CUDA_GEMV_MMA_MAX_M < M < ops_gemm.DEQUANT_MIN_M_W4:
+        assert torch.equal(y_op, wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128))  # routed here
+    # With a residual the op takes the Triton kernel (the wgmma GEMM has no residual epilogue).
+    y_res = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 128, None, r)
+    assert torch.equal(y_res, w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 128, residual=r))
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 128)
+    assert_close_to_ref(y_op, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
+                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
