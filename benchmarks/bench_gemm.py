@@ -230,7 +230,8 @@ def main():
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
             "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep,
             "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M",
-                                                         "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8")}}
+                                                         "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
+                                                         "WGMMA_W4")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
             "speedup_eager"]
     write_results("bench_gemm" + ("_sweep" if sweep else "_routed" if routed else ""), rows, cols, meta,
