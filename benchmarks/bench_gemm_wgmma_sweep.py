@@ -3,7 +3,8 @@ its plan (``w4a16_gemm_wgmma.gemm_plan``).
 
 For the Llama-3-8B projections and 8192x8192 (as ``bench_gemm.py``), M = 64, 128 (``BENCH_MS``), W4A16 g128 fp16:
 cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's variant and every (wt, wgs) block shape of
-``CANDIDATES`` with split-K 1, 2, 4, 8 (plus, at M = 64, 3 pipeline stages for two shapes). Each time is the median of
+``CANDIDATES`` with split-K 1, 2, 4, 8 (plus, at M = 64, 3 pipeline stages for two shapes; at M > 64, the 64-row
+block shapes too). Each time is the median of
 CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
 the dequantized weight. H100/H200 only (sm_90). Writes benchmarks/results/bench_gemm_wgmma_sweep_<card>.{json,md}.
 
@@ -37,6 +38,10 @@ def variants(M: int) -> list[dict]:
             out.append(dict(wt=wt, wgs=wgs, **({"splits": sp} if sp else {})))
     if M <= 64:
         out += [dict(wt=1, wgs=1, stages=3), dict(wt=2, wgs=2, stages=3)]
+    else:  # 64-row tiles for larger M too (more blocks, each weight tile dequantized once per 64 rows)
+        for wt, wgs in wg.CANDIDATES[64]:
+            for sp in (None, 2, 4, 8):
+                out.append(dict(bm=64, wt=wt, wgs=wgs, **({"splits": sp} if sp else {})))
     return out
 
 

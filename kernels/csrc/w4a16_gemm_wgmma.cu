@@ -131,21 +131,40 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   // This thread's A rows: columns n0 + nl + 64 wt and the next one, for each of the warpgroup's kWT tiles.
   const int nl = 64 * kWT * wg + 16 * wi + 2 * g;
 
+  // Each thread's share of a stage's copies is the same every stage (only k moves): its source pointers and
+  // shared-memory offsets are computed once. x: chunk column tid % 8 of rows tid / 8 + j (threads / 8); weight:
+  // 16-byte column tid % (BN / 4) of packed rows tid / (BN / 4) + j (threads / (BN / 4)).
+  constexpr int kXPer = kBM * 8 / kThreads, kWCols = kBN / 4, kWPer = (kBK / 8) * kWCols / kThreads;
+  static_assert(kBM * 8 % kThreads == 0 && kThreads % kWCols == 0 && (kBK / 8) * kWCols % kThreads == 0,
+                "a stage's copies must split evenly over the block");
+  const half* xsrc[kXPer];
+  uint32_t xdst[kXPer];
+  bool xok[kXPer];
+#pragma unroll
+  for (int j = 0; j < kXPer; ++j) {
+    const int r = (tid >> 3) + j * (kThreads / 8), c = tid & 7;
+    xok[j] = m0 + r < M;  // rows past M are zeros
+    xsrc[j] = x + (size_t)(xok[j] ? m0 + r : 0) * stride_xm + 8 * c;
+    xdst[j] = r * 128 + ((c ^ (r & 7)) << 4);
+  }
+  const int* wsrc[kWPer];
+  uint32_t wdst[kWPer];
+#pragma unroll
+  for (int j = 0; j < kWPer; ++j) {
+    const int r = tid / kWCols + j * (kThreads / kWCols), c = tid % kWCols;
+    wsrc[j] = qweight + (size_t)r * N + n0 + 4 * c;
+    wdst[j] = r * kBN * 4 + 16 * c;
+  }
+
   auto load_stage = [&](int kt, int buf) {
     const uint32_t xs = smem0 + buf * kStageBytes;
     const uint32_t ws = xs + kXBytes, ss = ws + kWBytes, zs = ss + kSBytes;
     const int k0 = kt * kBK;
 #pragma unroll
-    for (int i = tid; i < kBM * 8; i += kThreads) {
-      const int r = i >> 3, c = i & 7;
-      const bool ok = m0 + r < M;  // rows past M are zeros
-      cp_async16(xs + r * 128 + ((c ^ (r & 7)) << 4), x + (size_t)(ok ? m0 + r : 0) * stride_xm + k0 + 8 * c, ok);
-    }
+    for (int j = 0; j < kXPer; ++j) cp_async16(xs + xdst[j], xsrc[j] + k0, xok[j]);
+    const size_t wk = (size_t)(k0 / 8) * N;
 #pragma unroll
-    for (int i = tid; i < (kBK / 8) * (kBN / 4); i += kThreads) {
-      const int r = i / (kBN / 4), c = i % (kBN / 4);
-      cp_async16(ws + r * kBN * 4 + 16 * c, qweight + (size_t)(k0 / 8 + r) * N + n0 + 4 * c, true);
-    }
+    for (int j = 0; j < kWPer; ++j) cp_async16(ws + wdst[j], wsrc[j] + wk, true);
     const size_t grp = (size_t)(k0 / group_size);
     if (tid < kSBytes / 16) cp_async16(ss + 16 * tid, scales + grp * N + n0 + 8 * tid, true);
     if (has_zeros && tid < kZBytes / 16) cp_async16(zs + 16 * tid, zeros + grp * N + n0 + 16 * tid, true);

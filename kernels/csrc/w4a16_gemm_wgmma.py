@@ -29,11 +29,12 @@ BK = 64
 STAGES = 4
 SM = 90  # wgmma: sm_90a code, Hopper only
 SHARED_LIMIT = 227 * 1024
-# ptxas registers per thread by (bm, wt) (sm_90a, nvcc 13.0), for the blocks-per-SM estimate.
-REGS = {(64, 1): 112, (64, 2): 144, (64, 4): 248, (128, 1): 160, (128, 2): 200}
+# ptxas registers per thread by (bm, wt, wgs), rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate.
+REGS = {(64, 1, 1): 88, (64, 1, 2): 88, (64, 2, 1): 144, (64, 2, 2): 128, (64, 4, 1): 240, (64, 4, 2): 240,
+        (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 208, (128, 2, 2): 200}
 # Plan search space: (wt, wgs) block shapes by bm (at most 128 accumulators per thread: wt * bm <= 256), split
 # factors, and the fewest K stages a split may have, by bm (H100 sweep: o at M = 128 with 8 stages per split ran at
-# 0.56x cuBLAS, with 16 at 0.78x; at M = 64, 8 stages per split was the best o variant).
+# 0.64-0.80x cuBLAS, with 16 at 0.88-0.91x; at M = 64, 8 stages per split ran at 1.14-1.18x).
 CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
 SPLITS = (1, 2, 4, 8)
 MIN_K_TILES = {64: 8, 128: 16}
@@ -69,7 +70,8 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
 
 def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
     """Blocks of a variant that fit on one SM at once (shared memory and registers)."""
-    return max(1, min(SHARED_LIMIT // shared_bytes(bm, wt, wgs, stages), 65536 // (REGS[(bm, wt)] * 128 * wgs)))
+    regs = REGS.get((bm, wt, wgs), 255)
+    return max(1, min(SHARED_LIMIT // shared_bytes(bm, wt, wgs, stages), 65536 // (regs * 128 * wgs)))
 
 
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
@@ -81,9 +83,10 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     ``MIN_K_TILES[bm]`` stages long. Ranked by: how well the blocks fill the GPU's block slots (fewest idle slots in
     the last wave), then warps per SM (latency hiding), then the widest block (x crosses L2 N / bn times), then one
     warpgroup per block, then fewer splits (each split's fp32 partial tile is written and read once more).
-    Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 44 variants per shape): on the five
-    Llama-3-8B shapes at M = 64 and 128 this picks the best variant or one within 7%, except qkv at M = 64 (1.05x
-    cuBLAS vs 1.17x) and gate_up at M = 64 (1.31x vs 1.69x).
+    Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 28-41 variants per shape; runs vary ~3%): on
+    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 0.96 vs 1.02x cuBLAS (bm 64,
+    outside the plan's space at M = 128), o 0.85 vs 0.91, gate_up 1.35 vs 1.36, down 1.26 (best), 8k 1.33 vs 1.34;
+    M = 64: qkv 1.13 vs 1.38, o 1.13 vs 1.21, gate_up 1.75 vs 1.86, down 1.54 vs 1.55, 8k 1.61 vs 1.77.
     """
     bm = bm or (64 if M <= 64 else 128)
     ktiles = K // BK

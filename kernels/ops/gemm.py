@@ -38,8 +38,9 @@ DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
 # (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (bench_gemm_wgmma_sweep_h100.md), its plan's
-# variant vs cuBLAS on the five Llama shapes: M=64 1.03-1.42x (Triton 0.80-1.09x), M=128 0.73-1.20x (Triton
-# 0.56-0.74x); at M=256 dequantize + cuBLAS stays ahead on 3 of 5 (0.52-0.62x).
+# variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
+# 0.56-0.74x). M >= 256 stays on dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an
+# earlier build of it measured 0.44-0.73x at M=256).
 WGMMA_W4 = True
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md, bench_gemm_routed_h100_m1-4_final
