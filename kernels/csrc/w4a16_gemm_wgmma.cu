@@ -5,31 +5,33 @@
 // The product is computed transposed, y^T = W x^T, so that the weight is wgmma's A operand, which may come from
 // registers: each thread dequantizes its own A fragment and nothing dequantized goes through shared memory. x is the
 // B operand, read by the tensor cores straight from shared memory (K-major rows, 128-byte swizzle).
-//   * Block: WG_WGS warpgroups, each owning 64 output columns (wgmma M = 64), times BM = WG_BM rows of x (wgmma N).
-//     A stage is BK = 64 values of k: x [BM, 64] (one 128-byte row per x row), the packed weight [8, 64 WGS] int32,
-//     and one row of scales (and zeros) -- group_size % 64 == 0, so a stage never spans two groups. WG_STAGES stages
-//     are in flight through cp.async.
-//   * A fragment of warp w (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4; k = 2t, 2t+1, 2t+8, 2t+9 of
-//     each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of the warpgroup's 64, so that
-//     one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1 of a
+//   * Block: WG_WGS warpgroups, each owning WG_WT tiles of 64 output columns (wgmma M = 64; BN = 64 WT WGS columns
+//     per block), times BM = WG_BM rows of x (wgmma N). A stage is BK = 64 values of k: x [BM, 64] (one 128-byte row
+//     per x row), the packed weight [8, BN] int32, and one row of scales (and zeros) -- group_size % 64 == 0, so a
+//     stage never spans two groups. WG_STAGES stages are in flight through cp.async; each thread's copy addresses
+//     are computed once, only k advances.
+//   * A fragment of warp w in a 64-column tile (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4;
+//     k = 2t, 2t+1, 2t+8, 2t+9 of each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of
+//     the tile, so that one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1 of a
 //     32-k step holds exactly the nibble pairs (k = 16 s + 2t, + 1) and (16 s + 2t + 8, + 9) of k16 step s: one PRMT
 //     puts byte t in both halves, one LOP3 makes {1024 + q_lo, 1024 + 16 q_hi}, one HFMA2 by {1, 1/16} with
 //     {-(1024 + z), -(64 + z)} gives q - z exactly, and one HMUL2 scales it: the weight is rounded once to fp16,
 //     (q - z) s, as cuBLAS would see the dequantized weight.
-//   * Async: the stage's four wgmmas are committed as one group and only the previous stage's group is waited for,
-//     so the dequantization of stage i + 1 runs while the tensor cores work on stage i. A stage's buffer is refilled
-//     two iterations after its wgmmas were issued (prefetch distance STAGES - 2), when they are known complete.
+//   * Async: each k16 step's wgmmas (one per tile) are committed as one group, and only the previous step's group is
+//     waited for, so the dequantization of step j + 1 runs while the tensor cores work on step j; the A registers
+//     alternate between two sets by step parity. A stage's buffer is refilled two iterations after its wgmmas were
+//     issued (prefetch distance STAGES - 2), when they are known complete.
 //   * Split-K over gridDim.y when the tiles alone leave SMs idle: fp32 partials in `workspace` [splits, M, N], summed
 //     in split order (deterministic) by the last block of a tile to arrive, which also resets the tile's counter to 0
 //     (so counters start and end at 0; two launches sharing them must not run concurrently).
-// Launcher checks: N % (64 WGS) == 0, K % 64 == 0, group_size % 64 == 0, x rows and all operands 16-byte aligned.
+// Launcher checks: N % BN == 0, K % 64 == 0, group_size % 64 == 0, x rows and all operands 16-byte aligned.
 #include "w4_dequant.cuh"
 
 #ifndef WG_BM
 #define WG_BM 128  // rows of x per block: the wgmma N (64 or 128)
 #endif
 #ifndef WG_WGS
-#define WG_WGS 2  // warpgroups per block, 64 output columns each
+#define WG_WGS 2  // warpgroups per block, 64 WG_WT output columns each
 #endif
 #ifndef WG_WT
 #define WG_WT 1  // 64-column tiles per warpgroup (wgmmas per k16 step)

@@ -1,8 +1,8 @@
 """Launcher for the Hopper W4A16 GEMM (``w4a16_gemm_wgmma.cu``): fp16 activations, M above the GEMV's range, sm_90.
 
-A block computes y^T's ``[64 wgs, bm]`` tile (``wgs`` warpgroups of 64 output columns, ``bm`` = 64 or 128 rows of x)
-with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x is staged in shared memory with a
-``stages``-deep cp.async pipeline over K steps of 64. Split-K over ``gridDim.y`` when the tiles alone leave SMs idle
+A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
+of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x is staged in shared memory with
+a ``stages``-deep cp.async pipeline over K steps of 64. Split-K over ``gridDim.y`` when the tiles alone leave SMs idle
 (fp32 partials in a workspace, summed by the last block of each tile in a fixed order). Compiled for sm_90a with nvcc
 by ``kernels.aot.compile_cuda`` and launched with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan
 is a pure function of shapes and the SM count.
