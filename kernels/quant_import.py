@@ -49,6 +49,22 @@ def _zeros_u8(z: torch.Tensor) -> torch.Tensor:
     return z.to(torch.uint8).contiguous()
 
 
+def _group_size(fmt: str, k: int, n: int, scales: torch.Tensor, qzeros: torch.Tensor, group_size: Optional[int],
+                hint: str = "") -> int:
+    """Checks a group-wise checkpoint's scales ``[K // group_size, N]`` and packed zeros ``[K // group_size, N // 8]``
+    against its K and N; returns the group size (``K // scales.shape[0]`` unless given)."""
+    ngroups = scales.shape[0]
+    if scales.dim() != 2 or scales.shape[1] != n:
+        raise ValueError(f"{fmt} scales must be [K // group_size, N] with N={n}, got {tuple(scales.shape)}")
+    if n % 8 or tuple(qzeros.shape) != (ngroups, n // 8):
+        raise ValueError(f"{fmt} qzeros must be [K // group_size, N // 8] = {(ngroups, n // 8)}, got "
+                         f"{tuple(qzeros.shape)}")
+    group_size = group_size or k // ngroups
+    if group_size * ngroups != k or k % 8:
+        raise ValueError(f"{fmt}: K={k} is not {ngroups} groups of {group_size} (and a multiple of 8){hint}")
+    return group_size
+
+
 def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: Optional[torch.Tensor] = None,
                 *, group_size: Optional[int] = None, zero_offset: int = 1, bias: Optional[torch.Tensor] = None
                 ) -> QuantizedWeight:
@@ -61,15 +77,10 @@ def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     _check_int32("GPTQ qzeros", qzeros)
     kp, n = qweight.shape
     k = kp * 8
-    ngroups = scales.shape[0]
-    if scales.dim() != 2 or scales.shape[1] != n:
-        raise ValueError(f"GPTQ scales must be [K // group_size, N] with N={n}, got {tuple(scales.shape)}")
-    if qzeros.shape != (ngroups, n // 8) or n % 8:
-        raise ValueError(f"GPTQ qzeros must be [K // group_size, N // 8] = {(ngroups, n // 8)}, got {tuple(qzeros.shape)}")
-    group_size = group_size or k // ngroups
-    if group_size * ngroups != k:
-        raise ValueError(f"GPTQ: K={k} is not {ngroups} groups of {group_size}; pass the checkpoint's group_size "
-                         "(quantize_config.json); group_size=-1 (one group) checkpoints are not supported")
+    group_size = _group_size("GPTQ", k, n, scales, qzeros, group_size,
+                             "; pass the checkpoint's group_size (quantize_config.json); group_size=-1 (one group) "
+                             "checkpoints are not supported")
+    ngroups = k // group_size
     zeros = _zeros_u8(_unpack_cols(qzeros) + zero_offset)
     perm = None
     if g_idx is not None:
@@ -93,15 +104,8 @@ def import_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     _check_int32("AWQ qweight", qweight)
     _check_int32("AWQ qzeros", qzeros)
     k, n8 = qweight.shape
+    group_size = _group_size("AWQ", k, n8 * 8, scales, qzeros, group_size)
     n = n8 * 8
-    ngroups = scales.shape[0]
-    if scales.dim() != 2 or scales.shape[1] != n:
-        raise ValueError(f"AWQ scales must be [K // group_size, N] with N={n}, got {tuple(scales.shape)}")
-    if qzeros.shape != (ngroups, n8):
-        raise ValueError(f"AWQ qzeros must be [K // group_size, N // 8] = {(ngroups, n8)}, got {tuple(qzeros.shape)}")
-    group_size = group_size or k // ngroups
-    if group_size * ngroups != k or k % 8:
-        raise ValueError(f"AWQ: K={k} is not {ngroups} groups of {group_size} (and a multiple of 8)")
     q = _unpack_cols(qweight, AWQ_ORDER)  # [K, N]
     zeros = _zeros_u8(_unpack_cols(qzeros, AWQ_ORDER))
     return QuantizedWeight(4, pack_int4(q), scales.contiguous(), zeros, group_size, k, n)

@@ -159,6 +159,24 @@ def test_gptq_bad_g_idx_rejected():
         import_gptq(pack_rows_loop(q).to(torch.int64), pack_cols_loop(z), s)
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_import_rejects_mismatched_scales_zeros_and_groups(fmt):
+    K, N, G = 128, 16, 32
+    q, z, s = known_ints(K, N, G)
+    if fmt == "gptq":
+        qweight, qzeros, load = pack_rows_loop(q), pack_cols_loop(z), import_gptq
+    else:
+        qweight, qzeros, load = pack_cols_loop(q, AWQ_ORDER), pack_cols_loop(z, AWQ_ORDER), import_awq
+    name = fmt.upper()
+    with pytest.raises(ValueError, match=rf"{name} scales must be \[K // group_size, N\] with N=16"):
+        load(qweight, qzeros, s[:, :8])
+    with pytest.raises(ValueError, match=rf"{name} qzeros must be .* = \(4, 2\)"):
+        load(qweight, qzeros[:3], s)
+    with pytest.raises(ValueError, match=rf"{name}: K=128 is not 4 groups of 64"):
+        load(qweight, qzeros, s, group_size=64)
+    assert load(qweight, qzeros, s).group_size == G  # group size inferred from the scales
+
+
 def test_awq_import_exact():
     K, N, G = 256, 40, 128
     q, z, s = known_ints(K, N, G, seed=4)
