@@ -106,12 +106,25 @@ def cuobjdump():
     return str(p) if p.exists() else shutil.which("cuobjdump")
 
 
+def dequant_baseline(x, qw, bias=None, residual=None):
+    """PyTorch's own result on the dequantized weight, in x's dtype (+ bias) (+ residual): the baseline whose error
+    against the fp32 reference scales the weight-only GEMM tests' tolerance."""
+    from kernels.quant import dequantize
+
+    y = x @ dequantize(qw).t()
+    if bias is not None:
+        y = y + bias
+    if residual is not None:
+        y = y + residual
+    return y
+
+
 def w4_gpu_case(M, N, K, group_size, symmetric, seed):
     """A W4A16 case on the GPU: fp16 x [M, K], an INT4 weight for a random [N, K] (with the largest zero point, 16 from
     GPTQ v1 imports, in every third column of the first group), an fp16 bias, the fp32 reference on the dequantized
     weight and PyTorch's fp16 result on it (the tolerance baseline). Returns (x, qw, bias, ref, baseline)."""
     from kernels.gemm_w4a16 import w4a16_reference
-    from kernels.quant import dequantize, quantize_int4
+    from kernels.quant import quantize_int4
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g).half()
@@ -122,4 +135,4 @@ def w4_gpu_case(M, N, K, group_size, symmetric, seed):
     qw = qw.to("cuda")
     bias = torch.randn(N, generator=g).half().cuda()
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
-    return x, qw, bias, ref, x @ dequantize(qw).t() + bias
+    return x, qw, bias, ref, dequant_baseline(x, qw, bias)

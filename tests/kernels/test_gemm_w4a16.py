@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kernels.gemm_w4a16 import w4a16_gemm, w4a16_launch_config, w4a16_reference
-from kernels.quant import dequantize, quantize_int4
-from tests.helpers import assert_gemm_close as check, poisoned
+from kernels.quant import quantize_int4
+from tests.helpers import assert_gemm_close as check, dequant_baseline, poisoned
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,10 +33,7 @@ def run_case(M, N, K, dtype, group_size=64, symmetric=False, bias=False, residua
     y = w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r, out=out, **overrides)
     assert y.data_ptr() == out.data_ptr()
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r)
-    base = x @ dequantize(qw).t()
-    base = base + b if bias else base
-    base = base + r if residual else base
-    check(y, ref, base)
+    check(y, ref, dequant_baseline(x, qw, b, r))
     return y, ref
 
 
