@@ -38,6 +38,11 @@ REGS = {(64, 1, 1): 88, (64, 1, 2): 88, (64, 2, 1): 144, (64, 2, 2): 128, (64, 4
 CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
 SPLITS = (1, 2, 4, 8)
 MIN_K_TILES = {64: 8, 128: 16}
+# For M > 64, 64-row blocks (each weight tile dequantized once per 64 rows) must fill the block slots this much better
+# than 128-row ones to be chosen. H100 sweep at M = 128: with 64-row blocks at equal or similar fill, 4 of 5 shapes
+# ran slower (gate_up 0.98-1.09x vs 1.35x); qkv, where every 128-row plan leaves 27% of the slots idle and a 64-row
+# one fills 97%, ran at 0.99-1.02x vs 0.96x.
+BM128_MARGIN = 0.15
 
 _KERNELS: dict = {}
 _COUNTERS: dict = {}
@@ -78,38 +83,38 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
               wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None) -> dict:
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override).
 
-    bm = 64 for M <= 64, else 128. Candidates: the block shapes of ``CANDIDATES`` that divide N, each with no split
-    or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
-    ``MIN_K_TILES[bm]`` stages long. Ranked by: how well the blocks fill the GPU's block slots (fewest idle slots in
-    the last wave), then warps per SM (latency hiding), then the widest block (x crosses L2 N / bn times), then one
-    warpgroup per block, then fewer splits (each split's fp32 partial tile is written and read once more).
+    Candidates: bm = 64 for M <= 64, else 128 or 64 (64 only where it fills the GPU clearly better, by
+    ``BM128_MARGIN``); the block shapes of ``CANDIDATES`` that divide N, each with no split or with a split factor
+    of ``SPLITS`` that keeps the blocks within one wave and each split at least ``MIN_K_TILES[bm]`` stages long.
+    Ranked by: how well the blocks fill the GPU's block slots (fewest idle slots in the last wave), then warps per SM
+    (latency hiding), then the widest block (x crosses L2 N / bn times), then one warpgroup per block, then fewer
+    splits (each split's fp32 partial tile is written and read once more).
     Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 28-41 variants per shape; runs vary ~3%): on
-    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 0.96 vs 1.02x cuBLAS (bm 64,
-    outside the plan's space at M = 128), o 0.85 vs 0.91, gate_up 1.35 vs 1.36, down 1.26 (best), 8k 1.33 vs 1.34;
-    M = 64: qkv 1.13 vs 1.38, o 1.13 vs 1.21, gate_up 1.75 vs 1.86, down 1.54 vs 1.55, 8k 1.61 vs 1.77.
+    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.02 (best; 0.99 in a second
+    row of the same variant; the bm = 128 plan it replaced: 0.96), o 0.85 vs 0.91, gate_up 1.35 vs 1.36, down 1.26
+    (best), 8k 1.33 vs 1.34; M = 64: qkv 1.13 vs 1.38, o 1.13 vs 1.21, gate_up 1.75 vs 1.86, down 1.54 vs 1.55,
+    8k 1.61 vs 1.77.
     """
-    bm = bm or (64 if M <= 64 else 128)
     ktiles = K // BK
-    cands = [(a, b) for a, b in CANDIDATES[bm] if (wt is None or a == wt) and (wgs is None or b == wgs)]
     best = None
-    for a, b in cands:
-        bn = 64 * a * b
-        if N % bn:
-            continue
-        tiles = -(-M // bm) * (N // bn)
-        cap = sm_count * blocks_per_sm(bm, a, b, stages)
-        for s in [splits] if splits else [s for s in SPLITS
-                                          if s == 1 or (ktiles // s >= MIN_K_TILES[bm] and tiles * s <= cap)]:
-            ctas = tiles * s
-            fill = ctas / (-(-ctas // cap) * cap)
-            key = (round(fill, 3), cap // sm_count * 4 * b, bn, -b, -s)
-            if best is None or key > best[0]:
-                best = (key, a, b, s)
+    for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
+        for a, b in CANDIDATES[bm_]:
+            bn = 64 * a * b
+            if (wt and a != wt) or (wgs and b != wgs) or N % bn:
+                continue
+            tiles = -(-M // bm_) * (N // bn)
+            cap = sm_count * blocks_per_sm(bm_, a, b, stages)
+            for s in [splits] if splits else [s for s in SPLITS
+                                              if s == 1 or (ktiles // s >= MIN_K_TILES[bm_] and tiles * s <= cap)]:
+                ctas = tiles * s
+                fill = ctas / (-(-ctas // cap) * cap) + (BM128_MARGIN if bm_ == 128 else 0.0)
+                key = (round(fill, 3), cap // sm_count * 4 * b, bn, -b, -s)
+                if best is None or key > best[0]:
+                    best = (key, bm_, a, b, s)
     if best is None:  # no candidate block divides N: the narrowest (unsupported_reason names the problem)
-        a, b = wt or 1, wgs or 1
-        s = splits or 1
+        bm, a, b, s = bm or (64 if M <= 64 else 128), wt or 1, wgs or 1, splits or 1
     else:
-        _, a, b, s = best
+        _, bm, a, b, s = best
     bn = 64 * a * b
     s = max(1, min(int(s), ktiles))
     per = -(-ktiles // s)
