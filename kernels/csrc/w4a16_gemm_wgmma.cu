@@ -8,8 +8,8 @@
 //   * Block: WG_WGS warpgroups, each owning WG_WT tiles of 64 output columns (wgmma M = 64; BN = 64 WT WGS columns
 //     per block), times BM = WG_BM rows of x (wgmma N). A stage is BK = 64 values of k: x [BM, 64] (one 128-byte row
 //     per x row), the packed weight [8, BN] int32, and one row of scales (and zeros) -- group_size % 64 == 0, so a
-//     stage never spans two groups. WG_STAGES stages are in flight through cp.async; each thread's copy addresses
-//     are computed once, only k advances.
+//     stage never spans two groups. The stages form a WG_STAGES-deep cp.async ring filled STAGES - 2 stages ahead;
+//     each thread's copy addresses are computed once, only k advances.
 //   * A fragment of warp w in a 64-column tile (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4;
 //     k = 2t, 2t+1, 2t+8, 2t+9 of each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of
 //     the tile, so that one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1 of a

@@ -1,8 +1,8 @@
 """Launcher for the Hopper W4A16 GEMM (``w4a16_gemm_wgmma.cu``): fp16 activations, M above the GEMV's range, sm_90.
 
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
-of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x is staged in shared memory with
-a ``stages``-deep cp.async pipeline over K steps of 64. Split-K over ``gridDim.y`` when the tiles alone leave SMs idle
+of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the packed weight, its scales
+and zeros are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64. Split-K over ``gridDim.y`` when the tiles alone leave SMs idle
 (fp32 partials in a workspace, summed by the last block of each tile in a fixed order). Compiled for sm_90a with nvcc
 by ``kernels.aot.compile_cuda`` and launched with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan
 is a pure function of shapes and the SM count.
@@ -13,6 +13,7 @@ so launches must not run concurrently on two streams of one device (the same rul
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +29,8 @@ PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*
 BK = 64
 STAGES = 4
 SM = 90  # wgmma: sm_90a code, Hopper only
-SHARED_LIMIT = 227 * 1024
+SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may have (sm_90)
+SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also takes 1 KB reserved by the system
 # ptxas registers per thread by (bm, wt, wgs), rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate.
 REGS = {(64, 1, 1): 88, (64, 1, 2): 88, (64, 2, 1): 144, (64, 2, 2): 128, (64, 4, 1): 240, (64, 4, 2): 240,
         (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 208, (128, 2, 2): 200}
@@ -76,12 +78,13 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
 def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
     """Blocks of a variant that fit on one SM at once (shared memory and registers)."""
     regs = REGS.get((bm, wt, wgs), 255)
-    return max(1, min(SHARED_LIMIT // shared_bytes(bm, wt, wgs, stages), 65536 // (regs * 128 * wgs)))
+    return max(1, min(SM_SHARED // (shared_bytes(bm, wt, wgs, stages) + 1024), 65536 // (regs * 128 * wgs)))
 
 
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
               wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None) -> dict:
-    """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override).
+    """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
+    that an eager call pays a dictionary lookup, not the search (~50 us of Python).
 
     Candidates: bm = 64 for M <= 64, else 128 or 64 (64 only where it fills the GPU clearly better, by
     ``BM128_MARGIN``); the block shapes of ``CANDIDATES`` that divide N, each with no split or with a split factor
@@ -95,6 +98,13 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     (best), 8k 1.33 vs 1.34; M = 64: qkv 1.13 vs 1.38, o 1.13 vs 1.21, gate_up 1.75 vs 1.86, down 1.54 vs 1.55,
     8k 1.61 vs 1.77.
     """
+    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits))
+
+
+@lru_cache(maxsize=4096)
+def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits) -> tuple:
+    if M < 1 or K < BK:
+        raise ValueError(f"wgmma W4A16 GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
     ktiles = K // BK
     best = None
     for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
@@ -119,8 +129,10 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     s = max(1, min(int(s), ktiles))
     per = -(-ktiles // s)
     s = -(-ktiles // per)  # no empty split
-    return dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, grid=(-(-M // bm) * -(-N // bn), s),
-                shared=shared_bytes(bm, a, b, stages))
+    if (bm, a, b) not in REGS:
+        raise ValueError(f"wgmma W4A16 GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS)}")
+    return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, grid=(-(-M // bm) * -(-N // bn), s),
+                      shared=shared_bytes(bm, a, b, stages)).items())
 
 
 def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -166,13 +178,17 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     M = x.shape[0]
     if not x.is_cuda:
         raise ValueError("wgmma W4A16 GEMM needs CUDA tensors")
-    plan = gemm_plan(M, N, K, device_sm_count(x.device), **variant)
-    reason = unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device), plan["bn"])
+    reason = unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device))
+    if reason is None:  # the plan needs a shape it can tile; its block width is then checked against N
+        plan = gemm_plan(M, N, K, device_sm_count(x.device), **variant)
+        reason = unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device), plan["bn"])
     if reason:
         raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
-    check_operands("wgmma W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"wgmma W4A16 GEMM: bias must have shape [{N}], got {tuple(bias.shape)}")
+    check_operands("wgmma W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand; 8-byte output stores
                    tuple((name, t, 16) for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
-                                                        ("bias", bias))),
+                                                        ("bias", bias), ("out", out))),
                    scales, bias, out, (M, N))
     if plan["shared"] > SHARED_LIMIT:
         raise ValueError(f"wgmma W4A16 GEMM: variant needs {plan['shared']} B of shared memory (> {SHARED_LIMIT})")

@@ -39,7 +39,7 @@ DEQUANT_MIN_M_W8 = 512
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
 # (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (bench_gemm_wgmma_sweep_h100.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
-# 0.56-0.74x). M >= 256 stays on dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an
+# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an
 # earlier build of it measured 0.44-0.73x at M=256).
 WGMMA_W4 = True
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
@@ -146,9 +146,10 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         from .._utils import device_sm
         from ..csrc import device_sm_count, w4a16_gemm_wgmma as wg
 
-        if x2.dtype == torch.float16 and wg.operands_ok(x2, qweight, scales, zeros, bias):
+        if (x2.dtype == torch.float16 and wg.operands_ok(x2, qweight, scales, zeros, bias)
+                and wg.unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device)) is None):
             bn = wg.gemm_plan(M, N, K, device_sm_count(x.device))["bn"]
-            if wg.unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device), bn) is None:
+            if N % bn == 0:
                 return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias).reshape(*lead, N)
     if r2 is None and M <= CUDA_GEMV_MAX_M:
         from ..csrc import w4a16_gemv as cu

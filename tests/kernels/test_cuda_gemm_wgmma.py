@@ -1,7 +1,8 @@
 """The Hopper W4A16 GEMM (kernels/csrc/w4a16_gemm_wgmma.cu): compiles to sm_90a PTX/cubin here (nvcc, no GPU) with
-its accumulators and fragments in registers; its plan and input checks; on an sm_90 GPU it matches the fp32 reference
-on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups, every split-K factor tried,
-and split-K leaves its counters ready for the next launch (two launches give bit-identical results)."""
+warpgroup MMAs and no local memory in its SASS; its plan and input checks; on an sm_90 GPU it matches the fp32
+reference on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups, 1 to 4 tiles per
+warpgroup, no split and split-K (the plan's and forced ones), and split-K leaves its counters ready for the next launch
+(two launches of a split variant give bit-identical results)."""
 
 import shutil
 
@@ -11,15 +12,17 @@ import torch
 from kernels.csrc import w4a16_gemm_wgmma as wg
 from kernels.gemm_w4a16 import w4a16_reference
 from kernels.quant import dequantize, quantize_int4
-from tests.helpers import assert_close_to_ref, poisoned, w4_gpu_case
+from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 
 VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm=64, wt=4, wgs=2, stages=3),
             dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3)]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
+@pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize("bm,wt,wgs", [(64, 1, 1), (128, 2, 2), (64, 4, 2)])
 def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
+    import subprocess
+
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
@@ -30,7 +33,11 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
     assert len(entry_params(art.ptx, wg.KERNEL)) == len(wg.PARAMS)
     assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
     assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
-    assert ".local" not in art.ptx  # fragments and accumulators stay in registers
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(art.cubin)
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert f"HGMMA.64x{bm}x16.F32" in sass
+    assert "LDL" not in sass and "STL" not in sass  # fragments and accumulators stay in registers (no spills)
 
 
 def test_wgmma_gemm_is_hopper_only():
@@ -58,6 +65,14 @@ def test_wgmma_gemm_plan_and_support():
         assert p["shared"] <= wg.SHARED_LIMIT
     # 64-row blocks for M > 64 only where they fill the GPU clearly better (qkv at M = 128, not gate_up).
     assert wg.gemm_plan(128, 6144, 4096)["bm"] == 64 and wg.gemm_plan(128, 28672, 4096)["bm"] == 128
+    # Shapes and variants it has no plan for are refused with a reason, not a crash in the search.
+    with pytest.raises(ValueError, match="K=32"):
+        wg.gemm_plan(100, 4096, 32)
+    with pytest.raises(ValueError, match="M=0"):
+        wg.gemm_plan(0, 4096, 4096)
+    with pytest.raises(ValueError, match="no variant bm=128, wt=4"):
+        wg.gemm_plan(128, 4096, 4096, bm=128, wt=4, wgs=1)
+    assert wg.gemm_plan(128, 4096, 4096) is not wg.gemm_plan(128, 4096, 4096)  # cached, but each caller gets a copy
     # Split-K only where the tiles leave SMs idle.
     assert wg.gemm_plan(512, 28672, 4096)["splits"] == 1
     assert wg.gemm_plan(128, 4096, 4096)["splits"] > 1
