@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device, interpreting
-from .gemm_wq_common import _finish, check_activations, plan_tiles, tickets
+from .gemm_wq_common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _w4a16_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_rm,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT_IN_FP32: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -103,11 +103,11 @@ def _w4a16_gemm_kernel(
     if not USE_DOT:
         acc = tl.sum(acc2, axis=0)[None, :]
     _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
-            HAS_BIAS, HAS_RES, SPLIT_K)
+            HAS_BIAS, HAS_RES, SPLIT_K, SWIGLU)
 
 
 def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool, has_bias: bool, has_res: bool,
-                        dot_in_fp32: bool = False, **overrides) -> LaunchConfig:
+                        dot_in_fp32: bool = False, swiglu: bool = False, **overrides) -> LaunchConfig:
     """The launch of ``_w4a16_gemm_kernel`` for these shapes (pure function; ``overrides`` go to ``plan_tiles``).
 
     ``dot_in_fp32``: only for Triton's interpreter, whose bf16 ``tl.dot`` and int->bf16 casts are wrong (Triton 3.6);
@@ -123,7 +123,8 @@ def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool
     p = plan_tiles(M, N, K, group_size, **overrides)
     constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, HAS_RES=has_res,
                       USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-                      SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32)
+                      SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32,
+                      SWIGLU=swiglu)
     return LaunchConfig(_w4a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 
@@ -162,21 +163,22 @@ def check_w4_weight(qweight, scales, zeros, group_size, K=None):
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-               out: Optional[torch.Tensor] = None, **overrides) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias[N]) (+ residual[M, N]) -> [M, N]`` in x's dtype, with the Triton kernel."""
+               out: Optional[torch.Tensor] = None, swiglu: bool = False, **overrides) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias[N]) (+ residual[M, N]) -> [M, N]`` in x's dtype, with the Triton kernel.
+    ``swiglu``: W's columns are interleaved gate/up pairs; ``-> silu(gate) * up`` of shape ``[M, N / 2]`` (the
+    residual, if any, is ``[M, N / 2]`` and added after the activation)."""
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     check_activations(x, K, "W4A16")
     if scales.dtype != x.dtype:
         raise ValueError(f"W4A16: scales are {scales.dtype} but x is {x.dtype}; quantize with scale_dtype={x.dtype}")
     M = x.shape[0]
-    if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(1) != 1):
-        raise ValueError(f"W4A16: residual must be [M, N] = {(M, N)} with unit stride along N")
+    n_out = check_epilogue("W4A16", M, N, residual, swiglu)
     check_device(x, qweight, scales, zeros, bias, residual)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return out
     cfg = w4a16_launch_config(M, N, K, group_size, zeros is not None, bias is not None, residual is not None,
-                              interpreting() and x.dtype == torch.bfloat16, **overrides)
+                              interpreting() and x.dtype == torch.bfloat16, swiglu, **overrides)
     split = cfg.constexprs["SPLIT_K"]
     partials = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     cfg.launch(x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
@@ -185,15 +187,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return out
 
 
-def w4a16_reference(x, qweight, scales, zeros, group_size, bias=None, residual=None):
-    """fp32 torch reference against the dequantized weight, exactly ``(q - z) * s`` in fp32 (what the kernel uses)."""
+def w4a16_reference(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=False):
+    """fp32 torch reference against the dequantized weight, exactly ``(q - z) * s`` in fp32 (what the kernel uses),
+    with the kernel's epilogue."""
     from .quant import QuantizedWeight, dequantize
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     w = dequantize(QuantizedWeight(4, qweight, scales, zeros, group_size, K, N), torch.float32)
-    y = x.float() @ w.t()
-    if bias is not None:
-        y = y + bias.float()
-    if residual is not None:
-        y = y + residual.float()
-    return y
+    return reference_epilogue(x.float() @ w.t(), bias, residual, swiglu)

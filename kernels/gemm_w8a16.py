@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device, interpreting
-from .gemm_wq_common import _finish, check_activations, plan_tiles, tickets
+from .gemm_wq_common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _w8a16_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT_IN_FP32: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,7 +82,7 @@ def _w8a16_gemm_kernel(
     s = tl.load(scales_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = acc * s[None, :]
     _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
-            HAS_BIAS, HAS_RES, SPLIT_K)
+            HAS_BIAS, HAS_RES, SPLIT_K, SWIGLU)
 
 
 def _block_k_cap(K: int) -> int:
@@ -96,7 +96,7 @@ def _block_k_cap(K: int) -> int:
 
 
 def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, dot_in_fp32: bool = False,
-                        **overrides) -> LaunchConfig:
+                        swiglu: bool = False, **overrides) -> LaunchConfig:
     """The launch of ``_w8a16_gemm_kernel`` for these shapes (pure function; ``overrides`` go to ``plan_tiles``).
 
     ``dot_in_fp32``: only for Triton's interpreter, whose bf16 ``tl.dot`` and int->bf16 casts are wrong (Triton 3.6);
@@ -108,7 +108,8 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
         overrides = {"block_k": 64, **overrides}
     p = plan_tiles(M, N, K, _block_k_cap(K), **overrides)
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"],
-                      BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32)
+                      BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32,
+                      SWIGLU=swiglu)
     return LaunchConfig(_w8a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 
@@ -137,21 +138,22 @@ def check_w8_weight(qweight, scales, K=None):
 
 
 def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, **overrides) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias[N]) (+ residual[M, N]) -> [M, N]`` in x's dtype, with the Triton kernel."""
+               residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, swiglu: bool = False,
+               **overrides) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias[N]) (+ residual[M, N]) -> [M, N]`` in x's dtype, with the Triton kernel.
+    ``swiglu``: as in ``kernels.gemm_w4a16.w4a16_gemm`` (interleaved gate/up columns, ``[M, N / 2]`` out)."""
     K, N = check_w8_weight(qweight, scales, x.shape[-1])
     check_activations(x, K, "W8A16")
     if scales.dtype != x.dtype:
         raise ValueError(f"W8A16: scales are {scales.dtype} but x is {x.dtype}; quantize with scale_dtype={x.dtype}")
     M = x.shape[0]
-    if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(1) != 1):
-        raise ValueError(f"W8A16: residual must be [M, N] = {(M, N)} with unit stride along N")
+    n_out = check_epilogue("W8A16", M, N, residual, swiglu)
     check_device(x, qweight, scales, bias, residual)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return out
     cfg = w8a16_launch_config(M, N, K, bias is not None, residual is not None,
-                              interpreting() and x.dtype == torch.bfloat16, **overrides)
+                              interpreting() and x.dtype == torch.bfloat16, swiglu, **overrides)
     split = cfg.constexprs["SPLIT_K"]
     partials = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     cfg.launch(x, qweight, scales, bias if bias is not None else scales, residual if residual is not None else out,
@@ -160,13 +162,9 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bia
     return out
 
 
-def w8a16_reference(x, qweight, scales, bias=None, residual=None):
-    """fp32 torch reference against the dequantized weight, exactly ``q * s`` in fp32 (what the kernel uses)."""
+def w8a16_reference(x, qweight, scales, bias=None, residual=None, swiglu=False):
+    """fp32 torch reference against the dequantized weight, exactly ``q * s`` in fp32 (what the kernel uses), with
+    the kernel's epilogue."""
     K, N = check_w8_weight(qweight, scales, x.shape[-1])
     w = qweight.float() * scales.float()[None, :]  # [K, N]
-    y = x.float() @ w
-    if bias is not None:
-        y = y + bias.float()
-    if residual is not None:
-        y = y + residual.float()
-    return y
+    return reference_epilogue(x.float() @ w, bias, residual, swiglu)

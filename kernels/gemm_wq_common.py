@@ -1,5 +1,10 @@
 """Pieces shared by the weight-only GEMM kernels (``gemm_w8a16``, ``gemm_w4a16``): tile/split-K planning, the
-split-K finish (last-program reduction, no memset) and the fused epilogue (bias, residual).
+split-K finish (last-program reduction, no memset) and the fused epilogue (bias, SwiGLU, residual).
+
+SwiGLU epilogue (``SWIGLU``): the weight's output columns are gate/up pairs interleaved (column 2j is gate j, 2j + 1
+is up j; ``kernels.quant.interleave_columns``), so a tile holds both halves of its outputs: ``y[:, j] = silu(g_j) *
+u_j`` over the fp32 sums (after the bias, before the residual), ``N / 2`` columns out. One launch replaces the GEMM,
+its ``[M, N]`` round trip through memory and the activation kernel.
 
 Split-K without atomics on the output: each of the ``SPLIT_K`` programs of an output tile writes its fp32 partial
 to an explicit scratch ``partials[SPLIT_K, M, N]``, then bumps an int32 ticket for its tile; the program that draws
@@ -24,11 +29,23 @@ MAX_TICKETS = 1 << 16  # output tiles one split-K launch may have (grid dim 0); 
 
 @triton.jit
 def _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
-                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    """acc[BLOCK_M, BLOCK_N] fp32 (+ bias[n]) (+ residual[m, n]) -> out, rounded once to the output dtype."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] fp32 (+ bias[n]) (SwiGLU of column pairs) (+ residual) -> out, rounded once."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+        y = gate * tl.sigmoid(gate) * up
+        even, odd = tl.split(tl.reshape(offs_n, (offs_n.shape[0] // 2, 2)))
+        _store_rows(y, out_ptr, res_ptr, offs_m, even // 2, M, N // 2, stride_om, stride_rm, HAS_RES)
+    else:
+        _store_rows(acc, out_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, HAS_RES)
+
+
+@triton.jit
+def _store_rows(acc, out_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, HAS_RES: tl.constexpr):
+    """acc (+ residual[m, n]) -> out[m, n], rounded once to the output dtype."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if HAS_RES:
         acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -36,10 +53,11 @@ def _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_
 
 @triton.jit
 def _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
-            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr):
+            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):
     """Store this program's result; with split-K, only the last program of a tile reduces and stores."""
     if SPLIT_K == 1:
-        _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, HAS_BIAS, HAS_RES)
+        _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, HAS_BIAS, HAS_RES,
+                      SWIGLU)
     else:
         tile = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -55,7 +73,7 @@ def _finish(acc, out_ptr, bias_ptr, res_ptr, partial_ptr, ticket_ptr, offs_m, of
                 # .cg: read from L2, never from this SM's (non-coherent) L1.
                 total += tl.load(partial_ptr + s * M * N + part, mask=mask, other=0.0, cache_modifier=".cg")
             _store_output(total, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm,
-                          HAS_BIAS, HAS_RES)
+                          HAS_BIAS, HAS_RES, SWIGLU)
             tl.store(ticket_ptr + tile, 0)  # ready for the next call: no per-call memset
 
 
@@ -113,6 +131,29 @@ def tickets(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _TICKETS[key] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
     return t
+
+
+def check_epilogue(name: str, M: int, N: int, residual, swiglu: bool) -> int:
+    """Checks the residual (and, with SwiGLU, an even N) of a weight-only GEMM; returns its output width."""
+    if swiglu and N % 2:
+        raise ValueError(f"{name}: SwiGLU needs interleaved gate/up columns, so an even N, got N={N}")
+    n_out = N // 2 if swiglu else N
+    if residual is not None and (tuple(residual.shape) != (M, n_out) or residual.stride(1) != 1):
+        raise ValueError(f"{name}: residual must be [M, N{' / 2' if swiglu else ''}] = {(M, n_out)} with unit stride "
+                         f"along N")
+    return n_out
+
+
+def reference_epilogue(y: torch.Tensor, bias, residual, swiglu: bool) -> torch.Tensor:
+    """The fp32 reference of the fused epilogue on ``y = x @ W^T`` (fp32): + bias, SwiGLU of interleaved column pairs,
+    + residual."""
+    if bias is not None:
+        y = y + bias.float()
+    if swiglu:
+        y = torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
+    if residual is not None:
+        y = y + residual.float()
+    return y
 
 
 def check_activations(x: torch.Tensor, K: int, name: str) -> None:

@@ -108,6 +108,26 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     return QuantizedWeight(4, pack_int4(q), s.t().contiguous(), z, group_size, k, n)
 
 
+def interleave_columns(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeight:
+    """One weight whose output columns alternate a's and b's: column 2j is a's j, 2j + 1 is b's j (e.g. gate and up,
+    for ``linear(..., swiglu=True)``). Every tensor of the layout has N last, so this is a column interleave of each;
+    nothing is re-quantized. A bias for it is ``torch.stack([bias_a, bias_b], -1).flatten()``."""
+    if (a.bits, a.group_size, a.in_features, a.out_features) != (b.bits, b.group_size, b.in_features, b.out_features):
+        raise ValueError("interleave_columns: both weights must have the same bits, group size and shape, got "
+                         f"{(a.bits, a.group_size, a.in_features, a.out_features)} and "
+                         f"{(b.bits, b.group_size, b.in_features, b.out_features)}")
+    if (a.zeros is None) != (b.zeros is None) or a.scales.dtype != b.scales.dtype:
+        raise ValueError("interleave_columns: both weights must be quantized alike (zero points or not, scale dtype)")
+    if (a.perm is None) != (b.perm is None) or (a.perm is not None and not torch.equal(a.perm, b.perm)):
+        raise ValueError("interleave_columns: act-order weights must share one input permutation")
+
+    def mix(t, u):
+        return None if t is None else torch.stack([t, u], dim=-1).flatten(-2).contiguous()
+
+    return QuantizedWeight(a.bits, mix(a.qweight, b.qweight), mix(a.scales, b.scales), mix(a.zeros, b.zeros),
+                           a.group_size, a.in_features, 2 * a.out_features, a.perm)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack unsigned 4-bit values ``q[K, N]`` (0..15) into int32 ``[K // 8, N]``, element ``k`` at bits ``4 * (k % 8)``."""
     k, n = q.shape
@@ -151,8 +171,11 @@ def dequantize(qw: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torc
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x[..., K] @ dequantize(qw).T (+ bias) (+ residual)`` through the ``torch.ops.tritrt`` GEMM op for ``qw.bits``."""
+           residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
+    """``x[..., K] @ dequantize(qw).T (+ bias) (+ residual)`` through the ``torch.ops.tritrt`` GEMM op for ``qw.bits``.
+
+    ``swiglu``: ``qw`` is ``interleave_columns(gate, up)`` (and ``bias`` interleaved the same way); returns
+    ``silu(x @ gate.T + b_gate) * (x @ up.T + b_up) (+ residual)``, computed in the GEMM's epilogue."""
     import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
 
     if x.shape[-1] != qw.in_features:
@@ -162,7 +185,8 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = 
     if qw.perm is not None:
         x = x.index_select(-1, qw.perm)
     if qw.bits == 8:
-        return torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, residual)
+        return torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, residual, swiglu)
     if qw.bits == 4:
-        return torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, residual)
+        return torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, residual,
+                                             swiglu)
     raise ValueError(f"bits={qw.bits} not supported (8 or 4)")

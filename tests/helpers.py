@@ -106,14 +106,16 @@ def cuobjdump():
     return str(p) if p.exists() else shutil.which("cuobjdump")
 
 
-def dequant_baseline(x, qw, bias=None, residual=None):
-    """PyTorch's own result on the dequantized weight, in x's dtype (+ bias) (+ residual): the baseline whose error
-    against the fp32 reference scales the weight-only GEMM tests' tolerance."""
+def dequant_baseline(x, qw, bias=None, residual=None, swiglu=False):
+    """PyTorch's own result on the dequantized weight, in x's dtype (+ bias) (SwiGLU of interleaved column pairs)
+    (+ residual): the baseline whose error against the fp32 reference scales the weight-only GEMM tests' tolerance."""
     from kernels.quant import dequantize
 
     y = x @ dequantize(qw).t()
     if bias is not None:
         y = y + bias
+    if swiglu:
+        y = torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
     if residual is not None:
         y = y + residual
     return y

@@ -26,9 +26,12 @@ attention (``kernels.ops.attention``); cache ``[num_blocks, block_size, num_kv_h
   causal: bool) -> out``: flash prefill on packed sequences without the cache.
 
 weight-only GEMM (``kernels.ops.gemm``; weights from ``kernels.quant``)
-- ``w8a16_linear(x[..., K], qweight, scales, bias: Optional, residual: Optional = None) -> y[..., N]``
+- ``w8a16_linear(x[..., K], qweight, scales, bias: Optional, residual: Optional = None, swiglu: bool = False)
+  -> y[..., N]``
 - ``w4a16_linear(x[..., K], qweight, scales, zeros: Optional, group_size: int, bias: Optional,
-  residual: Optional = None) -> y[..., N]``; ``residual[..., N]`` is added in the epilogue (fused residual add).
+  residual: Optional = None, swiglu: bool = False) -> y[..., N]``; ``residual[..., N]`` is added in the epilogue
+  (fused residual add). ``swiglu``: the weight's columns are interleaved gate/up pairs
+  (``kernels.quant.interleave_columns``) and ``y[..., N / 2] = silu(gate) * up`` (+ residual ``[..., N / 2]``).
   Layouts (int8 ``[K, N]``; int4 packed int32 ``[K // 8, N]``, scales/zeros ``[K // G, N]``) are documented in
   ``kernels.quant``; a GPTQ act-order ``perm`` is applied to x by ``kernels.quant.linear``, not by the ops.
 """

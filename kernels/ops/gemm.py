@@ -8,6 +8,8 @@ Hopper (sm_90) for larger M below ``DEQUANT_MIN_M_W4`` the warpgroup-MMA GEMM (`
 with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
 (``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8`` (prefill sizes) they
 dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
+``swiglu=True`` (the weight's output columns are interleaved gate/up pairs, ``kernels.quant.interleave_columns``;
+the result is ``silu(gate) * up``, ``N / 2`` wide) always runs the Triton kernels, whose epilogue fuses it.
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -62,6 +64,13 @@ def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
     return lead, x2, r2
 
 
+def _out_width(N: int, swiglu: bool, op: str) -> int:
+    if swiglu and N % 2:
+        raise ValueError(f"{op}: swiglu needs interleaved gate/up output columns (kernels.quant.interleave_columns), "
+                         f"so an even N, got N={N}")
+    return N // 2 if swiglu else N
+
+
 def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{op}: bias must have shape [{N}], got {tuple(bias.shape)}")
@@ -85,13 +94,16 @@ def _w8_gemv_operands_ok(qweight, scales, bias) -> bool:
 
 @torch.library.custom_op("tritrt::w8a16_linear", mutates_args=())
 def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor] = None,
-                 residual: Optional[Tensor] = None) -> Tensor:
+                 residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
     from .. import gemm_w8a16 as k
 
     N = _w8_shapes(x, qweight, scales, bias)
-    lead, x2, r2 = _flatten(x, residual, N)
+    n_out = _out_width(N, swiglu, "w8a16_linear")
+    lead, x2, r2 = _flatten(x, residual, n_out)
     if not x.is_cuda:
-        return k.w8a16_reference(x2, qweight, scales, bias, r2).to(x.dtype).reshape(*lead, N)
+        return k.w8a16_reference(x2, qweight, scales, bias, r2, swiglu).to(x.dtype).reshape(*lead, n_out)
+    if swiglu:
+        return k.w8a16_gemm(x2, qweight, scales, bias, r2, swiglu=True).reshape(*lead, n_out)
     M, K = x2.shape
     if M >= DEQUANT_MIN_M_W8:
         from ..gemm_dequant import dequant_matmul, dequantize_w8_kn
@@ -107,10 +119,10 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
 
 
 @w8a16_linear.register_fake
-def _(x, qweight, scales, bias=None, residual=None):
-    N = _w8_shapes(x, qweight, scales, bias)
-    _flatten(x, residual, N)
-    return x.new_empty((*x.shape[:-1], N))
+def _(x, qweight, scales, bias=None, residual=None, swiglu=False):
+    n_out = _out_width(_w8_shapes(x, qweight, scales, bias), swiglu, "w8a16_linear")
+    _flatten(x, residual, n_out)
+    return x.new_empty((*x.shape[:-1], n_out))
 
 
 # --------------------------------------------------------------------------------------------------- w4a16_linear
@@ -124,14 +136,17 @@ def _w4_shapes(x, qweight, scales, zeros, group_size, bias, op="w4a16_linear"):
 
 @torch.library.custom_op("tritrt::w4a16_linear", mutates_args=())
 def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
-                 bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+                 bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
     from .. import gemm_w4a16 as k
 
     N = _w4_shapes(x, qweight, scales, zeros, group_size, bias)
-    lead, x2, r2 = _flatten(x, residual, N)
+    n_out = _out_width(N, swiglu, "w4a16_linear")
+    lead, x2, r2 = _flatten(x, residual, n_out)
     if not x.is_cuda:
-        y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2).to(x.dtype)
-        return y.reshape(*lead, N)
+        y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2, swiglu).to(x.dtype)
+        return y.reshape(*lead, n_out)
+    if swiglu:
+        return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2, swiglu=True).reshape(*lead, n_out)
     M, K = x2.shape
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
         from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
@@ -160,7 +175,7 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
 
 
 @w4a16_linear.register_fake
-def _(x, qweight, scales, zeros, group_size, bias=None, residual=None):
-    N = _w4_shapes(x, qweight, scales, zeros, group_size, bias)
-    _flatten(x, residual, N)
-    return x.new_empty((*x.shape[:-1], N))
+def _(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=False):
+    n_out = _out_width(_w4_shapes(x, qweight, scales, zeros, group_size, bias), swiglu, "w4a16_linear")
+    _flatten(x, residual, n_out)
+    return x.new_empty((*x.shape[:-1], n_out))

@@ -25,15 +25,17 @@ def make(M, N, K, dtype, group_size, symmetric, device=DEV, seed=0):
     return x.to(device), qw
 
 
-def run_case(M, N, K, dtype, group_size=64, symmetric=False, bias=False, residual=False, seed=0, **overrides):
+def run_case(M, N, K, dtype, group_size=64, symmetric=False, bias=False, residual=False, seed=0, swiglu=False,
+             **overrides):
     x, qw = make(M, N, K, dtype, group_size, symmetric, seed=seed)
+    n_out = N // 2 if swiglu else N
     b = torch.randn(N, dtype=dtype, device=x.device) if bias else None
-    r = torch.randn(M, N, dtype=dtype, device=x.device) if residual else None
-    out = poisoned((M, N), dtype, x.device)
-    y = w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r, out=out, **overrides)
+    r = torch.randn(M, n_out, dtype=dtype, device=x.device) if residual else None
+    out = poisoned((M, n_out), dtype, x.device)
+    y = w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r, out=out, swiglu=swiglu, **overrides)
     assert y.data_ptr() == out.data_ptr()
-    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r)
-    check(y, ref, dequant_baseline(x, qw, b, r))
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, b, r, swiglu)
+    check(y, ref, dequant_baseline(x, qw, b, r, swiglu))
     return y, ref
 
 
@@ -53,6 +55,26 @@ def test_w4a16_interpreter_groups_and_splits(M, group_size, symmetric, split_k, 
     # unroll=3 with 8 K tiles in 2 splits: the second split's last trip has a dead tile (masked, must add nothing).
     run_case(M, 40, 256, torch.float16, group_size, symmetric, bias=True, residual=True, split_k=split_k,
              unroll=unroll, block_k=32)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,split_k", [(1, 1), (1, 2), (3, 1), (17, 2)])
+def test_w4a16_interpreter_swiglu_epilogue(M, split_k, dtype):
+    # Interleaved gate/up columns -> silu(gate) * up, N / 2 wide, after the bias and before the residual; N=72 leaves
+    # a ragged last tile of column pairs; with split_k=2 the activation runs on the last program's summed partials.
+    run_case(M, 72, 256, dtype, group_size=64, bias=True, residual=True, seed=M, swiglu=True, split_k=split_k)
+
+
+def test_w4a16_swiglu_needs_even_n_and_half_width_residual():
+    x, qw = make(2, 24, 128, torch.float16, 64, False, device="cpu")
+    with pytest.raises(ValueError, match=r"residual must be \[M, N / 2\] = \(2, 12\)"):
+        w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 64, residual=torch.zeros(2, 24, dtype=torch.float16),
+                   swiglu=True)
+    x, qw = make(2, 18, 128, torch.float16, 64, False, device="cpu")
+    qw9 = quantize_int4(torch.randn(9, 128, dtype=torch.float16), 64)
+    with pytest.raises(ValueError, match="even N, got N=9"):
+        w4a16_gemm(x, qw9.qweight, qw9.scales, qw9.zeros, 64, swiglu=True)
 
 
 @pytest.mark.interpreter
@@ -101,7 +123,10 @@ from kernels.gemm_w8a16 import w8a16_aot_signature, w8a16_launch_config
 cache = AotCache(sys.argv[1])
 for M in (1, 16):
     for cfg, (sig, div16) in ((w4a16_launch_config(M, 4096, 4096, 128, True, True, False), w4a16_aot_signature("bf16")),
-                              (w8a16_launch_config(M, 4096, 4096, False, True), w8a16_aot_signature("fp16"))):
+                              (w8a16_launch_config(M, 4096, 4096, False, True), w8a16_aot_signature("fp16")),
+                              # the SwiGLU epilogue (split-K for M = 1: it runs on the last program's sums)
+                              (w4a16_launch_config(M, 4096, 4096, 128, True, True, True, swiglu=True),
+                               w4a16_aot_signature("fp16"))):
         art = compile_triton(cfg.kernel, sig, cfg.constexprs, sm=90, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages, div16=div16, cache=cache)
         assert art.ptx and art.cubin and len(art.params) == len(sig), art.name
@@ -123,7 +148,7 @@ def test_w4a16_w8a16_compile_ahead_of_time_for_sm90(tmp_path):
     r = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
                        cwd=root, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("_gemm_kernel") == 4, r.stdout
+    assert r.stdout.count("_gemm_kernel") == 6, r.stdout
 
 
 def test_w4a16_bad_inputs():
@@ -160,3 +185,4 @@ def test_w4a16_gpu_model_shapes(M, dtype):
 def test_w4a16_gpu_epilogue_and_groups(M):
     run_case(M, 1000, 4096, torch.float16, group_size=32, symmetric=True, bias=True, residual=True)
     run_case(M, 1000, 4096, torch.bfloat16, group_size=64, bias=True)
+    run_case(M, 1000, 4096, torch.float16, group_size=128, bias=True, residual=True, swiglu=True)

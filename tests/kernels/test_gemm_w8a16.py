@@ -17,17 +17,18 @@ from tests.helpers import assert_gemm_close as check, dequant_baseline, poisoned
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_case(M, N, K, dtype, bias=False, residual=False, seed=0, **overrides):
+def run_case(M, N, K, dtype, bias=False, residual=False, seed=0, swiglu=False, **overrides):
     g = torch.Generator().manual_seed(seed)
+    n_out = N // 2 if swiglu else N
     w = torch.randn(N, K, generator=g).to(dtype)
     x = torch.randn(M, K, generator=g).to(dtype).to(DEV)
     qw = quantize_int8(w).to(DEV)
     b = torch.randn(N, generator=g).to(dtype).to(DEV) if bias else None
-    r = torch.randn(M, N, generator=g).to(dtype).to(DEV) if residual else None
-    out = poisoned((M, N), dtype, DEV)
-    y = w8a16_gemm(x, qw.qweight, qw.scales, b, r, out=out, **overrides)
-    ref = w8a16_reference(x, qw.qweight, qw.scales, b, r)
-    check(y, ref, dequant_baseline(x, qw, b, r))
+    r = torch.randn(M, n_out, generator=g).to(dtype).to(DEV) if residual else None
+    out = poisoned((M, n_out), dtype, DEV)
+    y = w8a16_gemm(x, qw.qweight, qw.scales, b, r, out=out, swiglu=swiglu, **overrides)
+    ref = w8a16_reference(x, qw.qweight, qw.scales, b, r, swiglu)
+    check(y, ref, dequant_baseline(x, qw, b, r, swiglu))
     return y, ref
 
 
@@ -37,6 +38,14 @@ def run_case(M, N, K, dtype, bias=False, residual=False, seed=0, **overrides):
 def test_w8a16_interpreter_odd_shapes(M, dtype):
     # N=72 is not a multiple of BLOCK_N; the default plan splits K here, so the last-program reduction runs.
     run_case(M, 72, 256, dtype, seed=M)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,split_k", [(1, 1), (3, 2), (17, 1)])
+def test_w8a16_interpreter_swiglu_epilogue(M, split_k, dtype):
+    # Interleaved gate/up columns -> silu(gate) * up (N / 2 wide) between the bias and the residual, as in W4A16.
+    run_case(M, 72, 256, dtype, bias=True, residual=True, seed=M, swiglu=True, split_k=split_k)
 
 
 @pytest.mark.interpreter
@@ -108,3 +117,4 @@ def test_w8a16_gpu_model_shapes(M, dtype):
 @pytest.mark.parametrize("M", [1, 9, 4096])
 def test_w8a16_gpu_epilogue(M):
     run_case(M, 1000, 4096, torch.float16, bias=True, residual=True)
+    run_case(M, 1000, 4096, torch.float16, bias=True, residual=True, swiglu=True)

@@ -193,3 +193,47 @@ def test_awq_import_exact():
 def test_quantized_weight_dataclass_is_stable():
     fields = [f for f in QuantizedWeight.__dataclass_fields__]
     assert fields[:7] == ["bits", "qweight", "scales", "zeros", "group_size", "in_features", "out_features"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_interleave_columns_and_fused_swiglu_linear(bits):
+    # interleave_columns alternates the two weights' output columns without re-quantizing; linear(..., swiglu=True)
+    # on it is silu(gate) * up of the two separate linears (CPU: the ops' fp32 reference path; the Triton epilogue
+    # itself is tested in test_gemm_w4a16 / test_gemm_w8a16).
+    import kernels.ops  # noqa: F401
+    from kernels.quant import interleave_columns
+
+    K, inter = 128, 24
+    g = torch.Generator().manual_seed(bits)
+    gate, up = (torch.randn(inter, K, generator=g).half() for _ in range(2))
+    quant = (lambda w: quantize_int4(w, 32)) if bits == 4 else quantize_int8
+    qg, qu = quant(gate), quant(up)
+    qi = interleave_columns(qg, qu)
+    assert qi.out_features == 2 * inter and qi.bits == bits
+    w = dequantize(qi)
+    assert torch.equal(w[0::2], dequantize(qg)) and torch.equal(w[1::2], dequantize(qu))
+    bg, bu = torch.randn(inter, generator=g).half(), torch.randn(inter, generator=g).half()
+    x = torch.randn(2, 3, K, generator=g).half()
+    y = linear(x, qi, torch.stack([bg, bu], -1).flatten(), swiglu=True)
+    want = torch.nn.functional.silu(x.float() @ dequantize(qg, torch.float32).t() + bg.float()) * (
+        x.float() @ dequantize(qu, torch.float32).t() + bu.float())
+    assert y.shape == (2, 3, inter)
+    # The fp32 reference rounded once to fp16; fp32 summation order may differ from the two separate GEMMs' (one ulp).
+    torch.testing.assert_close(y, want.half(), rtol=0, atol=float(torch.finfo(torch.float16).eps * want.abs().max()))
+    op = torch.ops.tritrt.w4a16_linear.default if bits == 4 else torch.ops.tritrt.w8a16_linear.default
+    args = ((x.reshape(6, K), qi.qweight, qi.scales, qi.zeros, 32, None, torch.randn(6, inter).half(), True)
+            if bits == 4 else (x.reshape(6, K), qi.qweight, qi.scales, None, torch.randn(6, inter).half(), True))
+    res = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_interleave_columns_rejects_mismatched_weights():
+    from kernels.quant import interleave_columns
+
+    a = quantize_int4(torch.randn(16, 128).half(), 32)
+    with pytest.raises(ValueError, match="same bits, group size and shape"):
+        interleave_columns(a, quantize_int4(torch.randn(16, 128).half(), 64))
+    with pytest.raises(ValueError, match="quantized alike"):
+        interleave_columns(a, quantize_int4(torch.randn(16, 128).half(), 32, symmetric=True))
+    with pytest.raises(ValueError, match="even N, got N=15"):
+        linear(torch.randn(2, 128).half(), quantize_int4(torch.randn(15, 128).half(), 32), swiglu=True)
