@@ -36,7 +36,7 @@ def _store_output(acc, out_ptr, bias_ptr, res_ptr, offs_m, offs_n, M, N, stride_
     if SWIGLU:
         gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
         y = gate * tl.sigmoid(gate) * up
-        even, odd = tl.split(tl.reshape(offs_n, (offs_n.shape[0] // 2, 2)))
+        even, _ = tl.split(tl.reshape(offs_n, (offs_n.shape[0] // 2, 2)))
         _store_rows(y, out_ptr, res_ptr, offs_m, even // 2, M, N // 2, stride_om, stride_rm, HAS_RES)
     else:
         _store_rows(acc, out_ptr, res_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, HAS_RES)
@@ -133,11 +133,17 @@ def tickets(device: torch.device) -> torch.Tensor:
     return t
 
 
+def epilogue_width(N: int, swiglu: bool, name: str) -> int:
+    """Output columns of a weight-only GEMM with N weight columns: N, or N / 2 with SwiGLU (N must be even)."""
+    if swiglu and N % 2:
+        raise ValueError(f"{name}: swiglu needs interleaved gate/up output columns (kernels.quant.interleave_columns), "
+                         f"so an even N, got N={N}")
+    return N // 2 if swiglu else N
+
+
 def check_epilogue(name: str, M: int, N: int, residual, swiglu: bool) -> int:
     """Checks the residual (and, with SwiGLU, an even N) of a weight-only GEMM; returns its output width."""
-    if swiglu and N % 2:
-        raise ValueError(f"{name}: SwiGLU needs interleaved gate/up columns, so an even N, got N={N}")
-    n_out = N // 2 if swiglu else N
+    n_out = epilogue_width(N, swiglu, name)
     if residual is not None and (tuple(residual.shape) != (M, n_out) or residual.stride(1) != 1):
         raise ValueError(f"{name}: residual must be [M, N{' / 2' if swiglu else ''}] = {(M, n_out)} with unit stride "
                          f"along N")

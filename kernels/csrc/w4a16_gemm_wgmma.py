@@ -145,6 +145,19 @@ def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             and all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors))
 
 
+def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device, **variant):
+    """``(plan, None)`` if this GEMM takes the call on ``device``, else ``(None, why not)``: the shape checks first
+    (the plan search needs a shape it can tile), then the plan's block width against N."""
+    from kernels._utils import device_sm
+
+    sm = device_sm(device)
+    reason = unsupported_reason(M, N, K, group_size, dtype, sm)
+    if reason is None:
+        plan = gemm_plan(M, N, K, device_sm_count(device), **variant)
+        reason = unsupported_reason(M, N, K, group_size, dtype, sm, plan["bn"])
+    return (None, reason) if reason else (plan, None)
+
+
 def variant_flags(bm: int, wt: int, wgs: int, stages: int) -> tuple:
     return (f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}")
 
@@ -171,17 +184,13 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      **variant) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper). ``variant`` (``bm``, ``wt``, ``wgs``,
     ``stages``, ``splits``) overrides the plan (benchmarks, tests)."""
-    from kernels._utils import device_sm
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     M = x.shape[0]
     if not x.is_cuda:
         raise ValueError("wgmma W4A16 GEMM needs CUDA tensors")
-    reason = unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device))
-    if reason is None:  # the plan needs a shape it can tile; its block width is then checked against N
-        plan = gemm_plan(M, N, K, device_sm_count(x.device), **variant)
-        reason = unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device), plan["bn"])
+    plan, reason = plan_for(M, N, K, group_size, x.dtype, x.device, **variant)
     if reason:
         raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
     if bias is not None and tuple(bias.shape) != (N,):

@@ -43,8 +43,9 @@ DEQUANT_MIN_M_W8 = 512
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
 # (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (bench_gemm_wgmma_sweep_h100.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
-# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an
-# earlier build of it measured 0.44-0.73x at M=256).
+# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on
+# dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
+# 0.44-0.73x at M=256).
 WGMMA_W4 = True
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md, bench_gemm_routed_h100_m1-4_final
@@ -66,25 +67,20 @@ def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
     return lead, x2, r2
 
 
-def _out_width(N: int, swiglu: bool, op: str) -> int:
-    if swiglu and N % 2:
-        raise ValueError(f"{op}: swiglu needs interleaved gate/up output columns (kernels.quant.interleave_columns), "
-                         f"so an even N, got N={N}")
-    return N // 2 if swiglu else N
-
-
 def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{op}: bias must have shape [{N}], got {tuple(bias.shape)}")
 
 
 # --------------------------------------------------------------------------------------------------- w8a16_linear
-def _w8_shapes(x, qweight, scales, bias, op="w8a16_linear"):
+def _w8_shapes(x, qweight, scales, bias, swiglu, op="w8a16_linear"):
+    """(N, output width) of a w8a16_linear call, after its shape checks."""
     from ..gemm_w8a16 import check_w8_weight
+    from ..gemm_wq_common import epilogue_width
 
     _, N = check_w8_weight(qweight, scales, x.shape[-1])
     _check_bias(bias, N, op)
-    return N
+    return N, epilogue_width(N, swiglu, op)
 
 
 def _w8_gemv_operands_ok(qweight, scales, bias) -> bool:
@@ -99,8 +95,7 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
                  residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
     from .. import gemm_w8a16 as k
 
-    N = _w8_shapes(x, qweight, scales, bias)
-    n_out = _out_width(N, swiglu, "w8a16_linear")
+    N, n_out = _w8_shapes(x, qweight, scales, bias, swiglu)
     lead, x2, r2 = _flatten(x, residual, n_out)
     if not x.is_cuda:
         return k.w8a16_reference(x2, qweight, scales, bias, r2, swiglu).to(x.dtype).reshape(*lead, n_out)
@@ -122,18 +117,20 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
 
 @w8a16_linear.register_fake
 def _(x, qweight, scales, bias=None, residual=None, swiglu=False):
-    n_out = _out_width(_w8_shapes(x, qweight, scales, bias), swiglu, "w8a16_linear")
+    _, n_out = _w8_shapes(x, qweight, scales, bias, swiglu)
     _flatten(x, residual, n_out)
     return x.new_empty((*x.shape[:-1], n_out))
 
 
 # --------------------------------------------------------------------------------------------------- w4a16_linear
-def _w4_shapes(x, qweight, scales, zeros, group_size, bias, op="w4a16_linear"):
+def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_linear"):
+    """(N, output width) of a w4a16_linear call, after its shape checks."""
     from ..gemm_w4a16 import check_w4_weight
+    from ..gemm_wq_common import epilogue_width
 
     _, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     _check_bias(bias, N, op)
-    return N
+    return N, epilogue_width(N, swiglu, op)
 
 
 @torch.library.custom_op("tritrt::w4a16_linear", mutates_args=())
@@ -141,8 +138,7 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
                  bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
     from .. import gemm_w4a16 as k
 
-    N = _w4_shapes(x, qweight, scales, zeros, group_size, bias)
-    n_out = _out_width(N, swiglu, "w4a16_linear")
+    N, n_out = _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu)
     lead, x2, r2 = _flatten(x, residual, n_out)
     if not x.is_cuda:
         y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2, swiglu).to(x.dtype)
@@ -160,14 +156,11 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
             return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
     if r2 is None and CUDA_GEMV_MMA_MAX_M < M and WGMMA_W4:
-        from .._utils import device_sm
-        from ..csrc import device_sm_count, w4a16_gemm_wgmma as wg
+        from ..csrc import w4a16_gemm_wgmma as wg
 
-        if (x2.dtype == torch.float16 and wg.operands_ok(x2, qweight, scales, zeros, bias)
-                and wg.unsupported_reason(M, N, K, group_size, x.dtype, device_sm(x.device)) is None):
-            bn = wg.gemm_plan(M, N, K, device_sm_count(x.device))["bn"]
-            if N % bn == 0:
-                return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias).reshape(*lead, N)
+        if (wg.operands_ok(x2, qweight, scales, zeros, bias)
+                and wg.plan_for(M, N, K, group_size, x.dtype, x.device)[1] is None):
+            return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias).reshape(*lead, N)
     if r2 is None and M <= CUDA_GEMV_MAX_M:
         from ..csrc import w4a16_gemv as cu
 
@@ -178,6 +171,6 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
 
 @w4a16_linear.register_fake
 def _(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=False):
-    n_out = _out_width(_w4_shapes(x, qweight, scales, zeros, group_size, bias), swiglu, "w4a16_linear")
+    _, n_out = _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu)
     _flatten(x, residual, n_out)
     return x.new_empty((*x.shape[:-1], n_out))
