@@ -71,7 +71,6 @@ def test_w4a16_swiglu_needs_even_n_and_half_width_residual():
     with pytest.raises(ValueError, match=r"residual must be \[M, N / 2\] = \(2, 12\)"):
         w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 64, residual=torch.zeros(2, 24, dtype=torch.float16),
                    swiglu=True)
-    x, qw = make(2, 18, 128, torch.float16, 64, False, device="cpu")
     qw9 = quantize_int4(torch.randn(9, 128, dtype=torch.float16), 64)
     with pytest.raises(ValueError, match="even N, got N=9"):
         w4a16_gemm(x, qw9.qweight, qw9.scales, qw9.zeros, 64, swiglu=True)
