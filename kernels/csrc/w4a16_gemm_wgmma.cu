@@ -9,7 +9,7 @@
 //     per block), times BM = WG_BM rows of x (wgmma N). A stage is BK = 64 values of k: x [BM, 64] (one 128-byte row
 //     per x row), the packed weight [8, BN] int32, and one row of scales (and zeros) -- group_size % 64 == 0, so a
 //     stage never spans two groups. The stages form a WG_STAGES-deep cp.async ring filled STAGES - 2 stages ahead;
-//     each thread's copy addresses are computed once, only k advances.
+//     each thread's copy pointers are computed once and advance one stage per load.
 //   * A fragment of warp w in a 64-column tile (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4;
 //     k = 2t, 2t+1, 2t+8, 2t+9 of each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of
 //     the tile, so that one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1 of a
@@ -133,43 +133,60 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   // This thread's A rows: columns n0 + nl + 64 wt and the next one, for each of the warpgroup's kWT tiles.
   const int nl = 64 * kWT * wg + 16 * wi + 2 * g;
 
-  // Each thread's share of a stage's copies is the same every stage (only k moves): its source pointers and
-  // shared-memory offsets are computed once. x: chunk column tid % 8 of rows tid / 8 + j (threads / 8); weight:
-  // 16-byte column tid % (BN / 4) of packed rows tid / (BN / 4) + j (threads / (BN / 4)).
+  // Each thread's share of a stage's copies is the same every stage; stages are loaded in order kb, kb + 1, ..., so
+  // its source pointers start at stage kb and advance by one stage per load (a 64-bit add each: no index math in the
+  // loop; recomputing them from k cost 131 of the 266 SASS instructions of a bm = 128 stage). x: 16-byte chunk column
+  // tid % 8 of rows tid / 8 + j (threads / 8); weight: 16-byte column tid % (BN / 4) of packed rows tid / (BN / 4) + j
+  // (threads / (BN / 4)); scales (zeros): 16-byte chunk tid of the stage's group row, which moves on every
+  // group_size / 64 stages.
   constexpr int kXPer = kBM * 8 / kThreads, kWCols = kBN / 4, kWPer = (kBK / 8) * kWCols / kThreads;
   static_assert(kBM * 8 % kThreads == 0 && kThreads % kWCols == 0 && (kBK / 8) * kWCols % kThreads == 0,
                 "a stage's copies must split evenly over the block");
-  const half* xsrc[kXPer];
+  const char* xsrc[kXPer];
   uint32_t xdst[kXPer];
   bool xok[kXPer];
 #pragma unroll
   for (int j = 0; j < kXPer; ++j) {
     const int r = (tid >> 3) + j * (kThreads / 8), c = tid & 7;
-    xok[j] = m0 + r < M;  // rows past M are zeros
-    xsrc[j] = x + (size_t)(xok[j] ? m0 + r : 0) * stride_xm + 8 * c;
+    xok[j] = m0 + r < M;  // rows past M are zeros (a 0-byte copy from row 0)
+    xsrc[j] = reinterpret_cast<const char*>(x + (size_t)(xok[j] ? m0 + r : 0) * stride_xm + 8 * c + kb * kBK);
     xdst[j] = r * 128 + ((c ^ (r & 7)) << 4);
   }
-  const int* wsrc[kWPer];
+  const char* wsrc[kWPer];
   uint32_t wdst[kWPer];
 #pragma unroll
   for (int j = 0; j < kWPer; ++j) {
     const int r = tid / kWCols + j * (kThreads / kWCols), c = tid % kWCols;
-    wsrc[j] = qweight + (size_t)r * N + n0 + 4 * c;
+    wsrc[j] = reinterpret_cast<const char*>(qweight + (size_t)(kb * (kBK / 8) + r) * N + n0 + 4 * c);
     wdst[j] = r * kBN * 4 + 16 * c;
   }
+  const size_t w_step = (size_t)(kBK / 8) * N * 4;  // bytes of packed weight per stage
+  const int gstages = group_size / kBK;             // stages per scale group (launcher: group_size % 64 == 0)
+  int gleft = gstages - kb % gstages;               // stages left in the current group, this one included
+  const size_t grow = (size_t)(kb / gstages) * N + n0;
+  const half* ssrc = scales + grow + 8 * tid;
+  const uint8_t* zsrc = zeros + grow + 16 * tid;
 
-  auto load_stage = [&](int kt, int buf) {
+  auto load_next_stage = [&](int buf) {
     const uint32_t xs = smem0 + buf * kStageBytes;
     const uint32_t ws = xs + kXBytes, ss = ws + kWBytes, zs = ss + kSBytes;
-    const int k0 = kt * kBK;
 #pragma unroll
-    for (int j = 0; j < kXPer; ++j) cp_async16(xs + xdst[j], xsrc[j] + k0, xok[j]);
-    const size_t wk = (size_t)(k0 / 8) * N;
+    for (int j = 0; j < kXPer; ++j) {
+      cp_async16(xs + xdst[j], xsrc[j], xok[j]);
+      xsrc[j] += kBK * 2;
+    }
 #pragma unroll
-    for (int j = 0; j < kWPer; ++j) cp_async16(ws + wdst[j], wsrc[j] + wk, true);
-    const size_t grp = (size_t)(k0 / group_size);
-    if (tid < kSBytes / 16) cp_async16(ss + 16 * tid, scales + grp * N + n0 + 8 * tid, true);
-    if (has_zeros && tid < kZBytes / 16) cp_async16(zs + 16 * tid, zeros + grp * N + n0 + 16 * tid, true);
+    for (int j = 0; j < kWPer; ++j) {
+      cp_async16(ws + wdst[j], wsrc[j], true);
+      wsrc[j] += w_step;
+    }
+    if (tid < kSBytes / 16) cp_async16(ss + 16 * tid, ssrc, true);
+    if (has_zeros && tid < kZBytes / 16) cp_async16(zs + 16 * tid, zsrc, true);
+    if (--gleft == 0) {
+      gleft = gstages;
+      ssrc += N;
+      zsrc += N;
+    }
   };
 
   float d[kWT][kBM / 2];
@@ -237,12 +254,12 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   // wait_group counts uniform).
 #pragma unroll
   for (int s = 0; s < kStages - 2; ++s) {
-    if (s < nk) load_stage(kb + s, s);
+    if (s < nk) load_next_stage(s);
     cp_async_commit();
   }
   for (int i = 0; i < nk; ++i) {
     // Buffer (i + STAGES - 2) % STAGES held stage i - 2, whose wgmmas every warpgroup waited for last iteration.
-    if (i + kStages - 2 < nk) load_stage(kb + i + kStages - 2, (i + kStages - 2) % kStages);
+    if (i + kStages - 2 < nk) load_next_stage((i + kStages - 2) % kStages);
     cp_async_commit();
     cp_async_wait<kStages - 2>();  // stage i has landed (this thread's copies)
     __syncthreads();               // ... everyone's

@@ -32,19 +32,14 @@ SM = 90  # wgmma: sm_90a code, Hopper only
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may have (sm_90)
 SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also takes 1 KB reserved by the system
 # ptxas registers per thread by (bm, wt, wgs), rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate.
-REGS = {(64, 1, 1): 88, (64, 1, 2): 88, (64, 2, 1): 144, (64, 2, 2): 128, (64, 4, 1): 240, (64, 4, 2): 240,
-        (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 208, (128, 2, 2): 200}
+REGS = {(64, 1, 1): 88, (64, 1, 2): 88, (64, 2, 1): 144, (64, 2, 2): 136, (64, 4, 1): 248, (64, 4, 2): 240,
+        (128, 1, 1): 128, (128, 1, 2): 120, (128, 2, 1): 216, (128, 2, 2): 200}
 # Plan search space: (wt, wgs) block shapes by bm (at most 128 accumulators per thread: wt * bm <= 256), split
-# factors, and the fewest K stages a split may have, by bm (H100 sweep: o at M = 128 with 8 stages per split ran at
-# 0.64-0.80x cuBLAS, with 16 at 0.88-0.91x; at M = 64, 8 stages per split ran at 1.14-1.18x).
+# factors, and the fewest K stages a split may have (H100 sweep: o at M = 128 with 8 stages per split ran at
+# 0.58-0.75x cuBLAS, with 16 at 0.88-1.00x; qkv at M = 64 1.11-1.18x vs 1.20-1.53x).
 CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
 SPLITS = (1, 2, 4, 8)
-MIN_K_TILES = {64: 8, 128: 16}
-# For M > 64, 64-row blocks (each weight tile dequantized once per 64 rows) must fill the block slots this much better
-# than 128-row ones to be chosen. H100 sweep at M = 128: with 64-row blocks at equal or similar fill, 4 of 5 shapes
-# ran slower (gate_up 0.98-1.09x vs 1.35x); qkv, where every 128-row plan leaves 27% of the slots idle and a 64-row
-# one fills 97%, ran at 0.99-1.02x vs 0.96x.
-BM128_MARGIN = 0.15
+MIN_K_TILES = 16
 
 _KERNELS: dict = {}
 _COUNTERS: dict = {}
@@ -86,17 +81,19 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
     that an eager call pays a dictionary lookup, not the search (~50 us of Python).
 
-    Candidates: bm = 64 for M <= 64, else 128 or 64 (64 only where it fills the GPU clearly better, by
-    ``BM128_MARGIN``); the block shapes of ``CANDIDATES`` that divide N, each with no split or with a split factor
-    of ``SPLITS`` that keeps the blocks within one wave and each split at least ``MIN_K_TILES[bm]`` stages long.
-    Ranked by: how well the blocks fill the GPU's block slots (fewest idle slots in the last wave), then warps per SM
-    (latency hiding), then the widest block (x crosses L2 N / bn times), then one warpgroup per block, then fewer
-    splits (each split's fp32 partial tile is written and read once more).
+    Candidates: bm = 64 for M <= 64, else 128 or 64; the block shapes of ``CANDIDATES`` that divide N, each with
+    no split or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
+    ``MIN_K_TILES`` stages long. Ranked by the warps resident per SM (averaged over the waves), because a block is
+    bound by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible,
+    tensor and memory pipes under 30% busy), so more independent warps is what speeds it up; then, at equal warps,
+    128-row blocks (each weight tile is dequantized once per 128 rows), fewer splits (each split's fp32 partial tile
+    is written and read once more), one warpgroup per block (fewer warps wait at each block barrier), the widest
+    block (x crosses L2 N / bn times).
     Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 28-41 variants per shape; runs vary ~3%): on
-    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.02 (best; 0.99 in a second
-    row of the same variant; the bm = 128 plan it replaced: 0.96), o 0.85 vs 0.91, gate_up 1.35 vs 1.36, down 1.26
-    (best), 8k 1.33 vs 1.34; M = 64: qkv 1.13 vs 1.38, o 1.13 vs 1.21, gate_up 1.75 vs 1.86, down 1.54 vs 1.55,
-    8k 1.61 vs 1.77.
+    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.04 vs 1.08, o 1.00 (best),
+    gate_up 1.49 vs 1.52, down 1.38 (best), 8k 1.45 (best); M = 64: qkv 1.53 (best), o 1.32 (best), gate_up 1.88
+    vs 2.10, down 1.76 (best), 8k 1.89 vs 1.93. (The sweep's "plan" rows ran the previous ranking, by block-slot
+    fill: M = 128 1.05 / 0.94 / 1.49 / 1.38 / 1.44, M = 64 1.17 / 1.17 / 1.87 / 1.67 / 1.84.)
     """
     return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits))
 
@@ -115,10 +112,11 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits) -> tuple:
             tiles = -(-M // bm_) * (N // bn)
             cap = sm_count * blocks_per_sm(bm_, a, b, stages)
             for s in [splits] if splits else [s for s in SPLITS
-                                              if s == 1 or (ktiles // s >= MIN_K_TILES[bm_] and tiles * s <= cap)]:
+                                              if s == 1 or (ktiles // s >= MIN_K_TILES and tiles * s <= cap)]:
                 ctas = tiles * s
-                fill = ctas / (-(-ctas // cap) * cap) + (BM128_MARGIN if bm_ == 128 else 0.0)
-                key = (round(fill, 3), cap // sm_count * 4 * b, bn, -b, -s)
+                waves = -(-ctas // cap)
+                warps = round(ctas * 4 * b / waves / sm_count, 1)  # resident warps per SM, averaged over waves
+                key = (warps, bm_ == 128, -s, -b, bn)
                 if best is None or key > best[0]:
                     best = (key, bm_, a, b, s)
     if best is None:  # no candidate block divides N: the narrowest (unsupported_reason names the problem)

@@ -4,6 +4,7 @@ reference on the dequantized weight for ragged M tiles, both tile heights, one a
 warpgroup, no split and split-K (the plan's and forced ones), and split-K leaves its counters ready for the next launch
 (two launches of a split variant give bit-identical results)."""
 
+import re
 import shutil
 
 import pytest
@@ -38,6 +39,11 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
     sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert f"HGMMA.64x{bm}x16.F32" in sass
     assert "LDL" not in sass and "STL" not in sass  # fragments and accumulators stay in registers (no spills)
+    # The plan's blocks-per-SM estimate uses these register counts: they must be what ptxas allocated (rounded up to
+    # the allocation unit of 8 per thread).
+    usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert wg.REGS[(bm, wt, wgs)] == -(-regs // 8) * 8, (regs, wg.REGS[(bm, wt, wgs)])
 
 
 def test_wgmma_gemm_is_hopper_only():
@@ -63,8 +69,11 @@ def test_wgmma_gemm_plan_and_support():
         per = -(-ktiles // p["splits"])
         assert 1 <= p["splits"] <= ktiles and (p["splits"] - 1) * per < ktiles  # no empty split
         assert p["shared"] <= wg.SHARED_LIMIT
-    # 64-row blocks for M > 64 only where they fill the GPU clearly better (qkv at M = 128, not gate_up).
-    assert wg.gemm_plan(128, 6144, 4096)["bm"] == 64 and wg.gemm_plan(128, 28672, 4096)["bm"] == 128
+    # Ranked by resident warps per SM: at M = 128, o (32 128-row tiles of 128 columns) takes 64-row blocks, which
+    # with split 4 give 16 warps per SM against 8; gate_up (224 tiles of 128 columns, one wave unsplit) keeps 128.
+    o, gate_up = wg.gemm_plan(128, 4096, 4096), wg.gemm_plan(128, 28672, 4096)
+    assert (o["bm"], o["wt"], o["wgs"], o["splits"]) == (64, 1, 1, 4)
+    assert (gate_up["bm"], gate_up["wgs"], gate_up["splits"]) == (128, 2, 1)
     # Shapes and variants it has no plan for are refused with a reason, not a crash in the search.
     with pytest.raises(ValueError, match="K=32"):
         wg.gemm_plan(100, 4096, 32)
