@@ -3,8 +3,9 @@ its plan (``w4a16_gemm_wgmma.gemm_plan``).
 
 For the Llama-3-8B projections and 8192x8192 (as ``bench_gemm.py``), M = 64, 128 (``BENCH_MS``), W4A16 g128 fp16:
 cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's variant and every (wt, wgs) block shape of
-``CANDIDATES`` with split-K 1, 2, 4, 8 (plus, at M = 64, 3 pipeline stages for two shapes; at M > 64, the 64-row
-block shapes too). Each time is the median of
+``CANDIDATES`` with split-K 1, 2, 4, 8, each split summed through the workspace and, for tiles of at least
+``DSMEM_MIN_TILE`` outputs, over a cluster's DSMEM (plus, at M = 64, 3 pipeline stages for two shapes; at M > 64, the
+64-row block shapes too). Each time is the median of
 CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
 the dequantized weight. H100/H200 only (sm_90). Writes benchmarks/results/bench_gemm_wgmma_sweep_<card>.{json,md}.
 
@@ -32,16 +33,27 @@ def variants(M: int) -> list[dict]:
     from kernels.csrc import w4a16_gemm_wgmma as wg
 
     bm = 64 if M <= 64 else 128
+
+    def shapes(bm_, wt, wgs, splits):
+        out = []
+        for sp in splits:
+            base = dict(bm=bm_, wt=wt, wgs=wgs) if bm_ != bm else dict(wt=wt, wgs=wgs)
+            if not sp:
+                out.append(base)
+                continue
+            out.append(dict(base, splits=sp, dsmem=False) if sp > 1 else dict(base, splits=sp))
+            if sp > 1 and wg.dsmem_fits(bm_, wt, wgs) and bm_ * 64 * wt * wgs >= wg.DSMEM_MIN_TILE:
+                out.append(dict(base, splits=sp, dsmem=True))  # the same split summed over the cluster's DSMEM
+        return out
+
     out = [dict()]  # the plan's choice
     for wt, wgs in wg.CANDIDATES[bm]:
-        for sp in (None, 1, 2, 4, 8):
-            out.append(dict(wt=wt, wgs=wgs, **({"splits": sp} if sp else {})))
+        out += shapes(bm, wt, wgs, (None, 1, 2, 4, 8))
     if M <= 64:
         out += [dict(wt=1, wgs=1, stages=3), dict(wt=2, wgs=2, stages=3)]
     else:  # 64-row tiles for larger M too (more blocks, each weight tile dequantized once per 64 rows)
         for wt, wgs in wg.CANDIDATES[64]:
-            for sp in (None, 2, 4, 8):
-                out.append(dict(bm=64, wt=wt, wgs=wgs, **({"splits": sp} if sp else {})))
+            out += shapes(64, wt, wgs, (None, 2, 4, 8))
     return out
 
 
@@ -77,7 +89,8 @@ def main():
                 "routed")
             for v in variants(M):
                 p = wg.gemm_plan(M, N, K, sms, **v)
-                plan = f"bm={p['bm']} wt={p['wt']} wgs={p['wgs']} stages={p['stages']} splits={p['splits']}"
+                plan = (f"bm={p['bm']} wt={p['wt']} wgs={p['wgs']} stages={p['stages']} splits={p['splits']}"
+                        + (" dsmem" if p["dsmem"] else ""))
                 row("w4a16_wgmma", lambda qw, s, z: wg.w4a16_gemm_wgmma(x, qw, s, z, GROUP, **v),
                     "plan" if not v else " ".join(f"{k}={val}" for k, val in v.items()), plan)
                 print(name, M, rows[-1]["config"], plan, f"{rows[-1]['speedup']:.2f}x", flush=True)

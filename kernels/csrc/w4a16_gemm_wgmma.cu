@@ -12,19 +12,25 @@
 //     each thread's copy pointers are computed once and advance one stage per load.
 //   * A fragment of warp w in a 64-column tile (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4;
 //     k = 2t, 2t+1, 2t+8, 2t+9 of each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of
-//     the tile, so that one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1 of a
-//     32-k step holds exactly the nibble pairs (k = 16 s + 2t, + 1) and (16 s + 2t + 8, + 9) of k16 step s: one PRMT
-//     puts byte t in both halves, one LOP3 makes {1024 + q_lo, 1024 + 16 q_hi}, one HFMA2 by {1, 1/16} with
-//     {-(1024 + z), -(64 + z)} gives q - z exactly, and one HMUL2 scales it: the weight is rounded once to fp16,
-//     (q - z) s, as cuBLAS would see the dequantized weight.
-//   * Async: each k16 step's wgmmas (one per tile) are committed as one group, and only the previous step's group is
-//     waited for, so the dequantization of step j + 1 runs while the tensor cores work on step j; the A registers
-//     alternate between two sets by step parity. A stage's buffer is refilled two iterations after its wgmmas were
-//     issued (prefetch distance STAGES - 2), when they are known complete.
-//   * Split-K over gridDim.y when the tiles alone leave SMs idle: fp32 partials in `workspace` [splits, M, N], summed
-//     in split order (deterministic) by the last block of a tile to arrive, which also resets the tile's counter to 0
-//     (so counters start and end at 0; two launches sharing them must not run concurrently).
+//     the tile, so that one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s
+//     and 2s + 1 of a 32-k step holds exactly the nibble pairs (k = 16 s + 2t, + 1) and (16 s + 2t + 8, + 9) of k16
+//     step s: one PRMT puts byte t in both halves, one LOP3 makes {1024 + q_lo, 1024 + 16 q_hi}, one HFMA2 by
+//     {1, 1/16} with {-(1024 + z), -(64 + z)} gives q - z exactly, and one HMUL2 scales it: the weight is rounded
+//     once to fp16, (q - z) s, as cuBLAS would see the dequantized weight.
+//   * Async: each k16 step's wgmmas (one per tile) are committed as one group, and after step j only step
+//     j - ASETS + 1 is waited for, so the dequantization of the next steps runs while the tensor cores work; the A
+//     registers cycle through WG_ASETS sets (2 or 4). A stage's buffer is refilled two iterations after its wgmmas
+//     were issued (prefetch distance STAGES - 2), when they are known complete (at most 3 of the 4 steps after them
+//     are outstanding).
+//   * Split-K over grid y (WG_SPLITS blocks per tile) when the tiles alone leave SMs idle, summed in split order
+//     (deterministic) one of two ways. WG_DSMEM 0: fp32 partials in `workspace` [splits, M, N]; the last block of a
+//     tile to arrive sums them and resets the tile's counter to 0 (so counters start and end at 0; two launches
+//     sharing them must not run concurrently). WG_DSMEM 1: the tile's blocks form a thread-block cluster; each writes
+//     its partial tile to its own shared memory (the drained stage buffers), and after a cluster barrier block r sums
+//     rows r * BM / SPLITS .. of all of them over DSMEM: no global traffic, and the sum is spread over the blocks.
 // Launcher checks: N % BN == 0, K % 64 == 0, group_size % 64 == 0, x rows and all operands 16-byte aligned.
+#include <cooperative_groups.h>
+
 #include "w4_dequant.cuh"
 
 #ifndef WG_BM
@@ -39,10 +45,24 @@
 #ifndef WG_STAGES
 #define WG_STAGES 4
 #endif
+#ifndef WG_SPLITS
+#define WG_SPLITS 1  // blocks of one cluster (grid y) splitting K: 1..8
+#endif
+#ifndef WG_DSMEM
+#define WG_DSMEM 0  // split-K partials summed over the cluster's shared memory (1) or through a global workspace (0)
+#endif
+#ifndef WG_ASETS
+#define WG_ASETS 2  // A-fragment register sets: k16 steps whose wgmmas may be in flight while the next is dequantized
+#endif
+#if WG_SPLITS > 1 && WG_DSMEM
+#define WG_CLUSTER_DIMS __cluster_dims__(1, WG_SPLITS, 1)
+#else
+#define WG_CLUSTER_DIMS
+#endif
 
 namespace {
 using namespace tritrt;
-constexpr int kBM = WG_BM, kWGs = WG_WGS, kWT = WG_WT, kStages = WG_STAGES;
+constexpr int kBM = WG_BM, kWGs = WG_WGS, kWT = WG_WT, kStages = WG_STAGES, kSplits = WG_SPLITS, kASets = WG_ASETS;
 constexpr int kThreads = 128 * kWGs;
 constexpr int kBN = 64 * kWT * kWGs, kBK = 64;
 constexpr int kXBytes = kBM * 128;                     // x tile, 128-byte swizzled rows
@@ -52,6 +72,12 @@ constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + kZBytes + 1023) / 102
 static_assert(kBM == 64 || kBM == 128, "WG_BM must be 64 or 128");
 static_assert(kWT * kBM <= 256, "at most 128 fp32 accumulators per thread (WG_WT * WG_BM / 2)");
 static_assert(kStages >= 3, "WG_STAGES >= 3 (prefetch distance STAGES - 2)");
+static_assert(kSplits >= 1 && kSplits <= 8, "WG_SPLITS is 1..8 (with WG_DSMEM: the portable cluster size)");
+static_assert(kASets == 2 || kASets == 4, "WG_ASETS is 2 or 4 (a stage's 4 k16 steps cycle through them)");
+// The split-K partial tile (fp32, rows padded by 4 floats against bank conflicts) reuses the stage buffers.
+constexpr int kTileStride = kBN + 4;
+static_assert(kSplits == 1 || !WG_DSMEM || kBM * kTileStride * 4 <= kStages * kStageBytes,
+              "the fp32 partial tile must fit in the stage buffers (fewer columns per block or more stages)");
 
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
@@ -109,13 +135,12 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t word, uint32_t sel, ui
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(128 * WG_WGS, 1)
+extern "C" __global__ void WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1)
 w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                  const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                  float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K, int group_size,
-                 int stride_xm, int has_zeros, int has_bias, int splits) {
+                 int stride_xm, int has_zeros, int has_bias) {
   extern __shared__ __align__(16) char smem_raw[];
-  __shared__ int is_last;
   // Stage buffers start on a 1024-byte boundary (the 128-byte swizzle pattern repeats every 1024 bytes).
   const uint32_t smem0 = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
   char* const smem = smem_raw + (smem0 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
@@ -127,7 +152,7 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   const int m0 = (blockIdx.x % mtiles) * kBM;
   const int n0 = (blockIdx.x / mtiles) * kBN;
   const int ktiles = K / kBK;
-  const int per = (ktiles + splits - 1) / splits;
+  const int per = (ktiles + kSplits - 1) / kSplits;
   const int kb = blockIdx.y * per;
   const int nk = max(0, min(ktiles, kb + per) - kb);
   // This thread's A rows: columns n0 + nl + 64 wt and the next one, for each of the warpgroup's kWT tiles.
@@ -196,9 +221,9 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
     for (int i = 0; i < kBM / 2; ++i) d[wt][i] = 0.f;
 
   const uint32_t sel = t | (4u << 4) | (t << 8) | (4u << 12);
-  // A fragments [k16 step parity][tile][register]: a step's A stays intact while its wgmmas are in flight (one step
-  // group may be outstanding while the next step is dequantized).
-  uint32_t a[2][kWT][4];
+  // A fragments [k16 step % ASETS][tile][register]: a step's A stays intact while its wgmmas are in flight (up to
+  // ASETS - 1 step groups may be outstanding while the next step is dequantized).
+  uint32_t a[kASets][kWT][4];
 
   auto compute_stage = [&](int buf) {
     const uint32_t xs = smem0 + buf * kStageBytes;
@@ -228,10 +253,10 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
         for (int p = 0; p < 4; ++p)
           w[wt][p] = *reinterpret_cast<const uint2*>(ws + (4 * h + p) * kBN * 4 + 4 * (nl + 64 * wt));
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {  // k16 step j = 2h + s; its parity is s
+      for (int s = 0; s < 2; ++s) {  // k16 step j = 2h + s of the stage
 #pragma unroll
         for (int wt = 0; wt < kWT; ++wt) {
-          uint32_t* f = a[s][wt];
+          uint32_t* f = a[(2 * h + s) % kASets][wt];
           f[0] = dequant_pair(w[wt][2 * s].x, sel, zc0[wt], slo[wt]);      // row g,     k 2t, 2t+1
           f[1] = dequant_pair(w[wt][2 * s].y, sel, zc1[wt], shi[wt]);      // row g + 8, k 2t, 2t+1
           f[2] = dequant_pair(w[wt][2 * s + 1].x, sel, zc0[wt], slo[wt]);  // row g,     k 2t+8, 2t+9
@@ -241,11 +266,11 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 #pragma unroll
         for (int wt = 0; wt < kWT; ++wt) {
           fence_acc(d[wt]);
-          wgmma_rs(d[wt], a[s][wt], sw128_desc(xs + 32 * (2 * h + s)));
+          wgmma_rs(d[wt], a[(2 * h + s) % kASets][wt], sw128_desc(xs + 32 * (2 * h + s)));
           fence_acc(d[wt]);
         }
         wgmma_commit();
-        wgmma_wait<1>();  // the previous step is complete: its A registers (the other parity) are free
+        wgmma_wait<kASets - 1>();  // step j - ASETS + 1 is complete: its A registers are free for the next step
       }
     }
   };
@@ -264,7 +289,7 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
     cp_async_wait<kStages - 2>();  // stage i has landed (this thread's copies)
     __syncthreads();               // ... everyone's
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> visible to the tensor cores
-    compute_stage(i % kStages);  // leaves only its last step in flight: stage i - 1 is complete
+    compute_stage(i % kStages);  // leaves at most its last ASETS - 1 <= 3 steps in flight: stage i - 1 is complete
     __syncthreads();             // every warpgroup is past stage i - 1 before its buffer is refilled
   }
   wgmma_wait<0>();
@@ -274,23 +299,77 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 
   // d[4 i + e]: A row g (column n0 + nl) and d[4 i + 2 + e]: row g + 8 (column n0 + nl + 1), both for x row
   // m0 + 8 i + 2 t + e.
-  if (splits == 1) {
+#if WG_SPLITS == 1
 #pragma unroll
-    for (int wt = 0; wt < kWT; ++wt) {
-      const int col = n0 + nl + 64 * wt;
-      const float b0 = has_bias ? __half2float(bias[col]) : 0.f, b1 = has_bias ? __half2float(bias[col + 1]) : 0.f;
+  for (int wt = 0; wt < kWT; ++wt) {
+    const int col = n0 + nl + 64 * wt;
+    const float b0 = has_bias ? __half2float(bias[col]) : 0.f, b1 = has_bias ? __half2float(bias[col + 1]) : 0.f;
 #pragma unroll
-      for (int i = 0; i < kBM / 8; ++i)
+    for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int row = m0 + 8 * i + 2 * t + e;
-          if (row < M)
-            *reinterpret_cast<half2*>(out + (size_t)row * N + col) = __floats2half2_rn(d[wt][4 * i + e] + b0,
-                                                                                        d[wt][4 * i + 2 + e] + b1);
-        }
-    }
-    return;
+      for (int e = 0; e < 2; ++e) {
+        const int row = m0 + 8 * i + 2 * t + e;
+        if (row < M)
+          *reinterpret_cast<half2*>(out + (size_t)row * N + col) = __floats2half2_rn(d[wt][4 * i + e] + b0,
+                                                                                      d[wt][4 * i + 2 + e] + b1);
+      }
   }
+#else
+  // Split-K. One quad (4 adjacent columns) of a tile's sum: + bias, to fp16, stored.
+  auto store_quad = [&](int row, int col, float4 sum) {
+    if (has_bias) {
+      const uint2 bb = *reinterpret_cast<const uint2*>(bias + col);
+      const float2 b01 = __half22float2(*reinterpret_cast<const half2*>(&bb.x));
+      const float2 b23 = __half22float2(*reinterpret_cast<const half2*>(&bb.y));
+      sum.x += b01.x;
+      sum.y += b01.y;
+      sum.z += b23.x;
+      sum.w += b23.y;
+    }
+    const half2 lo = __floats2half2_rn(sum.x, sum.y), hi = __floats2half2_rn(sum.z, sum.w);
+    uint2 o;
+    o.x = *reinterpret_cast<const uint32_t*>(&lo);
+    o.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(out + (size_t)row * N + col) = o;
+  };
+  auto add4 = [](float4& a, const float4& b) {
+    a.x += b.x;
+    a.y += b.y;
+    a.z += b.z;
+    a.w += b.w;
+  };
+#if WG_DSMEM
+  // This block's partial tile -> its shared memory (every warp is past its last read of the stage buffers, and all
+  // copies and wgmmas are complete) -> cluster barrier -> block r sums its rows of every block's tile over DSMEM in
+  // rank order -> cluster barrier (no block exits while others still read its shared memory).
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  float* tile = reinterpret_cast<float*>(smem);
+  __syncthreads();
+#pragma unroll
+  for (int wt = 0; wt < kWT; ++wt)
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        *reinterpret_cast<float2*>(tile + (8 * i + 2 * t + e) * kTileStride + nl + 64 * wt) =
+            make_float2(d[wt][4 * i + e], d[wt][4 * i + 2 + e]);
+  cluster.sync();
+  constexpr int kRowsPer = (kBM + kSplits - 1) / kSplits, kQuadsPerRow = kBN / 4;
+  const int r0 = (int)cluster.block_rank() * kRowsPer;
+  const int rows = max(0, min(kRowsPer, min(kBM, M - m0) - r0));  // this block's rows that exist
+  for (int q = tid; q < rows * kQuadsPerRow; q += kThreads) {
+    const int r = r0 + q / kQuadsPerRow, c = 4 * (q % kQuadsPerRow);
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int b = 0; b < kSplits; ++b)
+      add4(sum, *cluster.map_shared_rank(reinterpret_cast<float4*>(tile + r * kTileStride + c), b));
+    store_quad(m0 + r, n0 + c, sum);
+  }
+  cluster.sync();
+#else
+  // Partials -> workspace; the last block of the tile to arrive sums them.
+  __shared__ int is_last;
   float* part = workspace + (size_t)blockIdx.y * M * N;
 #pragma unroll
   for (int wt = 0; wt < kWT; ++wt)
@@ -307,14 +386,14 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   __syncthreads();
   if (tid == 0) {
     const int arrived = atomicAdd(counters + blockIdx.x, 1) + 1;
-    is_last = arrived == splits;
+    is_last = arrived == kSplits;
     if (is_last) counters[blockIdx.x] = 0;  // every split has arrived: ready for the next launch
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // The sum: float4s of 4 adjacent columns, kU of them per thread in flight at once (the loads, not the adds, are
-  // the cost: one block reads splits x kBM x kBN floats through its SM).
+  // float4s of 4 adjacent columns, kU of them per thread in flight at once (the loads, not the adds, are the cost:
+  // one block reads splits x kBM x kBN floats through its SM).
   constexpr int kU = 4, kQuads = kBM * kBN / 4;
   static_assert(kQuads % (kThreads * kU) == 0, "tile quads must split evenly over the block");
   for (int q0 = tid; q0 < kQuads; q0 += kThreads * kU) {
@@ -327,37 +406,19 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
       c[u] = n0 + 4 * (q % (kBN / 4));
       sum[u] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    for (int s = 0; s < splits; ++s) {  // split order: the same sum whichever block arrives last
+    for (int b = 0; b < kSplits; ++b) {  // split order: the same sum whichever block arrives last
       float4 v[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        v[u] = row[u] < M ? __ldcg(reinterpret_cast<const float4*>(workspace + ((size_t)s * M + row[u]) * N + c[u]))
+        v[u] = row[u] < M ? __ldcg(reinterpret_cast<const float4*>(workspace + ((size_t)b * M + row[u]) * N + c[u]))
                           : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        sum[u].x += v[u].x;
-        sum[u].y += v[u].y;
-        sum[u].z += v[u].z;
-        sum[u].w += v[u].w;
-      }
+      for (int u = 0; u < kU; ++u) add4(sum[u], v[u]);
     }
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (row[u] >= M) continue;
-      if (has_bias) {
-        const uint2 b = *reinterpret_cast<const uint2*>(bias + c[u]);
-        const float2 b01 = __half22float2(*reinterpret_cast<const half2*>(&b.x));
-        const float2 b23 = __half22float2(*reinterpret_cast<const half2*>(&b.y));
-        sum[u].x += b01.x;
-        sum[u].y += b01.y;
-        sum[u].z += b23.x;
-        sum[u].w += b23.y;
-      }
-      const half2 lo = __floats2half2_rn(sum[u].x, sum[u].y), hi = __floats2half2_rn(sum[u].z, sum[u].w);
-      uint2 o;
-      o.x = *reinterpret_cast<const uint32_t*>(&lo);
-      o.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(out + (size_t)row[u] * N + c[u]) = o;
-    }
+    for (int u = 0; u < kU; ++u)
+      if (row[u] < M) store_quad(row[u], c[u], sum[u]);
   }
+#endif
+#endif
 }

@@ -2,12 +2,14 @@
 
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
 of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the packed weight, its scales
-and zeros are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64. Split-K over ``gridDim.y`` when the tiles alone leave SMs idle
-(fp32 partials in a workspace, summed by the last block of each tile in a fixed order). Compiled for sm_90a with nvcc
-by ``kernels.aot.compile_cuda`` and launched with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan
-is a pure function of shapes and the SM count.
+and zeros are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64. Split-K over grid y
+(``splits`` blocks per tile) when the tiles alone leave SMs idle, the fp32 partial tiles summed in a fixed order either
+by the last block of each tile through a global workspace, or (``dsmem``) by all the tile's blocks, as one
+thread-block cluster, over distributed shared memory. Compiled for sm_90a with nvcc by ``kernels.aot.compile_cuda``
+(one build per variant, ``splits`` included) and launched with ``kernels.aot.launcher.AotKernel`` on torch's current
+stream; the plan is a pure function of shapes and the SM count.
 
-The per-tile counters of the split-K path live in one zeroed int32 buffer per device; the kernel leaves them at 0,
+The per-tile counters of the workspace sum live in one zeroed int32 buffer per device; the kernel leaves them at 0,
 so launches must not run concurrently on two streams of one device (the same rule as Marlin's workspace).
 """
 
@@ -25,21 +27,39 @@ SOURCE = Path(__file__).with_name("w4a16_gemm_wgmma.cu")
 KERNEL = "w4a16_gemm_wgmma"
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("workspace", "*fp32"), ("counters", "*i32"), ("M", "i32"), ("N", "i32"), ("K", "i32"),
-          ("group_size", "i32"), ("stride_xm", "i32"), ("has_zeros", "i32"), ("has_bias", "i32"), ("splits", "i32")]
+          ("group_size", "i32"), ("stride_xm", "i32"), ("has_zeros", "i32"), ("has_bias", "i32")]
 BK = 64
 STAGES = 4
 SM = 90  # wgmma: sm_90a code, Hopper only
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may have (sm_90)
 SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also takes 1 KB reserved by the system
-# ptxas registers per thread by (bm, wt, wgs), rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate.
-REGS = {(64, 1, 1): 88, (64, 1, 2): 88, (64, 2, 1): 144, (64, 2, 2): 136, (64, 4, 1): 248, (64, 4, 2): 240,
-        (128, 1, 1): 128, (128, 1, 2): 120, (128, 2, 1): 216, (128, 2, 2): 200}
+# ptxas registers per thread by (bm, wt, wgs), the most of the unsplit, workspace-split and DSMEM-split builds, rounded
+# up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate (the compile test checks them against ptxas).
+REGS = {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 152, (64, 2, 2): 152, (64, 4, 1): 248, (64, 4, 2): 248,
+        (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216}
 # Plan search space: (wt, wgs) block shapes by bm (at most 128 accumulators per thread: wt * bm <= 256), split
 # factors, and the fewest K stages a split may have (H100 sweep: o at M = 128 with 8 stages per split ran at
 # 0.58-0.75x cuBLAS, with 16 at 0.88-1.00x; qkv at M = 64 1.11-1.18x vs 1.20-1.53x).
 CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
 SPLITS = (1, 2, 4, 8)
 MIN_K_TILES = 16
+# Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
+# cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
+# of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
+# (benchmarks/results/bench_gemm_wgmma_dsmem_h100.log): DSMEM vs workspace, qkv M = 128 bm128/bn128/split 4 (73% of
+# the slots) 1.18x vs 1.04x cuBLAS, o M = 128 bm128/bn64/split 2 1.05 vs 0.94, but 8k M = 128 bm128/bn128/split 4
+# (97%) 1.14 vs 1.48, down M = 128 bm128/bn128/split 8 (97%) 1.14 vs 1.38, 64 x 64 tiles 2-26% slower.
+DSMEM_MIN_TILE = 128 * 64
+DSMEM_MAX_FILL = 0.75
+
+
+def asets(wt: int) -> int:
+    """A-fragment register sets (WG_ASETS): up to ASETS - 1 k16 steps' wgmmas stay in flight while the next step is
+    dequantized. 4 for up to 2 tiles per warpgroup (H100, one run, every split summed over DSMEM: 4 vs 2 sets faster on
+    50 of 80 variant x shape rows, slower on 11, -3..+8%, e.g. o at M = 128, bm 128 split 2: 0.96 -> 1.04x cuBLAS;
+    benchmarks/results/bench_gemm_wgmma_asets_h100.log); 2 for 4 tiles, where 4 sets (64 registers) spill."""
+    return 4 if wt <= 2 else 2
+
 
 _KERNELS: dict = {}
 _COUNTERS: dict = {}
@@ -50,6 +70,12 @@ def shared_bytes(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
     bn = 64 * wt * wgs
     stage = bm * 128 + (BK // 8) * bn * 4 + bn * 2 + bn
     return stages * (-(-stage // 1024) * 1024) + 1024
+
+
+def dsmem_fits(bm: int, wt: int, wgs: int, stages: int = STAGES) -> bool:
+    """Whether the variant can sum split-K partials over DSMEM: its fp32 partial tile (rows padded by 4 floats) fits
+    in its stage buffers."""
+    return bm * (64 * wt * wgs + 4) * 4 <= shared_bytes(bm, wt, wgs, stages) - 1024
 
 
 def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device_sm: int = SM,
@@ -77,7 +103,8 @@ def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
 
 
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
-              wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None) -> dict:
+              wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None,
+              dsmem: Optional[bool] = None) -> dict:
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
     that an eager call pays a dictionary lookup, not the search (~50 us of Python).
 
@@ -95,13 +122,15 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     vs 2.10, down 1.76 (best), 8k 1.89 vs 1.93. (The sweep's "plan" rows ran the previous ranking, by block-slot
     fill: M = 128 1.05 / 0.94 / 1.49 / 1.38 / 1.44, M = 64 1.17 / 1.17 / 1.87 / 1.67 / 1.84.)
     """
-    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits))
+    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem))
 
 
 @lru_cache(maxsize=4096)
-def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits) -> tuple:
+def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
     if M < 1 or K < BK:
         raise ValueError(f"wgmma W4A16 GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
+    if splits is not None and not 1 <= splits <= 8:
+        raise ValueError(f"wgmma W4A16 GEMM: splits={splits} must be 1..8 (the blocks of one thread-block cluster)")
     ktiles = K // BK
     best = None
     for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
@@ -111,8 +140,10 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits) -> tuple:
                 continue
             tiles = -(-M // bm_) * (N // bn)
             cap = sm_count * blocks_per_sm(bm_, a, b, stages)
-            for s in [splits] if splits else [s for s in SPLITS
-                                              if s == 1 or (ktiles // s >= MIN_K_TILES and tiles * s <= cap)]:
+            for s in [splits] if splits else [s for s in SPLITS if s == 1 or (
+                    ktiles // s >= MIN_K_TILES and tiles * s <= cap)]:
+                if dsmem and s > 1 and not dsmem_fits(bm_, a, b, stages):
+                    continue  # asked for DSMEM sums: only blocks whose partial tile fits
                 ctas = tiles * s
                 waves = -(-ctas // cap)
                 warps = round(ctas * 4 * b / waves / sm_count, 1)  # resident warps per SM, averaged over waves
@@ -129,8 +160,12 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits) -> tuple:
     s = -(-ktiles // per)  # no empty split
     if (bm, a, b) not in REGS:
         raise ValueError(f"wgmma W4A16 GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS)}")
-    return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, grid=(-(-M // bm) * -(-N // bn), s),
-                      shared=shared_bytes(bm, a, b, stages)).items())
+    if dsmem is None:
+        ctas, cap = -(-M // bm) * (N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages)
+        dsmem = (s > 1 and dsmem_fits(bm, a, b, stages) and bm * bn >= DSMEM_MIN_TILE
+                 and (s <= 2 or ctas <= DSMEM_MAX_FILL * cap))
+    return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
+                      grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages)).items())
 
 
 def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -156,18 +191,19 @@ def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device
     return (None, reason) if reason else (plan, None)
 
 
-def variant_flags(bm: int, wt: int, wgs: int, stages: int) -> tuple:
-    return (f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}")
+def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False) -> tuple:
+    return (f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}", f"-DWG_SPLITS={splits}",
+            f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}")
 
 
-def compile_variant(bm: int, wt: int, wgs: int, stages: int, sm: int = SM):
+def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False, sm: int = SM):
     """The PTX/cubin artifact (sm_90a) for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     if sm != SM:
         raise ValueError(f"the wgmma W4A16 GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages),
-                        extra_flags=variant_flags(bm, wt, wgs, stages), arch_specific=True)
+                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem), arch_specific=True)
 
 
 def _counters(device, n: int) -> torch.Tensor:
@@ -199,13 +235,18 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                    scales, bias, out, (M, N))
     if plan["shared"] > SHARED_LIMIT:
         raise ValueError(f"wgmma W4A16 GEMM: variant needs {plan['shared']} B of shared memory (> {SHARED_LIMIT})")
+    if plan["dsmem"] and not dsmem_fits(plan["bm"], plan["wt"], plan["wgs"], plan["stages"]):
+        raise ValueError(f"wgmma W4A16 GEMM: variant bm={plan['bm']}, wt={plan['wt']}, wgs={plan['wgs']}, "
+                         f"stages={plan['stages']} cannot sum its splits over DSMEM (the partial tile does not fit in "
+                         f"shared memory); use dsmem=False")
     out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
     splits = plan["splits"]
-    workspace = (torch.empty(splits * M * N, dtype=torch.float32, device=x.device) if splits > 1
-                 else out)  # unused when splits == 1 (any valid pointer)
+    workspace = (torch.empty(splits * M * N, dtype=torch.float32, device=x.device) if splits > 1 and not plan["dsmem"]
+                 else out)  # unused otherwise (any valid pointer)
     counters = _counters(x.device, plan["grid"][0])
-    cached_kernel(_KERNELS, compile_variant, plan["bm"], plan["wt"], plan["wgs"], plan["stages"]).launch(
+    cached_kernel(_KERNELS, compile_variant, plan["bm"], plan["wt"], plan["wgs"], plan["stages"], splits,
+                  plan["dsmem"]).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size, x.stride(0),
-        int(zeros is not None), int(bias is not None), splits)
+        int(zeros is not None), int(bias is not None))
     return out

@@ -33,7 +33,8 @@ if torch.cuda.get_device_capability() == (9, 0):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
         b = torch.randn(N, device="cuda", dtype=torch.float16)
-        for ov in ({}, dict(splits=3), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=1, wgs=2, splits=2),
+        for ov in ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
+                   dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
                    dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6)):
             if N % wg.gemm_plan(M, N, K, **ov)["bn"] == 0:  # blocks no wider than N
                 wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)

@@ -1,8 +1,8 @@
 """The Hopper W4A16 GEMM (kernels/csrc/w4a16_gemm_wgmma.cu): compiles to sm_90a PTX/cubin here (nvcc, no GPU) with
 warpgroup MMAs and no local memory in its SASS; its plan and input checks; on an sm_90 GPU it matches the fp32
 reference on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups, 1 to 4 tiles per
-warpgroup, no split and split-K (the plan's and forced ones), and split-K leaves its counters ready for the next launch
-(two launches of a split variant give bit-identical results)."""
+warpgroup, no split and split-K (the plan's and forced ones, 2 to 8 blocks, summed through the workspace or over a
+cluster's DSMEM), and two launches of a split variant give bit-identical results (the workspace counters are reset)."""
 
 import re
 import shutil
@@ -16,34 +16,41 @@ from kernels.quant import dequantize, quantize_int4
 from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 
 VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm=64, wt=4, wgs=2, stages=3),
-            dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3)]
+            dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3, dsmem=False),
+            dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
+            dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize("bm,wt,wgs", [(64, 1, 1), (128, 2, 2), (64, 4, 2)])
 def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
+    """Unsplit, workspace-split and (where the tile fits) DSMEM-split builds: sm_90a PTX/cubin with warpgroup MMAs,
+    no spills, and the plan's register count is the most any of them allocates."""
     import subprocess
 
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
-    art = compile_cuda(wg.SOURCE, wg.KERNEL, wg.PARAMS, sm=90, threads=128 * wgs,
-                       shared=wg.shared_bytes(bm, wt, wgs), cache=AotCache(tmp_path),
-                       extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES), arch_specific=True)
-    assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
-    assert len(entry_params(art.ptx, wg.KERNEL)) == len(wg.PARAMS)
-    assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
-    assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(art.cubin)
-    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert f"HGMMA.64x{bm}x16.F32" in sass
-    assert "LDL" not in sass and "STL" not in sass  # fragments and accumulators stay in registers (no spills)
-    # The plan's blocks-per-SM estimate uses these register counts: they must be what ptxas allocated (rounded up to
-    # the allocation unit of 8 per thread).
-    usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert wg.REGS[(bm, wt, wgs)] == -(-regs // 8) * 8, (regs, wg.REGS[(bm, wt, wgs)])
+    builds = [(1, False), (4, False)] + ([(4, True)] if wg.dsmem_fits(bm, wt, wgs) else [])
+    most = 0
+    for splits, dsmem in builds:
+        art = compile_cuda(wg.SOURCE, wg.KERNEL, wg.PARAMS, sm=90, threads=128 * wgs,
+                           shared=wg.shared_bytes(bm, wt, wgs), cache=AotCache(tmp_path),
+                           extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES, splits, dsmem), arch_specific=True)
+        assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
+        assert len(entry_params(art.ptx, wg.KERNEL)) == len(wg.PARAMS)
+        assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
+        assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
+        assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
+        cubin = tmp_path / f"k{splits}{dsmem}.cubin"
+        cubin.write_bytes(art.cubin)
+        sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        assert f"HGMMA.64x{bm}x16.F32" in sass
+        assert "LDL" not in sass and "STL" not in sass, (splits, dsmem)  # no spills
+        usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        most = max(most, int(re.search(r"REG:(\d+)", usage).group(1)))
+    assert wg.REGS[(bm, wt, wgs)] == -(-most // 8) * 8  # allocation unit: 8 registers per thread
 
 
 def test_wgmma_gemm_is_hopper_only():
@@ -74,6 +81,15 @@ def test_wgmma_gemm_plan_and_support():
     o, gate_up = wg.gemm_plan(128, 4096, 4096), wg.gemm_plan(128, 28672, 4096)
     assert (o["bm"], o["wt"], o["wgs"], o["splits"]) == (64, 1, 1, 4)
     assert (gate_up["bm"], gate_up["wgs"], gate_up["splits"]) == (128, 2, 1)
+    # Split sums over DSMEM only for tiles of >= 128 x 64 outputs whose clusters leave slots free: qkv at M = 128
+    # (192 blocks of 264 slots), not 8k (256 of 264), nor o's 64 x 64 tiles; forced on, only variants it fits.
+    assert wg.gemm_plan(128, 6144, 4096)["dsmem"] and not wg.gemm_plan(128, 8192, 8192)["dsmem"]
+    assert not o["dsmem"] and not gate_up["dsmem"]
+    forced = wg.gemm_plan(200, 4096, 4096, splits=3, dsmem=True)
+    assert forced["dsmem"] and wg.dsmem_fits(forced["bm"], forced["wt"], forced["wgs"], forced["stages"])
+    assert not wg.dsmem_fits(128, 2, 2) and wg.dsmem_fits(128, 1, 2)
+    with pytest.raises(ValueError, match="splits=9"):
+        wg.gemm_plan(128, 4096, 4096, splits=9)
     # Shapes and variants it has no plan for are refused with a reason, not a crash in the search.
     with pytest.raises(ValueError, match="K=32"):
         wg.gemm_plan(100, 4096, 32)
@@ -115,7 +131,7 @@ def test_wgmma_gemm_matches_reference(M, N, K, group_size, symmetric):
                             float(ref.abs().max()))
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, v
         again = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, **v)
-        assert torch.equal(again, y), v  # counters were reset; split sums in a fixed order
+        assert torch.equal(again, y), v  # split sums over the cluster in rank order: deterministic
     y = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size)  # no bias
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size)
     assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
