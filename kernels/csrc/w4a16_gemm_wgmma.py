@@ -112,15 +112,15 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     no split or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
     ``MIN_K_TILES`` stages long. Ranked by the warps resident per SM (averaged over the waves), because a block is
     bound by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible,
-    tensor and memory pipes under 30% busy), so more independent warps is what speeds it up; then, at equal warps,
+    SM, L2 and DRAM throughput under 30%; benchmarks/results/ncu_w4a16_h100.log), so more independent warps is what speeds it up; then, at equal warps,
     128-row blocks (each weight tile is dequantized once per 128 rows), fewer splits (each split's fp32 partial tile
     is written and read once more), one warpgroup per block (fewer warps wait at each block barrier), the widest
-    block (x crosses L2 N / bn times).
-    Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 28-41 variants per shape; runs vary ~3%): on
-    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.04 vs 1.08, o 1.00 (best),
-    gate_up 1.49 vs 1.52, down 1.38 (best), 8k 1.45 (best); M = 64: qkv 1.53 (best), o 1.32 (best), gate_up 1.88
-    vs 2.10, down 1.76 (best), 8k 1.89 vs 1.93. (The sweep's "plan" rows ran the previous ranking, by block-slot
-    fill: M = 128 1.05 / 0.94 / 1.49 / 1.38 / 1.44, M = 64 1.17 / 1.17 / 1.87 / 1.67 / 1.84.)
+    block (x crosses L2 N / bn times). A split is summed over DSMEM or through the workspace by the rule at
+    ``DSMEM_MIN_TILE``.
+    Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 40-62 variants per shape; runs vary ~3%): on
+    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
+    (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
+    vs 1.59, o 1.37 (best), gate_up 1.83 vs 2.05, down 1.76 vs 1.77, 8k 1.92 vs 1.96.
     """
     return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem))
 
