@@ -46,7 +46,7 @@
 #define WG_STAGES 4
 #endif
 #ifndef WG_SPLITS
-#define WG_SPLITS 1  // blocks of one cluster (grid y) splitting K: 1..8
+#define WG_SPLITS 1  // blocks per tile (grid y) splitting K: 1..8 (with WG_DSMEM, one cluster)
 #endif
 #ifndef WG_DSMEM
 #define WG_DSMEM 0  // split-K partials summed over the cluster's shared memory (1) or through a global workspace (0)

@@ -217,7 +217,7 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                      **variant) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper). ``variant`` (``bm``, ``wt``, ``wgs``,
-    ``stages``, ``splits``) overrides the plan (benchmarks, tests)."""
+    ``stages``, ``splits``, ``dsmem``) overrides the plan (benchmarks, tests)."""
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
