@@ -112,10 +112,10 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     no split or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
     ``MIN_K_TILES`` stages long. Ranked by the warps resident per SM (averaged over the waves), because a block is
     bound by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible,
-    SM, L2 and DRAM throughput under 30%; benchmarks/results/ncu_w4a16_h100.log), so more independent warps is what speeds it up; then, at equal warps,
-    128-row blocks (each weight tile is dequantized once per 128 rows), fewer splits (each split's fp32 partial tile
-    is written and read once more), one warpgroup per block (fewer warps wait at each block barrier), the widest
-    block (x crosses L2 N / bn times). A split is summed over DSMEM or through the workspace by the rule at
+    SM, L2 and DRAM throughput under 30%; benchmarks/results/ncu_w4a16_h100.log), so more independent warps is what
+    speeds it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer
+    splits (each split's fp32 partial tile is written and read once more), one warpgroup per block (fewer warps wait
+    at each block barrier), the widest block (x crosses L2 N / bn times). A split is summed over DSMEM or through the workspace by the rule at
     ``DSMEM_MIN_TILE``.
     Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
@@ -130,7 +130,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
     if M < 1 or K < BK:
         raise ValueError(f"wgmma W4A16 GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
     if splits is not None and not 1 <= splits <= 8:
-        raise ValueError(f"wgmma W4A16 GEMM: splits={splits} must be 1..8 (the blocks of one thread-block cluster)")
+        raise ValueError(f"wgmma W4A16 GEMM: splits={splits} must be 1..8 (a DSMEM sum makes them one cluster)")
     ktiles = K // BK
     best = None
     for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
