@@ -115,8 +115,8 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     SM, L2 and DRAM throughput under 30%; benchmarks/results/ncu_w4a16_h100.log), so more independent warps is what
     speeds it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer
     splits (each split's fp32 partial tile is written and read once more), one warpgroup per block (fewer warps wait
-    at each block barrier), the widest block (x crosses L2 N / bn times). A split is summed over DSMEM or through the workspace by the rule at
-    ``DSMEM_MIN_TILE``.
+    at each block barrier), the widest block (x crosses L2 N / bn times). A split is summed over DSMEM or through
+    the workspace by the rule at ``DSMEM_MIN_TILE``.
     Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
