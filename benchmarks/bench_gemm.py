@@ -173,7 +173,7 @@ def main():
                         sets4, b4, err, label)
             if not (gemv8_only or routed) and M <= 64 and mma.unsupported_reason(M, N, K, GROUP, x.dtype) is None:
                 # Tensor-core GEMV: the plan's variant, then one change at a time (accumulator chains, L2 hint,
-                # warps per block, rows per lane, and at M = 1 the M = 1 build, mmax=1).
+                # warps per block, rows per lane, at M = 1 the M = 1 build, mmax=1, and the early scale and x loads).
                 plan = mma.gemv_plan(M, N, K, GROUP, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
                 wp, mt = plan["warps"], plan["mt"]
                 if mt == 1:
@@ -181,11 +181,14 @@ def main():
                         (f"chains={3 - plan['chains']}", dict(chains=3 - plan["chains"])),
                         ("l2_256", dict(l2_256=True)),
                         (f"warps={2 * wp}", dict(warps=2 * wp)), (f"warps={wp // 2}", dict(warps=wp // 2)),
-                        ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=1", dict(mmax=1)))
+                        ("u=8", dict(u=8)), ("u=2", dict(u=2)), ("mmax=1", dict(mmax=1)),
+                        (f"sz_ahead={int(not plan['sz_ahead'])}", dict(sz_ahead=not plan["sz_ahead"])),
+                        (f"x_ahead={int(not plan['x_ahead'])}", dict(x_ahead=not plan["x_ahead"])))
                 else:  # M > 8: x tiles per block, fp16-scaled weights, warps per block, rows per lane
                     alternatives = tuple(
                         [(f"mt={m}", dict(mt=m)) for m in (2, 4, 8) if m != mt and 8 * m <= 2 * M] +
-                        [(f"wscale={int(not plan['wscale'])}", dict(wscale=not plan["wscale"]))] +
+                        [(f"wscale={int(not plan['wscale'])}", dict(wscale=not plan["wscale"])),
+                         (f"sz_ahead={int(not plan['sz_ahead'])}", dict(sz_ahead=not plan["sz_ahead"]))] +
                         [(f"warps={w}", dict(warps=w)) for w in (2 * wp, wp // 2) if w and w * mt <= 32] +
                         [("u=2", dict(u=2)), (f"mt={mt} warps={max(1, wp // 2)} u=2",
                                               dict(warps=max(1, wp // 2), u=2))])

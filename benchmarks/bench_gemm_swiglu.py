@@ -1,5 +1,5 @@
-"""The fused SwiGLU epilogue of the weight-only GEMMs against the unfused path, on Llama-3-8B's gate/up projection
-(4096 -> 2 x 14336), fp16 activations, W4A16 g128 and W8A16, M = 1, 16, 64, 128 (``BENCH_MS``).
+"""The fused SwiGLU epilogue of the weight-only GEMM ops against the unfused path, on Llama-3-8B's gate/up projection
+(4096 -> 2 x 14336), fp16 activations, W4A16 g128 and W8A16, M = 1, 16, 64, 128, 512 (``BENCH_MS``).
 
 Rows per (weights, M), each timed in the same run as a CUDA graph over rotating weight copies (no L2 hits):
 - ``torch``: cuBLAS ``F.linear`` on the fp16 [gate; up] weight, then ``F.silu(gate) * up`` (the plain PyTorch
@@ -7,7 +7,9 @@ Rows per (weights, M), each timed in the same run as a CUDA graph over rotating 
 - ``unfused``: ``torch.ops.tritrt.w{4,8}a16_linear`` (whichever kernel it routes to) on the [gate; up] weight, then
   ``torch.ops.tritrt.swiglu``;
 - ``fused``: the same op with ``swiglu=True`` on the interleaved weight (``kernels.quant.interleave_columns``), which
-  runs the Triton GEMM with the SwiGLU epilogue.
+  routes as ``kernels/ops/gemm.py`` says: W4A16 to the tensor-core GEMV (M <= 32) or the wgmma GEMM (M < 256) with
+  the activation in their epilogue, from M = 256 (W4) / 512 (W8) to dequantize + cuBLAS with the activation after it,
+  otherwise the Triton GEMM with its SwiGLU epilogue.
 Relative error vs silu(gate) * up in fp32 on the dequantized weights (the torch row: on the fp16 weight). Writes
 benchmarks/results/bench_gemm_swiglu_<card>.{json,md}.
 
@@ -35,7 +37,7 @@ def main():
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
     from kernels.quant import dequantize, interleave_columns, quantize_int4, quantize_int8
 
-    ms = [int(m) for m in os.environ.get("BENCH_MS", "1,16,64,128").split(",")]
+    ms = [int(m) for m in os.environ.get("BENCH_MS", "1,16,64,128,512").split(",")]
     torch.manual_seed(0)
     gate = torch.randn(HIDDEN, K, device="cuda", dtype=torch.float16) * 0.02
     up = torch.randn(HIDDEN, K, device="cuda", dtype=torch.float16) * 0.02

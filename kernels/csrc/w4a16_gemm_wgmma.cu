@@ -1,6 +1,7 @@
 // W4A16 GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~32 to a few hundred:
-// y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's INT4 layout (qweight int32 [K/8, N], nibble j of packed row
-// r is k = 8r + j; scales fp16 [K/G, N]; zeros uint8 [K/G, N] or none = 8).
+// y[M, N] = x[M, K] @ W^T (+ bias), or with WG_SWIGLU (W's columns interleaved gate/up pairs) silu(gate) * up ->
+// [M, N / 2]; W in kernels.quant's INT4 layout (qweight int32 [K/8, N], nibble j of packed row r is k = 8r + j;
+// scales fp16 [K/G, N]; zeros uint8 [K/G, N] or none = 8).
 //
 // The product is computed transposed, y^T = W x^T, so that the weight is wgmma's A operand, which may come from
 // registers: each thread dequantizes its own A fragment and nothing dequantized goes through shared memory. x is the
@@ -51,6 +52,9 @@
 #ifndef WG_DSMEM
 #define WG_DSMEM 0  // split-K partials summed over the cluster's shared memory (1) or through a global workspace (0)
 #endif
+#ifndef WG_SWIGLU
+#define WG_SWIGLU 0  // 1: W's columns are interleaved (gate, up) pairs; out [M, N / 2] = silu(gate) * up
+#endif
 #ifndef WG_ASETS
 #define WG_ASETS 2  // A-fragment register sets: k16 steps whose wgmmas may be in flight while the next is dequantized
 #endif
@@ -63,6 +67,7 @@
 namespace {
 using namespace tritrt;
 constexpr int kBM = WG_BM, kWGs = WG_WGS, kWT = WG_WT, kStages = WG_STAGES, kSplits = WG_SPLITS, kASets = WG_ASETS;
+constexpr bool kSwiglu = WG_SWIGLU;
 constexpr int kThreads = 128 * kWGs;
 constexpr int kBN = 64 * kWT * kWGs, kBK = 64;
 constexpr int kXBytes = kBM * 128;                     // x tile, 128-byte swizzled rows
@@ -309,13 +314,16 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int row = m0 + 8 * i + 2 * t + e;
-        if (row < M)
-          *reinterpret_cast<half2*>(out + (size_t)row * N + col) = __floats2half2_rn(d[wt][4 * i + e] + b0,
-                                                                                      d[wt][4 * i + 2 + e] + b1);
+        if (row >= M) continue;
+        const float y0 = d[wt][4 * i + e] + b0, y1 = d[wt][4 * i + 2 + e] + b1;
+        if (kSwiglu)  // (gate, up) = columns (col, col + 1) -> out [M, N / 2] column col / 2
+          out[(size_t)row * (N / 2) + col / 2] = __float2half_rn(silu_mul(y0, y1));
+        else
+          *reinterpret_cast<half2*>(out + (size_t)row * N + col) = __floats2half2_rn(y0, y1);
       }
   }
 #else
-  // Split-K. One quad (4 adjacent columns) of a tile's sum: + bias, to fp16, stored.
+  // Split-K. One quad (4 adjacent columns) of a tile's sum: + bias, to fp16 (with SwiGLU: 2 outputs), stored.
   auto store_quad = [&](int row, int col, float4 sum) {
     if (has_bias) {
       const uint2 bb = *reinterpret_cast<const uint2*>(bias + col);
@@ -325,6 +333,11 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
       sum.y += b01.y;
       sum.z += b23.x;
       sum.w += b23.y;
+    }
+    if (kSwiglu) {
+      *reinterpret_cast<half2*>(out + (size_t)row * (N / 2) + col / 2) =
+          __floats2half2_rn(silu_mul(sum.x, sum.y), silu_mul(sum.z, sum.w));
+      return;
     }
     const half2 lo = __floats2half2_rn(sum.x, sum.y), hi = __floats2half2_rn(sum.z, sum.w);
     uint2 o;

@@ -191,19 +191,21 @@ def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device
     return (None, reason) if reason else (plan, None)
 
 
-def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False) -> tuple:
+def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
+                  swiglu: bool = False) -> tuple:
     return (f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}", f"-DWG_SPLITS={splits}",
-            f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}")
+            f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}", f"-DWG_SWIGLU={int(swiglu)}")
 
 
-def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False, sm: int = SM):
+def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
+                    swiglu: bool = False, sm: int = SM):
     """The PTX/cubin artifact (sm_90a) for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     if sm != SM:
         raise ValueError(f"the wgmma W4A16 GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages),
-                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem), arch_specific=True)
+                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu), arch_specific=True)
 
 
 def _counters(device, n: int) -> torch.Tensor:
@@ -215,9 +217,10 @@ def _counters(device, n: int) -> torch.Tensor:
 
 def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                     **variant) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper). ``variant`` (``bm``, ``wt``, ``wgs``,
-    ``stages``, ``splits``, ``dsmem``) overrides the plan (benchmarks, tests)."""
+                     swiglu: bool = False, **variant) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper); with ``swiglu`` (W's columns
+    interleaved gate/up pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``variant``
+    (``bm``, ``wt``, ``wgs``, ``stages``, ``splits``, ``dsmem``) overrides the plan (benchmarks, tests)."""
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
@@ -232,20 +235,20 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     check_operands("wgmma W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand; 8-byte output stores
                    tuple((name, t, 16) for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
                                                         ("bias", bias), ("out", out))),
-                   scales, bias, out, (M, N))
+                   scales, bias, out, (M, N // 2 if swiglu else N))
     if plan["shared"] > SHARED_LIMIT:
         raise ValueError(f"wgmma W4A16 GEMM: variant needs {plan['shared']} B of shared memory (> {SHARED_LIMIT})")
     if plan["dsmem"] and not dsmem_fits(plan["bm"], plan["wt"], plan["wgs"], plan["stages"]):
         raise ValueError(f"wgmma W4A16 GEMM: variant bm={plan['bm']}, wt={plan['wt']}, wgs={plan['wgs']}, "
                          f"stages={plan['stages']} cannot sum its splits over DSMEM (the partial tile does not fit in "
                          f"shared memory); use dsmem=False")
-    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    out = torch.empty((M, N // 2 if swiglu else N), dtype=torch.float16, device=x.device) if out is None else out
     splits = plan["splits"]
     workspace = (torch.empty(splits * M * N, dtype=torch.float32, device=x.device) if splits > 1 and not plan["dsmem"]
                  else out)  # unused otherwise (any valid pointer)
     counters = _counters(x.device, plan["grid"][0])
     cached_kernel(_KERNELS, compile_variant, plan["bm"], plan["wt"], plan["wgs"], plan["stages"], splits,
-                  plan["dsmem"]).launch(
+                  plan["dsmem"], bool(swiglu)).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size, x.stride(0),
         int(zeros is not None), int(bias is not None))

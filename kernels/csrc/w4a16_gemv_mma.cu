@@ -1,6 +1,6 @@
 // W4A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
 // INT4 layout (qweight int32 [K/8, N], nibble j of row r is k = 8r + j; scales fp16 [K/G, N]; zeros uint8 [K/G, N]
-// or none = 8).
+// or none = 8). With `swiglu` W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2].
 //
 // Why: the scalar GEMV (w4a16_gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
 // 9/8 instructions of dequantisation and a 1/8 share of an mma (sm_90 SASS of the loop, 256 weights per lane: LOP3
@@ -24,8 +24,9 @@
 // as rows g, g+8, tile 1 columns 4g+2, 4g+3. A warp's load of one u covers 4 packed rows x 128 contiguous bytes.
 //
 // Work split: a block = GEMV_WARPS warps on the same 32 columns, warps splitting K in chunks of 4 * GEMV_U packed rows
-// (register double buffer: the next chunk's loads are issued before this chunk's math), reduced through shared
-// memory at the end; one launch, no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
+// (register double buffer: the next chunk's loads, with GEMV_SZ_AHEAD / GEMV_X_AHEAD its scales and zero points / its
+// x values too, are issued before this chunk's math), reduced through shared memory at the end, where bias and SwiGLU are applied; one launch,
+// no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
 // multiple of 32 with GEMV_GSTEPS = min(group_size / 32, GEMV_U) dividing GEMV_U (a scale run never straddles a
 // group), x rows 16-byte aligned.
 #include "w4_dequant.cuh"
@@ -54,6 +55,15 @@
 #ifndef GEMV_L2_256
 #define GEMV_L2_256 0  // 1: weight loads ask L2 to fetch 256 B (the neighbouring block's columns of the same rows)
 #endif
+#ifndef GEMV_SZ_AHEAD
+#define GEMV_SZ_AHEAD 0  // 1: a chunk's scales and zero points are loaded with its weights, not when its math starts
+#endif
+#ifndef GEMV_X_AHEAD
+#define GEMV_X_AHEAD 0  // 1: a chunk's x fragments are loaded with its weights too (16 registers per buffer and tile)
+#endif
+#ifndef GEMV_MINB
+#define GEMV_MINB 1  // blocks per SM asked of ptxas (__launch_bounds__): caps the registers per thread
+#endif
 
 namespace {
 using namespace tritrt;
@@ -66,6 +76,20 @@ static_assert(GEMV_CHAINS == 1 || GEMV_CHAINS == 2, "GEMV_CHAINS is 1 or 2");
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "GEMV_MT is 1..8");
 static_assert(GEMV_MT == 1 || (GEMV_MMAX == 8 && GEMV_CHAINS == 1), "GEMV_MT > 1 needs GEMV_MMAX 8, GEMV_CHAINS 1");
 constexpr int kRows = GEMV_MT * GEMV_MMAX;  // x rows per block
+
+// One chunk in registers: the weights (kU packed rows of 4 columns per lane); with GEMV_SZ_AHEAD the raw scales
+// (4 fp16) and zero points (4 uint8) of each of its kU / kG scale groups; with GEMV_X_AHEAD the x values of its kU
+// steps (8 per lane and step, zeros for rows past M).
+struct Chunk {
+  int4 q[kU];
+#if GEMV_SZ_AHEAD
+  uint2 s[kU / kG];
+  uint32_t z[kU / kG];
+#endif
+#if GEMV_X_AHEAD
+  int4 x[GEMV_MT][kU];
+#endif
+};
 
 // Read-only 16-byte weight load; optionally with the L2 256-byte prefetch hint.
 __device__ __forceinline__ int4 load_weight(const int4* p) {
@@ -81,10 +105,11 @@ __device__ __forceinline__ int4 load_weight(const int4* p) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB)
 w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
-               int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias) {
+               int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias,
+               int swiglu) {
   __shared__ float red[kWarps][kRows][32];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -120,13 +145,33 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   }
   const size_t q_u = (size_t)N;
 
-  auto load_chunk = [&](int c, int4 (&q)[kU]) {
-    const int4* p = qw + (size_t)c * kU * N;
-#pragma unroll
-    for (int u = 0; u < kU; ++u) q[u] = load_weight(p + u * q_u);
+  // Scale/zero offset of the group of this lane's packed rows at k (one group per run of kG u-steps of the quad:
+  // the launcher's GSTEPS rule).
+  auto group_offset = [&](int k) { return (size_t)(k >> gshift) * N + colc; };
+  auto load_sz = [&](size_t goff, uint2& sraw, uint32_t& zraw) {
+    sraw = __ldg(reinterpret_cast<const uint2*>(scales + goff));
+    zraw = has_zeros ? __ldg(reinterpret_cast<const unsigned int*>(zeros + goff)) : 0x08080808u;
   };
 
-  auto process_chunk = [&](int c, const int4 (&q)[kU]) {
+  auto load_chunk = [&](int c, Chunk& b) {
+    const int4* p = qw + (size_t)c * kU * N;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) b.q[u] = load_weight(p + u * q_u);
+#if GEMV_X_AHEAD
+#pragma unroll
+    for (int mt = 0; mt < GEMV_MT; ++mt)
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        b.x[mt][u] = x_ok[mt] ? __ldg(xw[mt] + (size_t)(c * kU + u) * 4) : make_int4(0, 0, 0, 0);
+#endif
+#if GEMV_SZ_AHEAD
+#pragma unroll
+    for (int i = 0; i < kU / kG; ++i) load_sz(group_offset(c * 32 * kU + 32 * kG * i), b.s[i], b.z[i]);
+#endif
+  };
+
+  auto process_chunk = [&](int c, const Chunk& b) {
+    const int4 (&q)[kU] = b.q;
 #if GEMV_WSCALE
     uint32_t s2[4];  // the 4 columns' scales, each in both halves of a half2
 #else
@@ -134,14 +179,17 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
     float s[4];
 #endif
     uint32_t zlo[4], zhi[4];
-    const int k0 = c * 32 * kU;
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (u % kG == 0) {
-        // One group for the whole run of kG u-steps of the quad (the launcher's GSTEPS rule).
-        const size_t goff = (size_t)((k0 + 32 * u) >> gshift) * N + colc;
-        const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(scales + goff));
-        const uint32_t zraw = has_zeros ? __ldg(reinterpret_cast<const unsigned int*>(zeros + goff)) : 0x08080808u;
+#if GEMV_SZ_AHEAD
+        const uint2 sraw = b.s[u / kG];
+        const uint32_t zraw = b.z[u / kG];
+#else
+        uint2 sraw;
+        uint32_t zraw;
+        load_sz(group_offset(c * 32 * kU + 32 * u), sraw, zraw);
+#endif
 #if GEMV_WSCALE
         s2[0] = prmt(sraw.x, sraw.x, 0x1010u); s2[1] = prmt(sraw.x, sraw.x, 0x3232u);
         s2[2] = prmt(sraw.y, sraw.y, 0x1010u); s2[3] = prmt(sraw.y, sraw.y, 0x3232u);
@@ -179,8 +227,12 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 #endif
 #pragma unroll
       for (int mt = 0; mt < GEMV_MT; ++mt) {
+#if GEMV_X_AHEAD
+        const int4 xv = b.x[mt][u];
+#else
         int4 xv = make_int4(0, 0, 0, 0);
         if (x_ok[mt]) xv = __ldg(xw[mt] + (size_t)(c * kU + u) * 4);
+#endif
         // x halves (x0..x7) -> the k order of the A fragments: {x0,x4}, {x1,x5} | {x2,x6}, {x3,x7}.
         const uint32_t b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);
         const uint32_t b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);
@@ -217,14 +269,14 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   };
 
   // Two register buffers used in turn (no copies): the next chunk's loads are in flight during this chunk's math.
-  int4 qa[kU], qb[kU];
-  if (warp < chunks) load_chunk(warp, qa);
+  Chunk ba, bb;
+  if (warp < chunks) load_chunk(warp, ba);
   for (int c = warp; c < chunks; c += 2 * kWarps) {
-    if (c + kWarps < chunks) load_chunk(c + kWarps, qb);
-    process_chunk(c, qa);
+    if (c + kWarps < chunks) load_chunk(c + kWarps, bb);
+    process_chunk(c, ba);
     if (c + kWarps >= chunks) break;
-    if (c + 2 * kWarps < chunks) load_chunk(c + 2 * kWarps, qa);
-    process_chunk(c + kWarps, qb);
+    if (c + 2 * kWarps < chunks) load_chunk(c + 2 * kWarps, ba);
+    process_chunk(c + kWarps, bb);
   }
 
   // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic).
@@ -243,15 +295,21 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
       }
     }
   __syncthreads();
-  for (int i = threadIdx.x; i < kRows * 32; i += 32 * kWarps) {
-    const int m = m0 + i / 32, cl = i % 32;
+  // Outputs of this block: 32 columns per x row, or with SwiGLU 16 = silu(column 2j) * column 2j + 1 (out is
+  // [M, N / 2]; N is a multiple of 4, so a pair never straddles N).
+  const int per_row = swiglu ? 16 : 32, n_out = swiglu ? N / 2 : N;
+  auto column_sum = [&](int r, int cl, int n) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red[w][r][cl];
+    return has_bias ? sum + __half2float(bias[n]) : sum;
+  };
+  for (int i = threadIdx.x; i < kRows * per_row; i += 32 * kWarps) {
+    const int r = i / per_row, m = m0 + r, cl = swiglu ? 2 * (i % per_row) : i % per_row;
     const int n = (blockIdx.x / mtiles) * 32 + cl;
     if (m < M && n < N) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += red[w][i / 32][cl];
-      if (has_bias) sum += __half2float(bias[n]);
-      out[(size_t)m * N + n] = __float2half_rn(sum);
+      const float v = swiglu ? silu_mul(column_sum(r, cl, n), column_sum(r, cl + 1, n + 1)) : column_sum(r, cl, n);
+      out[(size_t)m * n_out + (swiglu ? n / 2 : n)] = __float2half_rn(v);
     }
   }
 }

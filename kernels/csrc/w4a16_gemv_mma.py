@@ -26,6 +26,17 @@ MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
 CHAINS = 1  # accumulators per tile (GEMV_CHAINS); the plan picks 2 for <= 2 warps per block (see gemv_plan)
 L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256): within +-1% on all 15 rows, so off
+# Each chunk's scales and zero points loaded with its weights, one chunk ahead of its math (GEMV_SZ_AHEAD), rather
+# than as its math starts (a dependent global load per chunk). H100, speed-up over cuBLAS without -> with, two runs
+# (benchmarks/results/bench_gemm_gemv_szahead_h100.log): M = 1 qkv 2.46 -> 2.56 / 2.44 -> 2.52, o 2.62 -> 2.68 /
+# 2.50 -> 2.59, gate_up 3.02 -> 3.30 / 2.98 -> 3.18, down 2.87 -> 2.94 / 2.88 -> 2.83, 8k 2.92 -> 3.12 / 3.02 -> 3.08;
+# M = 16 (tiled) qkv 2.09 -> 2.13, o 2.25 -> 2.25, gate_up 1.88 -> 2.35, down 2.41 -> 2.37, 8k 2.58 -> 2.60. Down is
+# within the runs' ~3% either way; every other shape gains or holds at M = 1 to 32.
+SZ_AHEAD = True
+# ... and its x values (GEMV_X_AHEAD), for one x tile per block (mt = 1, M <= 8: 32 more registers, 123 in all; the
+# tiled builds would spill). H100 (benchmarks/results/bench_gemm_gemv_xahead_h100.log), on top of SZ_AHEAD, M = 1:
+# qkv 2.51 -> 2.71, o 2.62 -> 2.93, gate_up 3.18 -> 3.26, down 2.84 -> 3.05, 8k 3.07 -> 3.29; M = 4 and 8 gain alike.
+X_AHEAD = True
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 # Register bound used for residency (ptxas, sm_90: 93-117 for the u=4 variants, 128 for u=8).
 REGS_BOUND = 128
@@ -33,7 +44,7 @@ REGS_BOUND = 128
 REGS_BY_MT = {1: 128, 2: 128, 4: 192, 8: 256}
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
-          ("has_zeros", "i32"), ("has_bias", "i32")]
+          ("has_zeros", "i32"), ("has_bias", "i32"), ("swiglu", "i32")]
 
 _KERNELS: dict = {}
 
@@ -56,7 +67,7 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
 
 
 def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
-    return min(65536 // (regs * 32 * warps), 2048 // (32 * warps), 32)
+    return max(1, min(65536 // (regs * 32 * warps), 2048 // (32 * warps), 32))
 
 
 # x tiles per block for M > 8. H200 (benchmarks/results/bench_gemm_mma_tiled_h200.md, five Llama shapes): at M=16
@@ -80,10 +91,10 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     rows = MAX_M * mt
     blocks = -(-N // 32) * -(-M // rows)
     chunks = K // (32 * u)
+    regs = REGS_BY_MT.get(mt, 256)
     if warps is None:
         # shared memory for the cross-warp sum: warps * mt KiB, kept <= 32 KiB
         choices = [w for w in WARPS if w * mt <= 32]
-        regs = REGS_BY_MT.get(mt, 256)
         warps = next((w for w in choices if blocks <= sm_count * _blocks_per_sm(w, regs)),
                      choices[-1] if mt == 1 else min(4, choices[0]))
         while warps > 1 and warps > chunks:
@@ -95,33 +106,46 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     # (qkv 2.37x vs 2.03x cuBLAS, o 2.52 vs 2.23, down 2.71 vs 2.35, 8k 2.94 vs 2.45); an older H200 build had the M = 1
     # build 1-12% ahead (bench_gemm_gemv_h200_run2.md). It stays available as ``mmax=1``.
     few = warps <= 2 and mt == 1
+    # minb: the blocks per SM that one wave of this grid needs (at most what the register bound allows), asked of
+    # ptxas (__launch_bounds__) so that the build cannot take more registers than that. Unbounded, the mt = 2 build of
+    # 8 warps took 146 registers instead of 128: one block per SM instead of the two that qkv's 192 blocks need. At
+    # one warp per block (gate_up, M = 17..32: 1792 blocks, 14 per SM) the cap of 128 costs a few spills (ptxas: 5
+    # local stores), and is still worth it: 1.54-1.62x cuBLAS against 1.22-1.33x with 12 blocks per SM and no
+    # spills, 1.20-1.30x unbounded (H100, benchmarks/results/bench_gemm_gemv_minb_h100.log).
     return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M, chains=2 if few else 1, mt=mt,
-                wscale=bool(wscale), grid=(blocks,))
+                wscale=bool(wscale), sz_ahead=SZ_AHEAD, x_ahead=X_AHEAD and mt == 1,
+                minb=min(-(-blocks // sm_count), _blocks_per_sm(warps, regs)), grid=(blocks,))
 
 
 def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
-                  mt: int = 1, wscale: bool = False):
+                  mt: int = 1, wscale: bool = False, sz_ahead: bool = False, minb: int = 1, x_ahead: bool = False):
     return (f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_GSTEPS={gsteps}", f"-DGEMV_MMAX={mmax}",
             f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}", f"-DGEMV_MT={mt}",
-            f"-DGEMV_WSCALE={int(wscale)}")
+            f"-DGEMV_WSCALE={int(wscale)}", f"-DGEMV_SZ_AHEAD={int(sz_ahead)}", f"-DGEMV_MINB={minb}",
+            f"-DGEMV_X_AHEAD={int(x_ahead)}")
 
 
 def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
-                    mt: int = 1, wscale: bool = False, sm: int = 90):
+                    mt: int = 1, wscale: bool = False, sz_ahead: bool = False, minb: int = 1, x_ahead: bool = False,
+                    sm: int = 90):
     """The PTX/cubin artifact for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
-                        extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256, mt, wscale))
+                        extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256, mt, wscale, sz_ahead, minb,
+                                                  x_ahead))
 
 
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
                    chains: Optional[int] = None, l2_256: bool = L2_256, mt: Optional[int] = None,
-                   wscale: Optional[bool] = None) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 on tensor cores. ``u``/``warps``/``mmax``/``chains``/``l2_256``/
-    ``mt``/``wscale`` override the plan's variant (benchmarks, tests)."""
+                   wscale: Optional[bool] = None, sz_ahead: Optional[bool] = None, x_ahead: Optional[bool] = None,
+                   minb: Optional[int] = None, swiglu: bool = False) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 on tensor cores; with ``swiglu`` (W's columns interleaved gate/up
+    pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``u``/``warps``/``mmax``/
+    ``chains``/``l2_256``/``mt``/``wscale``/``sz_ahead``/``x_ahead``/``minb`` override the plan's variant
+    (benchmarks, tests)."""
     from kernels.gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
@@ -133,7 +157,7 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     # Vector loads: 16 B of x and qweight, 8 B of scales, 4 B of zeros per lane (N % 4 == 0 keeps every row aligned).
     check_operands("tensor-core W4A16 GEMV", x, 16,
                    (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)),
-                   scales, bias, out, (M, N))
+                   scales, bias, out, (M, N // 2 if swiglu else N))
     if mt is not None and mt not in (1, 2, 4, 8):
         raise ValueError(f"tensor-core W4A16 GEMV: mt={mt} must be 1, 2, 4 or 8")
     plan = gemv_plan(M, N, K, group_size, u, warps, device_sm_count(x.device), mt, wscale)
@@ -141,14 +165,15 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be {MAX_M}, or 1 for M = 1 with mt = 1")
     if plan["warps"] * plan["mt"] > 32:
         raise ValueError(f"tensor-core W4A16 GEMV: warps * mt = {plan['warps'] * plan['mt']} > 32 (shared memory)")
-    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    out = torch.empty((M, N // 2 if swiglu else N), dtype=torch.float16, device=x.device) if out is None else out
     chains = int(chains or plan["chains"])
     if plan["mt"] > 1 and chains != 1:
         raise ValueError("tensor-core W4A16 GEMV: chains=2 is for mt = 1 only")
     build = (plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], chains, bool(l2_256), plan["mt"],
-             plan["wscale"])
+             plan["wscale"], plan["sz_ahead"] if sz_ahead is None else bool(sz_ahead), minb or plan["minb"],
+             plan["x_ahead"] if x_ahead is None else bool(x_ahead))
     cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
-        int(bias is not None))
+        int(bias is not None), int(swiglu))
     return out

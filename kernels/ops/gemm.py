@@ -9,9 +9,10 @@ with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-c
 (``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8`` (prefill sizes) they
 dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
 ``swiglu=True`` (the weight's output columns are interleaved gate/up pairs, ``kernels.quant.interleave_columns``;
-the result is ``silu(gate) * up``, ``N / 2`` wide) always runs the Triton kernels, whose epilogue fuses it. The CUDA
-GEMVs and the wgmma GEMM have no such epilogue, and at M = 1 the Triton W4A16 GEMV runs at 1.43-1.72x cuBLAS vs the
-CUDA one's 2.36-2.95x (H100), so the model keeps its separate activation kernel rather than taking this path.
+the result is ``silu(gate) * up``, ``N / 2`` wide) fuses the activation into the epilogue: W4A16 fp16 without a
+residual takes the tensor-core GEMV and the wgmma GEMM as above, the dequantize + cuBLAS path applies it after the
+matmul, everything else runs the Triton kernels. The model keeps its separate activation kernel (its gate and up
+weights are not interleaved).
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -52,6 +53,16 @@ WGMMA_W4 = True
 # .md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68 vs 1.72), M=4 ahead on 4 of 5, M=8
 # on 3 of 5 (first run).
 CUDA_W8_GEMV_MAX_M = 4
+
+
+def _swiglu_after(y: Tensor, residual: Optional[Tensor]) -> Tensor:
+    """SwiGLU of ``y``'s interleaved (gate, up) column pairs (+ residual) in fp32, as the fused epilogues compute it,
+    for the dequantize + cuBLAS path, which has no epilogue: at M = 512 on gate/up (H100,
+    benchmarks/results/bench_gemm_swiglu_h100.md) the Triton kernels' fused epilogue ran at 0.38x (W4) and 0.55x (W8)
+    of cuBLAS + ``F.silu * up``, the dequantize + cuBLAS path + a separate activation at 0.75x and 0.70x."""
+    from ..gemm_wq_common import reference_epilogue
+
+    return reference_epilogue(y.float(), None, residual, True).to(y.dtype)
 
 
 def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
@@ -99,13 +110,14 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
     lead, x2, r2 = _flatten(x, residual, n_out)
     if not x.is_cuda:
         return k.w8a16_reference(x2, qweight, scales, bias, r2, swiglu).to(x.dtype).reshape(*lead, n_out)
-    if swiglu:
-        return k.w8a16_gemm(x2, qweight, scales, bias, r2, swiglu=True).reshape(*lead, n_out)
     M, K = x2.shape
     if M >= DEQUANT_MIN_M_W8:
         from ..gemm_dequant import dequant_matmul, dequantize_w8_kn
 
-        return dequant_matmul(x2, dequantize_w8_kn(qweight, scales), bias, r2).reshape(*lead, N)
+        y = dequant_matmul(x2, dequantize_w8_kn(qweight, scales), bias, None if swiglu else r2)
+        return (_swiglu_after(y, r2) if swiglu else y).reshape(*lead, n_out)
+    if swiglu:
+        return k.w8a16_gemm(x2, qweight, scales, bias, r2, swiglu=True).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_W8_GEMV_MAX_M and _w8_gemv_operands_ok(qweight, scales, bias):
         from ..csrc import w8a16_gemv_mma as mma8
 
@@ -143,30 +155,31 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
     if not x.is_cuda:
         y = k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2, swiglu).to(x.dtype)
         return y.reshape(*lead, n_out)
-    if swiglu:
-        return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2, swiglu=True).reshape(*lead, n_out)
     M, K = x2.shape
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
         from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
 
-        return dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, r2).reshape(*lead, N)
+        y = dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, None if swiglu else r2)
+        return (_swiglu_after(y, r2) if swiglu else y).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_GEMV_MMA_MAX_M:
         from ..csrc import w4a16_gemv_mma as mma
 
         if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
-            return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
-    if r2 is None and CUDA_GEMV_MMA_MAX_M < M and WGMMA_W4:
+            return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias,
+                                      swiglu=swiglu).reshape(*lead, n_out)
+    if r2 is None and CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 and WGMMA_W4:
         from ..csrc import w4a16_gemm_wgmma as wg
 
         if (wg.operands_ok(x2, qweight, scales, zeros, bias)
                 and wg.plan_for(M, N, K, group_size, x.dtype, x.device)[1] is None):
-            return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias).reshape(*lead, N)
-    if r2 is None and M <= CUDA_GEMV_MAX_M:
+            return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias,
+                                       swiglu=swiglu).reshape(*lead, n_out)
+    if r2 is None and M <= CUDA_GEMV_MAX_M and not swiglu:
         from ..csrc import w4a16_gemv as cu
 
         if cu.unsupported_reason(M, N, K, group_size, x.dtype) is None:
             return cu.w4a16_gemv(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
-    return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2).reshape(*lead, N)
+    return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2, swiglu=swiglu).reshape(*lead, n_out)
 
 
 @w4a16_linear.register_fake

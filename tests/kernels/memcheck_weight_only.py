@@ -16,7 +16,8 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
     b = torch.randn(N, device="cuda", dtype=torch.float16)
-    for ov in ({}, dict(mt=2) if M > 8 else {}, dict(mt=8, warps=1) if M > 8 else dict(mmax=1) if M == 1 else {}):
+    for ov in ({}, dict(mt=2) if M > 8 else {}, dict(mt=8, warps=1) if M > 8 else dict(mmax=1) if M == 1 else {},
+               dict(sz_ahead=True), dict(swiglu=True), dict(swiglu=True, warps=1)):
         mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
     dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64)
     q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
@@ -27,7 +28,7 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
                 mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, b, **ov)
             except ValueError as e:
                 print("skip", M, N, K, ov, e)
-# The Hopper wgmma GEMM (sm_90 only): ragged M, both tile heights, 1/2 warpgroups, split-K.
+# The Hopper wgmma GEMM (sm_90 only): ragged M, both tile heights, 1/2 warpgroups, split-K, with and without SwiGLU.
 if torch.cuda.get_device_capability() == (9, 0):
     for M, N, K in [(37, 192, 256), (100, 256, 512), (130, 128, 1024)]:
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
@@ -38,5 +39,6 @@ if torch.cuda.get_device_capability() == (9, 0):
                    dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6)):
             if N % wg.gemm_plan(M, N, K, **ov)["bn"] == 0:  # blocks no wider than N
                 wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
+                wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, swiglu=True, **ov)
 torch.cuda.synchronize()
 print("memcheck script done")

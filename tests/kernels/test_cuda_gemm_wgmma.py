@@ -24,8 +24,9 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize("bm,wt,wgs", [(64, 1, 1), (128, 2, 2), (64, 4, 2)])
 def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
-    """Unsplit, workspace-split and (where the tile fits) DSMEM-split builds: sm_90a PTX/cubin with warpgroup MMAs,
-    no spills, and the plan's register count is the most any of them allocates."""
+    """Unsplit, workspace-split and (where the tile fits) DSMEM-split builds, each with and without the SwiGLU
+    epilogue: sm_90a PTX/cubin with warpgroup MMAs, no spills, and the plan's register count is the most any of them
+    allocates."""
     import subprocess
 
     from kernels.aot.cache import AotCache
@@ -33,20 +34,21 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
 
     builds = [(1, False), (4, False)] + ([(4, True)] if wg.dsmem_fits(bm, wt, wgs) else [])
     most = 0
-    for splits, dsmem in builds:
+    for splits, dsmem, swiglu in [(*b, swiglu) for b in builds for swiglu in (False, True)]:
         art = compile_cuda(wg.SOURCE, wg.KERNEL, wg.PARAMS, sm=90, threads=128 * wgs,
                            shared=wg.shared_bytes(bm, wt, wgs), cache=AotCache(tmp_path),
-                           extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES, splits, dsmem), arch_specific=True)
+                           extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES, splits, dsmem, swiglu),
+                           arch_specific=True)
         assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
         assert len(entry_params(art.ptx, wg.KERNEL)) == len(wg.PARAMS)
         assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
         assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
         assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
-        cubin = tmp_path / f"k{splits}{dsmem}.cubin"
+        cubin = tmp_path / f"k{splits}{dsmem}{swiglu}.cubin"
         cubin.write_bytes(art.cubin)
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         assert f"HGMMA.64x{bm}x16.F32" in sass
-        assert "LDL" not in sass and "STL" not in sass, (splits, dsmem)  # no spills
+        assert "LDL" not in sass and "STL" not in sass, (splits, dsmem, swiglu)  # no spills
         usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
         most = max(most, int(re.search(r"REG:(\d+)", usage).group(1)))
@@ -158,3 +160,67 @@ def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 128)
     assert_close_to_ref(y_op, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
                         atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [33, 100, 128, 200])
+def test_wgmma_gemm_swiglu_epilogue(M):
+    """WG_SWIGLU builds: W's columns as interleaved (gate, up) pairs, out [M, N / 2], unsplit and split-K (both
+    sums), every output written."""
+    from kernels._utils import device_sm
+    from tests.helpers import dequant_baseline
+
+    if device_sm() != 90:
+        pytest.skip("the wgmma GEMM is sm_90 (Hopper) code")
+    N, K, group_size = 2048, 4096, 128
+    x, qw, bias, _, _ = w4_gpu_case(M, N, K, group_size, False, seed=M * 5 + 1)
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, None, True)
+    base = dequant_baseline(x, qw, bias, swiglu=True)
+    for v in (dict(), dict(splits=1), dict(splits=3, dsmem=False), dict(bm=128, wt=1, wgs=2, splits=2, dsmem=True),
+              dict(bm=128, wt=2, wgs=2, splits=1)):
+        out = poisoned((M, N // 2), torch.float16, "cuda")
+        y = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True, **v)
+        # fp32 sums, SwiGLU in fp32, one fp16 rounding: at most twice PyTorch's fp16 error (which rounds the GEMM
+        # output before the activation) plus half an ulp of the largest output.
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 128, 300])
+def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
+    """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
+    below DEQUANT_MIN_M_W4, from there dequantize + cuBLAS with the activation after it; with a residual the Triton
+    kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
+    import kernels.ops  # noqa: F401
+    from kernels._utils import device_sm
+    from kernels.csrc import w4a16_gemv_mma as mma
+    from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn
+    from kernels.gemm_w4a16 import w4a16_gemm
+    from kernels.ops import gemm as ops_gemm
+    from tests.helpers import dequant_baseline
+
+    N, K = 2048, 1024
+    x, qw, bias, _, _ = w4_gpu_case(M, N, K, 128, False, seed=M + 3)
+    r = torch.randn(M, N // 2, device="cuda", dtype=torch.float16)
+    args = (x, qw.qweight, qw.scales, qw.zeros, 128, bias)
+
+    def dequant_route(residual):
+        y = dequant_matmul(x, dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128), bias).float()
+        y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+        return (y if residual is None else y + residual.float()).half()
+
+    y = torch.ops.tritrt.w4a16_linear(*args, None, True)
+    y_res = torch.ops.tritrt.w4a16_linear(*args, r, True)
+    if M >= ops_gemm.DEQUANT_MIN_M_W4:
+        assert torch.equal(y, dequant_route(None)) and torch.equal(y_res, dequant_route(r))
+    else:
+        assert torch.equal(y_res, w4a16_gemm(*args, r, swiglu=True))  # a residual: the Triton epilogue
+        if M <= ops_gemm.CUDA_GEMV_MMA_MAX_M:
+            assert torch.equal(y, mma.w4a16_gemv_mma(*args, swiglu=True))
+        elif device_sm() == 90 and ops_gemm.WGMMA_W4:
+            assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
+    for out, res in ((y, None), (y_res, r)):
+        ref = w4a16_reference(*args, res, True)
+        assert_close_to_ref(out, ref, baseline=dequant_baseline(x, qw, bias, res, swiglu=True), factor=2.0,
+                            atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))

@@ -90,7 +90,9 @@ def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M):
 
 
 # ------------------------------------------------------------------------------------------ tensor-core GEMV (mma)
-MMA_VARIANTS = [(16, 4, 4, 1, 2, False), (8, 8, 2, 8, 1, True), (1, 4, 1, 8, 2, True)]  # warps u gsteps mmax chains l2
+# warps u gsteps mmax chains l2 mt wscale sz_ahead minb x_ahead
+MMA_VARIANTS = [(16, 4, 4, 1, 2, False), (8, 8, 2, 8, 1, True), (1, 4, 1, 8, 2, True),
+                (8, 4, 4, 8, 1, False, 1, False, True, 2, True), (8, 4, 1, 8, 1, False, 2, False, True, 2)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
@@ -127,6 +129,35 @@ def test_mma_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(tmp_path)
     assert "LDL" not in sass and "STL" not in sass
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize("M", [1, 16, 32])
+def test_mma_gemv_plan_builds_have_no_spills_under_their_register_cap(M, tmp_path):
+    """The plan's builds for the five Llama shapes: __launch_bounds__ caps the registers at what one wave needs
+    (minb blocks per SM), and ptxas meets the cap without local memory, except the measured trade-off of the 1-warp
+    tiled build (gate_up at M = 17..32, see gemv_plan): a few spills, no more."""
+    import re
+    import subprocess
+
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import compile_cuda
+
+    keys = ("warps", "u", "gsteps", "mmax", "chains", "mt", "wscale", "sz_ahead", "minb", "x_ahead")
+    builds = {tuple(mma.gemv_plan(M, N, K, 128)[k] for k in keys)
+              for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]}
+    for values in sorted(builds):
+        b = dict(zip(keys, values))
+        art = compile_cuda(mma.SOURCE, mma.KERNEL, mma.PARAMS, sm=90, threads=32 * b["warps"],
+                           cache=AotCache(tmp_path), extra_flags=mma.variant_flags(**b))
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(art.cubin)
+        sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        allowed = 8 if b["warps"] == 1 and b["mt"] > 1 else 0  # the 1-warp tiled build (see gemv_plan)
+        assert sass.count("STL") <= allowed and sass.count("LDL") <= allowed, b
+        usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        assert int(re.search(r"REG:(\d+)", usage).group(1)) * 32 * b["warps"] * b["minb"] <= 65536, b
+
+
 def test_mma_gemv_plan_and_support():
     assert mma.unsupported_reason(1, 4096, 4096, 128, torch.float16) is None
     assert mma.unsupported_reason(8, 1000, 14336, 32, torch.float16) is None
@@ -148,6 +179,11 @@ def test_mma_gemv_plan_and_support():
         assert 1 <= p["warps"] <= K // (32 * p["u"])  # no warp without a chunk of K
         assert p["u"] % p["gsteps"] == 0 and p["mmax"] >= M and p["mmax"] in (1, 8) and p["chains"] in (1, 2)
         assert p["gsteps"] * 32 <= g  # a scale run never leaves its group
+        assert p["sz_ahead"] == mma.SZ_AHEAD and p["x_ahead"] == mma.X_AHEAD
+        # ptxas is held to the blocks per SM one wave needs, within the register bound the residency count assumes.
+        assert p["minb"] * p["warps"] * 32 * mma.REGS_BOUND <= 65536 and p["minb"] >= 1
+    assert mma.gemv_plan(1, 6144, 4096, 128)["minb"] == 2  # qkv: 192 blocks of 8 warps, two per SM
+    assert mma.gemv_plan(1, 4096, 4096, 128)["minb"] == 1  # o: 128 blocks of 16 warps
     # M > 8: tiles of 16 rows (the measured default), row tiles x column slices in the grid, fp16-scaled weights
     # from 4 tiles on (register budget), the cross-warp sum within 32 KiB of shared memory.
     for M, N, K in [(9, 4096, 4096), (16, 6144, 4096), (33, 28672, 4096), (64, 4096, 14336), (128, 8192, 8192),
@@ -158,6 +194,8 @@ def test_mma_gemv_plan_and_support():
         assert q["wscale"] and q["warps"] * 8 <= 32 and q["grid"][0] == -(-N // 32) * -(-M // 64)
         assert p["grid"][0] == -(-N // 32) * -(-M // (8 * p["mt"]))
         assert p["wscale"] == (p["mt"] >= 4) and p["warps"] * p["mt"] <= 32 and p["chains"] == 1
+        assert p["sz_ahead"] == mma.SZ_AHEAD and not p["x_ahead"]  # x ahead would spill with 2+ tiles
+        assert p["minb"] * p["warps"] * 32 * mma.REGS_BY_MT[p["mt"]] <= 65536
         assert 1 <= p["warps"] <= K // (32 * p["u"])
 
 
@@ -185,7 +223,9 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
     x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 13 + N + K)
     plan = mma.gemv_plan(M, N, K, group_size)
     variants = [{}, dict(chains=1), dict(l2_256=True), dict(warps=max(1, plan["warps"] // 2)),
-                dict(u=8) if K % 256 == 0 else dict(warps=1)] + ([dict(mmax=1)] if M == 1 else [])
+                dict(u=8) if K % 256 == 0 else dict(warps=1), dict(sz_ahead=not plan["sz_ahead"]),
+                dict(x_ahead=not plan["x_ahead"]), dict(u=2, sz_ahead=False, x_ahead=False)] + (
+                    [dict(mmax=1)] if M == 1 else [])
     for ov in variants:
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
@@ -210,7 +250,8 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
 def test_mma_gemm_tiled_in_m_matches_reference(M, N, K, group_size, symmetric):
     """M > 8: x tiles of 8 rows per block (mt), fp16-scaled weights (wscale), partial last tiles, odd N."""
     x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 17 + N + K)
-    for ov in ({}, dict(mt=2, wscale=False), dict(mt=2, wscale=True), dict(mt=8, warps=1), dict(mt=4, u=2)):
+    for ov in ({}, dict(mt=2, wscale=False), dict(mt=2, wscale=True), dict(mt=8, warps=1), dict(mt=4, u=2),
+               dict(mt=2, sz_ahead=True), dict(mt=4, sz_ahead=True, wscale=True)):
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
         # wscale rounds each (q - z) * s to fp16 once, as dequantize() does for cuBLAS's weight; sums are fp32: at
@@ -220,14 +261,37 @@ def test_mma_gemm_tiled_in_m_matches_reference(M, N, K, group_size, symmetric):
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, ov
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 31])
+@pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1000, 1024, 32, True)])
+def test_mma_gemv_swiglu_epilogue(M, N, K, group_size, symmetric):
+    """W's columns as interleaved (gate, up) pairs: out [M, N / 2] = silu(gate + bias) * (up + bias), every output
+    written (poisoned buffer), for the GEMV and the tiled build."""
+    from tests.helpers import dequant_baseline
+
+    x, qw, bias, _, _ = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 7 + N + K)
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, None, True)
+    base = dequant_baseline(x, qw, bias, swiglu=True)
+    for ov in ({}, dict(warps=1), dict(sz_ahead=False, x_ahead=False)) + ((dict(mt=2),) if M > 8 else ()):
+        out = poisoned((M, N // 2), torch.float16, "cuda")
+        y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True, **ov)
+        # fp32 sums, SwiGLU in fp32, one fp16 rounding: at most twice PyTorch's fp16 error (which rounds the GEMM
+        # output before the activation) plus half an ulp of the largest output.
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
+    with pytest.raises(ValueError, match=r"out must be contiguous float16 \(%d, %d\)" % (M, N // 2)):
+        mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, out=poisoned((M, N), torch.float16,
+                                                                                          "cuda"), swiglu=True)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
-@pytest.mark.parametrize("mt,wscale,warps", [(2, False, 16), (4, True, 8), (8, True, 4)])
-def test_mma_gemm_tiled_variants_compile_without_local_memory(mt, wscale, warps, tmp_path):
+@pytest.mark.parametrize("mt,wscale,warps,sz_ahead", [(2, False, 16, False), (4, True, 8, True), (8, True, 4, False)])
+def test_mma_gemm_tiled_variants_compile_without_local_memory(mt, wscale, warps, sz_ahead, tmp_path):
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda
 
     art = compile_cuda(mma.SOURCE, mma.KERNEL, mma.PARAMS, sm=90, threads=32 * warps, cache=AotCache(tmp_path),
-                       extra_flags=mma.variant_flags(warps, 4, 4, 8, 1, False, mt, wscale))
+                       extra_flags=mma.variant_flags(warps, 4, 4, 8, 1, False, mt, wscale, sz_ahead))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in art.ptx
     assert ".local" not in art.ptx  # accumulators of all tiles stay in registers
     assert ("mul.f16x2" in art.ptx) == wscale

@@ -10,7 +10,7 @@ from kernels.gemm_dequant import dequantize_w4_kn, dequantize_w8_kn
 from kernels.gemm_w4a16 import w4a16_reference
 from kernels.gemm_w8a16 import w8a16_reference
 from kernels.quant import dequantize, quantize_int4, quantize_int8
-from tests.helpers import DEVICES, assert_gemm_close
+from tests.helpers import DEVICES, assert_gemm_close, dequant_baseline
 
 
 def assert_same_weight(w, ref, device):
@@ -81,3 +81,14 @@ def test_ops_route_large_m_through_dequantize_and_cublas(bits, dtype):
     assert torch.equal(w_kn, dequantize(qw).t())
     assert torch.equal(y, dequant_matmul(x, w_kn, bias, res))  # routed here
     assert_gemm_close(y, ref, x @ dequantize(qw).t() + bias + res)
+    # swiglu=True (N even: interleaved gate/up pairs): the same matmul, then silu(gate) * up (+ residual) in fp32.
+    res2 = res[:, : N // 2].contiguous()
+    if bits == 4:
+        y2 = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 64, bias, res2, True)
+        ref2 = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 64, bias, res2, True)
+    else:
+        y2 = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, res2, True)
+        ref2 = w8a16_reference(x, qw.qweight, qw.scales, bias, res2, True)
+    mm = dequant_matmul(x, w_kn, bias).float()
+    assert torch.equal(y2, (torch.nn.functional.silu(mm[:, 0::2]) * mm[:, 1::2] + res2.float()).to(dtype))
+    assert_gemm_close(y2, ref2, dequant_baseline(x, qw, bias, res2, swiglu=True))
