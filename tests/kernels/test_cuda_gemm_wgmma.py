@@ -190,10 +190,11 @@ def test_wgmma_gemm_swiglu_epilogue(M):
 @pytest.mark.parametrize("M", [1, 16, 64, 128, 300])
 def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
-    below DEQUANT_MIN_M_W4, from there dequantize + cuBLAS with the activation after it; with a residual the Triton
-    kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
+    below DEQUANT_MIN_M_W4, from there dequantize (deinterleaved) + cuBLAS + the SwiGLU kernel; with a residual the
+    Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
     import kernels.ops  # noqa: F401
     from kernels._utils import device_sm
+    from kernels.activation import swiglu
     from kernels.csrc import w4a16_gemv_mma as mma
     from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn
     from kernels.gemm_w4a16 import w4a16_gemm
@@ -206,9 +207,9 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     args = (x, qw.qweight, qw.scales, qw.zeros, 128, bias)
 
     def dequant_route(residual):
-        y = dequant_matmul(x, dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128), bias).float()
-        y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
-        return (y if residual is None else y + residual.float()).half()
+        w_split = dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128, deinterleave=True)
+        y = swiglu(dequant_matmul(x, w_split, torch.cat([bias[0::2], bias[1::2]])))
+        return y if residual is None else y + residual
 
     y = torch.ops.tritrt.w4a16_linear(*args, None, True)
     y_res = torch.ops.tritrt.w4a16_linear(*args, r, True)
