@@ -25,13 +25,18 @@ ACTIVATIONS = ("silu", "gelu_tanh", "gelu_erf")
 def _gated_act_kernel(
     gate_ptr, up_ptr, y_ptr,
     up_offset, stride_gm, stride_um, stride_ym,
-    N: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+    N: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
-    g = tl.load(gate_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * stride_um + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # gate j, up j = columns 2j, 2j + 1 of one row: one contiguous [BLOCK_N, 2] load, then split
+        pair_cols = 2 * cols[:, None] + tl.arange(0, 2)[None, :]
+        pair = tl.load(gate_ptr + row * stride_gm + pair_cols, mask=mask[:, None], other=0.0).to(tl.float32)
+        g, u = tl.split(pair)
+    else:
+        g = tl.load(gate_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_um + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
     if ACT == "silu":
         a = g / (1.0 + tl.exp(-g))
     elif ACT == "gelu_tanh":
@@ -45,11 +50,13 @@ def _gated_act_kernel(
 
 
 @functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
-def gated_act_launch_config(n_rows: int, n_cols: int, elem_bytes: int, act: str) -> LaunchConfig:
+def gated_act_launch_config(n_rows: int, n_cols: int, elem_bytes: int, act: str,
+                            interleaved: bool = False) -> LaunchConfig:
     """The launch of ``_gated_act_kernel`` as data; ``n_cols`` is I (the output width).
 
     Runtime args: ``gate, up, y, up_offset, stride_gm, stride_um, stride_ym``; for the fused ``[gate | up]`` input
-    pass it as both ``gate`` and ``up`` with ``up_offset = I`` (separate tensors: ``up_offset = 0``).
+    pass it as both ``gate`` and ``up`` with ``up_offset = I`` (separate tensors: ``up_offset = 0``); ``interleaved``
+    (fused input of (gate, up) pairs) reads only ``gate``.
     """
     if act not in ACTIVATIONS:
         raise ValueError(f"gated activation {act!r} unknown; use one of {ACTIVATIONS}")
@@ -61,16 +68,18 @@ def gated_act_launch_config(n_rows: int, n_cols: int, elem_bytes: int, act: str)
     return LaunchConfig(
         kernel=_gated_act_kernel,
         grid=(n_rows, triton.cdiv(n_cols, block_n)),
-        constexprs=dict(N=n_cols, ACT=act, BLOCK_N=block_n),
+        constexprs=dict(N=n_cols, ACT=act, BLOCK_N=block_n, INTERLEAVED=interleaved),
         num_warps=warps,
         num_stages=1,
     )
 
 
-def _gated(x: torch.Tensor, up: torch.Tensor | None, act: str, op: str) -> torch.Tensor:
+def _gated(x: torch.Tensor, up: torch.Tensor | None, act: str, op: str, interleaved: bool = False) -> torch.Tensor:
     _check_float(x, op)
     check_device(x, up)
     x2 = as_rows(x, "x", op)
+    if interleaved and up is not None:
+        raise ValueError(f"{op}: interleaved=True takes one fused input x[..., 2I] of (gate, up) pairs, not up")
     if up is None:
         if x.shape[-1] % 2:
             raise ValueError(f"{op}: fused input x[..., 2I] must have an even last dim, got {x.shape[-1]}")
@@ -87,14 +96,16 @@ def _gated(x: torch.Tensor, up: torch.Tensor | None, act: str, op: str) -> torch
     y2 = y.view(-1, inter)
     if x2.shape[0] > 2**31 - 1:
         raise ValueError(f"{op}: {x2.shape[0]} rows exceed the grid limit 2^31-1")
-    cfg = gated_act_launch_config(x2.shape[0], inter, x.element_size(), act)
+    cfg = gated_act_launch_config(x2.shape[0], inter, x.element_size(), act, interleaved)
     cfg.launch(gate2, up2, y2, up_offset, gate2.stride(0), up2.stride(0), y2.stride(0))
     return y
 
 
-def swiglu(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up``. ``up`` None: x is ``[..., 2I]`` = [gate | up]; else x is the gate ``[..., I]``. -> ``[..., I]``."""
-    return _gated(x, up, "silu", "swiglu")
+def swiglu(x: torch.Tensor, up: torch.Tensor | None = None, interleaved: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``. ``up`` None: x is ``[..., 2I]`` = [gate | up], or with ``interleaved`` (gate, up) pairs
+    (columns 2j, 2j + 1: a GEMM on ``kernels.quant.interleave_columns`` weights); else x is the gate ``[..., I]``.
+    -> ``[..., I]``."""
+    return _gated(x, up, "silu", "swiglu", interleaved)
 
 
 def _gelu_act(approximate: str, op: str = "geglu") -> str:

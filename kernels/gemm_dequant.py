@@ -25,24 +25,9 @@ BLOCK_R = 8  # packed rows (INT4: 64 values of k) or k rows (INT8) per program
 BLOCK_N = 128
 
 
-def _check_deinterleave(deinterleave: bool, N: int, name: str) -> None:
-    if deinterleave and N % 2:
-        raise ValueError(f"{name} dequantize: deinterleave needs gate/up column pairs, so an even N, got N={N}")
-
-
-@triton.jit
-def _out_columns(offs_n, N, DEINTERLEAVE: tl.constexpr):
-    """Output column of weight column n: n, or with DEINTERLEAVE (interleaved gate/up pairs) gate j = column 2j -> j,
-    up j = column 2j + 1 -> N / 2 + j."""
-    if DEINTERLEAVE:
-        return offs_n // 2 + (offs_n % 2) * (N // 2)
-    return offs_n
-
-
 @triton.jit
 def _dequant_w4_kernel(qw_ptr, scales_ptr, zeros_ptr, out_ptr, KP, N, GROUP_SIZE: tl.constexpr,
-                       HAS_ZEROS: tl.constexpr, DEINTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       HAS_ZEROS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # packed rows: k = 8 r .. 8 r + 7
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_r < KP)[:, None] & (offs_n < N)[None, :]
@@ -58,28 +43,23 @@ def _dequant_w4_kernel(qw_ptr, scales_ptr, zeros_ptr, out_ptr, KP, N, GROUP_SIZE
     w = tl.reshape(w, (BLOCK_R * 8, BLOCK_N))
     offs_k = tl.program_id(0) * BLOCK_R * 8 + tl.arange(0, BLOCK_R * 8)
     omask = (offs_k < KP * 8)[:, None] & (offs_n < N)[None, :]
-    out_n = _out_columns(offs_n, N, DEINTERLEAVE)
-    tl.store(out_ptr + offs_k[:, None] * N + out_n[None, :], w.to(out_ptr.dtype.element_ty), mask=omask)
+    tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _dequant_w8_kernel(qw_ptr, scales_ptr, out_ptr, K, N, DEINTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def _dequant_w8_kernel(qw_ptr, scales_ptr, out_ptr, K, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_k = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
     q = tl.load(qw_ptr + offs_k[:, None] * N + offs_n[None, :], mask=mask, other=0)
     s = tl.load(scales_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     w = q.to(tl.float32) * s[None, :]
-    out_n = _out_columns(offs_n, N, DEINTERLEAVE)
-    tl.store(out_ptr + offs_k[:, None] * N + out_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_w4_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
-                     out: Optional[torch.Tensor] = None, deinterleave: bool = False) -> torch.Tensor:
-    """The INT4 weight as ``[K, N]`` in the scales' dtype (``kernels.quant.dequantize(qw).T``, bit for bit). With
-    ``deinterleave`` its columns are interleaved (gate, up) pairs (``kernels.quant.interleave_columns``) and come out
-    as [gate | up], so that ``x @ w`` is what ``kernels.activation.swiglu`` takes."""
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The INT4 weight as ``[K, N]`` in the scales' dtype (``kernels.quant.dequantize(qw).T``, bit for bit)."""
     from .gemm_w4a16 import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, qweight.shape[0] * 8)
@@ -87,28 +67,22 @@ def dequantize_w4_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optiona
         raise ValueError(f"W4A16 dequantize: group_size={group_size} must be a multiple of 8 (a packed row's 8 values "
                          f"share one group)")
     check_device(qweight, scales, *([zeros] if zeros is not None else []))
-    _check_deinterleave(deinterleave, N, "W4A16")
     out = torch.empty((K, N), dtype=scales.dtype, device=qweight.device) if out is None else out
     grid = (triton.cdiv(K // 8, BLOCK_R), triton.cdiv(N, BLOCK_N))
     _dequant_w4_kernel[grid](qweight, scales, zeros if zeros is not None else qweight, out, K // 8, N,
-                             GROUP_SIZE=group_size, HAS_ZEROS=zeros is not None, DEINTERLEAVE=deinterleave,
-                             BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+                             GROUP_SIZE=group_size, HAS_ZEROS=zeros is not None, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
     return out
 
 
-def dequantize_w8_kn(qweight: torch.Tensor, scales: torch.Tensor, out: Optional[torch.Tensor] = None,
-                     deinterleave: bool = False) -> torch.Tensor:
-    """The INT8 weight as ``[K, N]`` in the scales' dtype (``kernels.quant.dequantize(qw).T``, bit for bit);
-    ``deinterleave`` as in ``dequantize_w4_kn``."""
+def dequantize_w8_kn(qweight: torch.Tensor, scales: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The INT8 weight as ``[K, N]`` in the scales' dtype (``kernels.quant.dequantize(qw).T``, bit for bit)."""
     from .gemm_w8a16 import check_w8_weight
 
     K, N = check_w8_weight(qweight, scales, qweight.shape[0])
     check_device(qweight, scales)
-    _check_deinterleave(deinterleave, N, "W8A16")
     out = torch.empty((K, N), dtype=scales.dtype, device=qweight.device) if out is None else out
     grid = (triton.cdiv(K, BLOCK_R * 8), triton.cdiv(N, BLOCK_N))
-    _dequant_w8_kernel[grid](qweight, scales, out, K, N, DEINTERLEAVE=deinterleave, BLOCK_R=BLOCK_R * 8,
-                             BLOCK_N=BLOCK_N)
+    _dequant_w8_kernel[grid](qweight, scales, out, K, N, BLOCK_R=BLOCK_R * 8, BLOCK_N=BLOCK_N)
     return out
 
 

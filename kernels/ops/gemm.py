@@ -10,8 +10,8 @@ with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-c
 dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
 ``swiglu=True`` (the weight's output columns are interleaved gate/up pairs, ``kernels.quant.interleave_columns``;
 the result is ``silu(gate) * up``, ``N / 2`` wide) fuses the activation into the epilogue: W4A16 fp16 without a
-residual takes the tensor-core GEMV and the wgmma GEMM as above, the dequantize + cuBLAS path dequantizes the weight
-deinterleaved and runs ``kernels.activation.swiglu`` after the matmul, everything else runs the Triton kernels. The model keeps its separate activation kernel (its gate and up
+residual takes the tensor-core GEMV and the wgmma GEMM as above, the dequantize + cuBLAS path runs
+``kernels.activation.swiglu`` on the interleaved pairs after the matmul, everything else runs the Triton kernels. The model keeps its separate activation kernel (its gate and up
 weights are not interleaved).
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
@@ -57,18 +57,17 @@ CUDA_W8_GEMV_MAX_M = 4
 
 def _dequant_linear(x2: Tensor, w_kn: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
                     swiglu: bool) -> Tensor:
-    """The dequantize + cuBLAS path's matmul and epilogue. With ``swiglu`` the weight was dequantized deinterleaved
-    ([gate | up] columns): the bias is reordered alike, and ``kernels.activation.swiglu`` (+ residual) follows the
-    matmul. At M = 512 on gate/up (H100, benchmarks/results/bench_gemm_swiglu_h100.md) the Triton kernels' fused
-    epilogue ran at 0.38x (W4) / 0.55x (W8) of cuBLAS + ``F.silu * up``, this path unfused at 0.74x / 0.69x."""
+    """The dequantize + cuBLAS path's matmul and epilogue; with ``swiglu``, ``kernels.activation.swiglu`` on the
+    output's interleaved (gate, up) pairs (+ residual) after it. At M = 512 on gate/up (H100,
+    benchmarks/results/bench_gemm_swiglu_h100.md) the Triton kernels' fused epilogue ran at 0.38x (W4) / 0.55x (W8)
+    of cuBLAS + ``F.silu * up``; this path, like the unfused one, at ~0.7x."""
     from ..gemm_dequant import dequant_matmul
 
     if not swiglu:
         return dequant_matmul(x2, w_kn, bias, residual)
     from ..activation import swiglu as swiglu_kernel
 
-    bias = None if bias is None else bias.view(-1, 2).t().reshape(-1)  # (gate, up) pairs -> [gate | up]
-    y = swiglu_kernel(dequant_matmul(x2, w_kn, bias))
+    y = swiglu_kernel(dequant_matmul(x2, w_kn, bias), interleaved=True)
     return y if residual is None else y + residual
 
 
@@ -121,7 +120,7 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
     if M >= DEQUANT_MIN_M_W8:
         from ..gemm_dequant import dequantize_w8_kn
 
-        w_kn = dequantize_w8_kn(qweight, scales, deinterleave=swiglu)
+        w_kn = dequantize_w8_kn(qweight, scales)
         return _dequant_linear(x2, w_kn, bias, r2, swiglu).reshape(*lead, n_out)
     if swiglu:
         return k.w8a16_gemm(x2, qweight, scales, bias, r2, swiglu=True).reshape(*lead, n_out)
@@ -166,7 +165,7 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
         from ..gemm_dequant import dequantize_w4_kn
 
-        w_kn = dequantize_w4_kn(qweight, scales, zeros, group_size, deinterleave=swiglu)
+        w_kn = dequantize_w4_kn(qweight, scales, zeros, group_size)
         return _dequant_linear(x2, w_kn, bias, r2, swiglu).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_GEMV_MMA_MAX_M:
         from ..csrc import w4a16_gemv_mma as mma

@@ -20,10 +20,8 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
                dict(sz_ahead=True), dict(swiglu=True), dict(swiglu=True, warps=1)):
         mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
     dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64)
-    dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64, deinterleave=True)
     q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
     dequantize_w8_kn(q8.qweight, q8.scales)
-    dequantize_w8_kn(q8.qweight, q8.scales, deinterleave=True)
     if M <= 8 and N % 4 == 0:
         for ov in ({}, dict(vec=4), dict(ksplit=2)):
             try:

@@ -42,6 +42,22 @@ def test_gated_activation_matches_reference(device, shape, dtype, kind, fused):
     assert_close_to_ref(y, ref, baseline=eager(x, None), factor=2.0, atol=rounding_atol(ref, dtype))
 
 
+@pytest.mark.parametrize("device,shape", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_on_interleaved_pairs(device, shape, dtype):
+    """``interleaved``: x[..., 2I] of (gate, up) pairs (columns 2j, 2j + 1), as a GEMM on interleaved weights gives."""
+    rows, inter = shape
+    x = (torch.randn(rows, 2 * inter, device=device) * 4).to(dtype)
+    y = swiglu(x, interleaved=True)
+    gate, up = x[:, 0::2], x[:, 1::2]
+    assert y.shape == (rows, inter) and y.dtype == dtype
+    ref = swiglu_ref(gate.float(), up.float())
+    assert_close_to_ref(y, ref, baseline=swiglu_eager(gate, up), factor=2.0, atol=rounding_atol(ref, dtype))
+    assert torch.equal(y, swiglu(gate.contiguous(), up.contiguous()))  # the same fp32 math as the split layouts
+    with pytest.raises(ValueError, match="interleaved=True takes one fused input"):
+        swiglu(gate.contiguous(), up.contiguous(), interleaved=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_leading_dims_and_strided_views(device):
     # Gate and up as strided views of one buffer (row stride 2I + 6), under 3 leading dims.

@@ -190,8 +190,8 @@ def test_wgmma_gemm_swiglu_epilogue(M):
 @pytest.mark.parametrize("M", [1, 16, 64, 128, 300])
 def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
-    below DEQUANT_MIN_M_W4, from there dequantize (deinterleaved) + cuBLAS + the SwiGLU kernel; with a residual the
-    Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
+    below DEQUANT_MIN_M_W4, from there dequantize + cuBLAS + the SwiGLU kernel on interleaved pairs; with a residual
+    the Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
     import kernels.ops  # noqa: F401
     from kernels._utils import device_sm
     from kernels.activation import swiglu
@@ -207,8 +207,7 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     args = (x, qw.qweight, qw.scales, qw.zeros, 128, bias)
 
     def dequant_route(residual):
-        w_split = dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128, deinterleave=True)
-        y = swiglu(dequant_matmul(x, w_split, torch.cat([bias[0::2], bias[1::2]])))
+        y = swiglu(dequant_matmul(x, dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128), bias), interleaved=True)
         return y if residual is None else y + residual
 
     y = torch.ops.tritrt.w4a16_linear(*args, None, True)

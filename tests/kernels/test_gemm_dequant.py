@@ -35,9 +35,6 @@ def test_w4_dequantize_is_bitwise_quant_dequantize(N, K, group_size, symmetric, 
     w = dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, group_size)
     assert w.shape == (K, N) and w.dtype == dtype
     assert_same_weight(w, dequantize(qw).t(), device)
-    # Interleaved (gate, up) column pairs written as [gate | up]: the same values, moved.
-    w_split = dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, group_size, deinterleave=True)
-    assert torch.equal(w_split, torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,17 +46,12 @@ def test_w8_dequantize_is_bitwise_quant_dequantize(N, K, dtype, device):
     w = dequantize_w8_kn(qw.qweight, qw.scales)
     assert w.shape == (K, N)
     assert_same_weight(w, dequantize(qw).t(), device)
-    assert torch.equal(dequantize_w8_kn(qw.qweight, qw.scales, deinterleave=True),
-                       torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
 
 
 def test_w4_dequantize_rejects_bad_weights():
     qw = quantize_int4(torch.randn(16, 64), 32)
     with pytest.raises(ValueError, match="scales must be"):
         dequantize_w4_kn(qw.qweight, qw.scales[:1], qw.zeros, 32)
-    q8 = quantize_int8(torch.randn(15, 64))
-    with pytest.raises(ValueError, match="deinterleave needs gate/up column pairs, so an even N, got N=15"):
-        dequantize_w8_kn(q8.qweight, q8.scales, deinterleave=True)
 
 
 @pytest.mark.gpu
@@ -89,8 +81,8 @@ def test_ops_route_large_m_through_dequantize_and_cublas(bits, dtype):
     assert torch.equal(w_kn, dequantize(qw).t())
     assert torch.equal(y, dequant_matmul(x, w_kn, bias, res))  # routed here
     assert_gemm_close(y, ref, x @ dequantize(qw).t() + bias + res)
-    # swiglu=True (N even: interleaved gate/up pairs): the weight dequantized as [gate | up] (bias likewise), the same
-    # matmul, then the SwiGLU kernel and the residual.
+    # swiglu=True (N even: interleaved gate/up pairs): the same matmul, then the SwiGLU kernel on the interleaved
+    # pairs, then the residual.
     from kernels.activation import swiglu
 
     res2 = res[:, : N // 2].contiguous()
@@ -100,7 +92,5 @@ def test_ops_route_large_m_through_dequantize_and_cublas(bits, dtype):
     else:
         y2 = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, res2, True)
         ref2 = w8a16_reference(x, qw.qweight, qw.scales, bias, res2, True)
-    w_split = torch.cat([w_kn[:, 0::2], w_kn[:, 1::2]], dim=1)
-    bias_split = torch.cat([bias[0::2], bias[1::2]])
-    assert torch.equal(y2, swiglu(dequant_matmul(x, w_split, bias_split)) + res2)
+    assert torch.equal(y2, swiglu(dequant_matmul(x, w_kn, bias), interleaved=True) + res2)
     assert_gemm_close(y2, ref2, dequant_baseline(x, qw, bias, res2, swiglu=True))
