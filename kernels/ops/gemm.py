@@ -9,10 +9,11 @@ with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-c
 (``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8`` (prefill sizes) they
 dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
 ``swiglu=True`` (the weight's output columns are interleaved gate/up pairs, ``kernels.quant.interleave_columns``;
-the result is ``silu(gate) * up``, ``N / 2`` wide) fuses the activation into the epilogue: W4A16 fp16 without a
-residual takes the tensor-core GEMV and the wgmma GEMM as above, the dequantize + cuBLAS path runs
-``kernels.activation.swiglu`` on the interleaved pairs after the matmul, everything else runs the Triton kernels. The model keeps its separate activation kernel (its gate and up
-weights are not interleaved).
+the result is ``silu(gate) * up``, ``N / 2`` wide): W4A16 fp16 without a residual fuses it into the tensor-core GEMV's
+and the wgmma GEMM's epilogues; the dequantize + cuBLAS path and every W8A16 call run the GEMM without it and then
+``kernels.activation.swiglu`` on the interleaved pairs (measured faster than the Triton epilogue); the rest of W4A16
+runs the Triton kernels' fused epilogue. The model keeps its separate activation kernel (its gate and up weights are
+not interleaved).
 Other devices: the fp32 torch reference on the dequantized weight, rounded to x's dtype. Fake impls check shapes
 so that tracing fails with the same message as a real call. Kernel modules are imported lazily (no GPU at import).
 """
@@ -55,19 +56,12 @@ WGMMA_W4 = True
 CUDA_W8_GEMV_MAX_M = 4
 
 
-def _dequant_linear(x2: Tensor, w_kn: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
-                    swiglu: bool) -> Tensor:
-    """The dequantize + cuBLAS path's matmul and epilogue; with ``swiglu``, ``kernels.activation.swiglu`` on the
-    output's interleaved (gate, up) pairs (+ residual) after it. At M = 512 on gate/up (H100,
-    benchmarks/results/bench_gemm_swiglu_h100.md) the Triton kernels' fused epilogue ran at 0.38x (W4) / 0.55x (W8)
-    of cuBLAS + ``F.silu * up``; this path, like the unfused one, at ~0.7x."""
-    from ..gemm_dequant import dequant_matmul
-
-    if not swiglu:
-        return dequant_matmul(x2, w_kn, bias, residual)
+def _swiglu_after(y: Tensor, residual: Optional[Tensor]) -> Tensor:
+    """SwiGLU as a kernel of its own after a GEMM without the epilogue: ``kernels.activation.swiglu`` on ``y``'s
+    interleaved (gate, up) pairs (+ residual)."""
     from ..activation import swiglu as swiglu_kernel
 
-    y = swiglu_kernel(dequant_matmul(x2, w_kn, bias), interleaved=True)
+    y = swiglu_kernel(y, interleaved=True)
     return y if residual is None else y + residual
 
 
@@ -107,6 +101,26 @@ def _w8_gemv_operands_ok(qweight, scales, bias) -> bool:
             and qweight.is_contiguous() and scales.is_contiguous() and qweight.data_ptr() % 16 == 0)
 
 
+def _w8_linear(x2: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor], r2: Optional[Tensor] = None
+               ) -> Tensor:
+    """``w8a16_linear``'s CUDA routing for 2-D x, without SwiGLU."""
+    from .. import gemm_w8a16 as k
+
+    M, K = x2.shape
+    N = qweight.shape[1]
+    if M >= DEQUANT_MIN_M_W8:
+        from ..gemm_dequant import dequant_matmul, dequantize_w8_kn
+
+        return dequant_matmul(x2, dequantize_w8_kn(qweight, scales), bias, r2)
+    if r2 is None and M <= CUDA_W8_GEMV_MAX_M and _w8_gemv_operands_ok(qweight, scales, bias):
+        from ..csrc import w8a16_gemv_mma as mma8
+
+        x2 = x2.contiguous()
+        if mma8.unsupported_reason(M, N, K, x2.dtype) is None and x2.data_ptr() % 8 == 0:
+            return mma8.w8a16_gemv_mma(x2, qweight, scales, bias)
+    return k.w8a16_gemm(x2, qweight, scales, bias, r2)
+
+
 @torch.library.custom_op("tritrt::w8a16_linear", mutates_args=())
 def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor] = None,
                  residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
@@ -116,21 +130,13 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
     lead, x2, r2 = _flatten(x, residual, n_out)
     if not x.is_cuda:
         return k.w8a16_reference(x2, qweight, scales, bias, r2, swiglu).to(x.dtype).reshape(*lead, n_out)
-    M, K = x2.shape
-    if M >= DEQUANT_MIN_M_W8:
-        from ..gemm_dequant import dequantize_w8_kn
-
-        w_kn = dequantize_w8_kn(qweight, scales)
-        return _dequant_linear(x2, w_kn, bias, r2, swiglu).reshape(*lead, n_out)
     if swiglu:
-        return k.w8a16_gemm(x2, qweight, scales, bias, r2, swiglu=True).reshape(*lead, n_out)
-    if r2 is None and M <= CUDA_W8_GEMV_MAX_M and _w8_gemv_operands_ok(qweight, scales, bias):
-        from ..csrc import w8a16_gemv_mma as mma8
-
-        x2 = x2.contiguous()
-        if mma8.unsupported_reason(M, N, K, x.dtype) is None and x2.data_ptr() % 8 == 0:
-            return mma8.w8a16_gemv_mma(x2, qweight, scales, bias).reshape(*lead, N)
-    return k.w8a16_gemm(x2, qweight, scales, bias, r2).reshape(*lead, N)
+        # No W8A16 kernel here fuses SwiGLU better than running it after: Triton's epilogue (a split of the MMA
+        # accumulator into column pairs) ran at 1.33x / 0.81x of cuBLAS + F.silu * up on gate/up at M = 64 / 128
+        # against 1.53x / 1.00x for the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
+        # benchmarks/results/bench_gemm_swiglu_h100.md). So the GEMM routes as without SwiGLU, then the activation.
+        return _swiglu_after(_w8_linear(x2, qweight, scales, bias), r2).reshape(*lead, n_out)
+    return _w8_linear(x2, qweight, scales, bias, r2).reshape(*lead, N)
 
 
 @w8a16_linear.register_fake
@@ -163,10 +169,12 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         return y.reshape(*lead, n_out)
     M, K = x2.shape
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
-        from ..gemm_dequant import dequantize_w4_kn
+        from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
 
-        w_kn = dequantize_w4_kn(qweight, scales, zeros, group_size)
-        return _dequant_linear(x2, w_kn, bias, r2, swiglu).reshape(*lead, n_out)
+        # SwiGLU after the matmul: at M = 512 on gate/up (H100, benchmarks/results/bench_gemm_swiglu_h100.md) 0.74x
+        # of cuBLAS + F.silu * up, where the Triton kernel's fused epilogue ran at 0.38x.
+        y = dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, None if swiglu else r2)
+        return (_swiglu_after(y, r2) if swiglu else y).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_GEMV_MMA_MAX_M:
         from ..csrc import w4a16_gemv_mma as mma
 

@@ -118,3 +118,23 @@ def test_w8a16_gpu_model_shapes(M, dtype):
 def test_w8a16_gpu_epilogue(M):
     run_case(M, 1000, 4096, torch.float16, bias=True, residual=True)
     run_case(M, 1000, 4096, torch.float16, bias=True, residual=True, swiglu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 64, 600])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w8a16_op_swiglu_runs_the_activation_after_the_gemm(M, dtype):
+    """The op with ``swiglu=True``: the GEMM routed as without it, then the SwiGLU kernel on the interleaved pairs,
+    then the residual; within tolerance of the fp32 reference."""
+    import kernels.ops  # noqa: F401
+    from kernels.activation import swiglu
+
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 1024, generator=g).to(dtype).cuda()
+    qw = quantize_int8(torch.randn(2048, 1024, generator=g).to(dtype)).to("cuda")
+    b = torch.randn(2048, generator=g).to(dtype).cuda()
+    r = torch.randn(M, 1024, generator=g).to(dtype).cuda()
+    y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, b, r, True)
+    plain = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, b, None, False)
+    assert torch.equal(y, swiglu(plain, interleaved=True) + r)
+    check(y, w8a16_reference(x, qw.qweight, qw.scales, b, r, True), dequant_baseline(x, qw, b, r, True))
