@@ -144,10 +144,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
                     ktiles // s >= MIN_K_TILES and tiles * s <= cap)]:
                 if dsmem and s > 1 and not dsmem_fits(bm_, a, b, stages):
                     continue  # asked for DSMEM sums: only blocks whose partial tile fits
-                ctas = tiles * s
-                waves = -(-ctas // cap)
-                warps = round(ctas * 4 * b / waves / sm_count, 1)  # resident warps per SM, averaged over waves
-                key = (warps, bm_ == 128, -s, -b, bn)
+                key = (_resident_warps(tiles * s, b, cap, sm_count), bm_ == 128, -s, -b, bn)
                 if best is None or key > best[0]:
                     best = (key, bm_, a, b, s)
     if best is None:  # no candidate block divides N: the narrowest (unsupported_reason names the problem)
@@ -160,12 +157,19 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
     s = -(-ktiles // per)  # no empty split
     if (bm, a, b) not in REGS:
         raise ValueError(f"wgmma W4A16 GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS)}")
+    ctas, cap = -(-M // bm) * (N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages)
     if dsmem is None:
-        ctas, cap = -(-M // bm) * (N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages)
         dsmem = (s > 1 and dsmem_fits(bm, a, b, stages) and bm * bn >= DSMEM_MIN_TILE
                  and (s <= 2 or ctas <= DSMEM_MAX_FILL * cap))
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
-                      grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages)).items())
+                      grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages),
+                      warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
+
+
+def _resident_warps(ctas: int, wgs: int, cap: int, sm_count: int) -> float:
+    """Warps resident per SM, averaged over the waves of ``ctas`` blocks of ``wgs`` warpgroups (``cap`` per wave)."""
+    waves = -(-ctas // cap)
+    return round(ctas * 4 * wgs / waves / sm_count, 1)
 
 
 def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -4,7 +4,8 @@
 CUDA: the Triton kernels (``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16``); for W4A16 with fp16 activations (no
 residual) and M <= ``CUDA_GEMV_MMA_MAX_M`` the tensor-core CUDA kernel (``kernels.csrc.w4a16_gemv_mma``), else for
 M <= ``CUDA_GEMV_MAX_M`` the scalar CUDA GEMV (``kernels.csrc.w4a16_gemv``), where they measured faster, and on
-Hopper (sm_90) for larger M below ``DEQUANT_MIN_M_W4`` the warpgroup-MMA GEMM (``kernels.csrc.w4a16_gemm_wgmma``); for W8A16
+Hopper (sm_90) for larger M below ``DEQUANT_MIN_M_W4`` -- from ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps
+``WGMMA_MIN_WARPS`` warps per SM resident -- the warpgroup-MMA GEMM (``kernels.csrc.w4a16_gemm_wgmma``); for W8A16
 with fp16 activations (no residual) and M <= ``CUDA_W8_GEMV_MAX_M`` the tensor-core W8A16 GEMV
 (``kernels.csrc.w8a16_gemv_mma``). From M >= ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8`` (prefill sizes) they
 dequantize the weight once and call cuBLAS (``kernels.gemm_dequant``).
@@ -49,11 +50,36 @@ DEQUANT_MIN_M_W8 = 512
 # dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
 # 0.44-0.73x at M=256).
 WGMMA_W4 = True
+# ... and, for GEMV_ONLY_MAX_M < M <= CUDA_GEMV_MMA_MAX_M, instead of the tiled tensor-core GEMV where the wgmma plan
+# keeps at least WGMMA_MIN_WARPS warps per SM resident (``warps_per_sm`` of its plan). H100
+# (benchmarks/results/bench_gemm_gemv_vs_wgmma_h100.log), speed-up over cuBLAS at M = 17..32, GEMV vs wgmma: qkv
+# 1.64-1.67 vs 1.73-1.76 (11.6 warps), gate_up 1.52-1.62 vs 1.85-1.89 (13.6), down 1.68-1.75 vs 1.83-1.88 (15.5), 8k
+# 1.72-1.77 vs 2.01-2.05 (15.5); o 1.62-1.63 vs 1.43-1.44 (7.8 warps). At M <= 16 the GEMV won on all five
+# (2.07-2.63 vs 1.58-2.05).
+GEMV_ONLY_MAX_M = 16
+WGMMA_MIN_WARPS = 10
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md, bench_gemm_routed_h100_m1-4_final
 # .md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68 vs 1.72), M=4 ahead on 4 of 5, M=8
 # on 3 of 5 (first run).
 CUDA_W8_GEMV_MAX_M = 4
+
+
+def _wgmma_plan(x2: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
+                bias: Optional[Tensor]) -> Optional[dict]:
+    """The wgmma GEMM's plan for this call, or None where it does not take it (not Hopper, shape, operands)."""
+    from ..csrc import w4a16_gemm_wgmma as wg
+
+    if not wg.operands_ok(x2, qweight, scales, zeros, bias):
+        return None
+    M, K = x2.shape
+    return wg.plan_for(M, qweight.shape[1], K, group_size, x2.dtype, x2.device)[0]
+
+
+def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
+    """Whether an fp16 W4A16 call with M <= CUDA_GEMV_MMA_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
+    the tensor-core GEMV (see GEMV_ONLY_MAX_M)."""
+    return M > GEMV_ONLY_MAX_M and wg_plan["warps_per_sm"] >= WGMMA_MIN_WARPS
 
 
 def _swiglu_after(y: Tensor, residual: Optional[Tensor]) -> Tensor:
@@ -175,19 +201,18 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         # of cuBLAS + F.silu * up, where the Triton kernel's fused epilogue ran at 0.38x.
         y = dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, None if swiglu else r2)
         return (_swiglu_after(y, r2) if swiglu else y).reshape(*lead, n_out)
-    if r2 is None and M <= CUDA_GEMV_MMA_MAX_M:
+    wg_plan = (_wgmma_plan(x2, qweight, scales, zeros, group_size, bias)
+               if r2 is None and WGMMA_W4 and GEMV_ONLY_MAX_M < M < DEQUANT_MIN_M_W4 else None)
+    if r2 is None and M <= CUDA_GEMV_MMA_MAX_M and not (wg_plan and wgmma_over_gemv(M, wg_plan)):
         from ..csrc import w4a16_gemv_mma as mma
 
         if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
             return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias,
                                       swiglu=swiglu).reshape(*lead, n_out)
-    if r2 is None and CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 and WGMMA_W4:
+    if wg_plan is not None:
         from ..csrc import w4a16_gemm_wgmma as wg
 
-        if (wg.operands_ok(x2, qweight, scales, zeros, bias)
-                and wg.plan_for(M, N, K, group_size, x.dtype, x.device)[1] is None):
-            return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias,
-                                       swiglu=swiglu).reshape(*lead, n_out)
+        return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, swiglu=swiglu).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_GEMV_MAX_M and not swiglu:
         from ..csrc import w4a16_gemv as cu
 
