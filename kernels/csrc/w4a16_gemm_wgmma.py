@@ -157,7 +157,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
     s = -(-ktiles // per)  # no empty split
     if (bm, a, b) not in REGS:
         raise ValueError(f"wgmma W4A16 GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS)}")
-    ctas, cap = -(-M // bm) * (N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages)
+    ctas, cap = -(-M // bm) * -(-N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages)
     if dsmem is None:
         dsmem = (s > 1 and dsmem_fits(bm, a, b, stages) and bm * bn >= DSMEM_MIN_TILE
                  and (s <= 2 or ctas <= DSMEM_MAX_FILL * cap))
@@ -167,7 +167,10 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
 
 
 def _resident_warps(ctas: int, wgs: int, cap: int, sm_count: int) -> float:
-    """Warps resident per SM, averaged over the waves of ``ctas`` blocks of ``wgs`` warpgroups (``cap`` per wave)."""
+    """Warps resident per SM, averaged over the waves of ``ctas`` blocks of ``wgs`` warpgroups (``cap`` per wave; 0
+    for a forced variant that does not fit on an SM, which the launcher then refuses)."""
+    if cap == 0:
+        return 0.0
     waves = -(-ctas // cap)
     return round(ctas * 4 * wgs / waves / sm_count, 1)
 

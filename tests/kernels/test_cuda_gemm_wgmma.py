@@ -4,6 +4,7 @@ reference on the dequantized weight for ragged M tiles, both tile heights, one a
 warpgroup, no split and split-K (the plan's and forced ones, 2 to 8 blocks, summed through the workspace or over a
 cluster's DSMEM), and two launches of a split variant give bit-identical results (the workspace counters are reset)."""
 
+import itertools
 import re
 import shutil
 
@@ -100,6 +101,13 @@ def test_wgmma_gemm_plan_and_support():
     with pytest.raises(ValueError, match="no variant bm=128, wt=4"):
         wg.gemm_plan(128, 4096, 4096, bm=128, wt=4, wgs=1)
     assert wg.gemm_plan(128, 4096, 4096) is not wg.gemm_plan(128, 4096, 4096)  # cached, but each caller gets a copy
+    # Every forced variant gets a plan, also blocks wider than N and stage counts whose shared memory does not fit
+    # (the launcher refuses those): their resident warps count as 0, not a division by zero.
+    for (bm, wt, wgs), stages in itertools.product(wg.REGS, (3, 4, 6)):
+        for M, N, K in [(1, 192, 256), (200, 4096, 4096)]:
+            p = wg.gemm_plan(M, N, K, bm=bm, wt=wt, wgs=wgs, stages=stages)
+            fits = wg.blocks_per_sm(bm, wt, wgs, stages) > 0
+            assert p["warps_per_sm"] >= 0 and (fits or p["warps_per_sm"] == 0), (bm, wt, wgs, stages, M, N)
     # Split-K only where the tiles leave SMs idle.
     assert wg.gemm_plan(512, 28672, 4096)["splits"] == 1
     assert wg.gemm_plan(128, 4096, 4096)["splits"] > 1
