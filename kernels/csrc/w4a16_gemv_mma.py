@@ -1,12 +1,14 @@
 """Launcher for the tensor-core W4A16 kernel (``w4a16_gemv_mma.cu``), fp16 activations: the GEMV for M <= 8 and,
 tiled in M (``mt`` tiles of 8 rows of x per block, row tiles of a column slice side by side in the grid), the
-small-batch GEMM for M > 8 that shares each dequantized weight fragment between ``8 * mt`` rows of x.
+small-batch GEMM for M > 8 that shares each dequantized weight fragment between ``8 * mt`` rows of x; optionally
+with SwiGLU of interleaved gate/up column pairs in the epilogue (``swiglu``, a runtime flag).
 
 Same contract as ``kernels.csrc.w4a16_gemv`` (the scalar CUDA GEMV, kept as the fallback for shapes this one does not
 take): compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
 torch's current stream by ``kernels.aot.launcher.AotKernel``. A variant is (warps per block, packed rows per lane
 per chunk ``u``, u-steps per scale group, max M 1 or 8 per tile, accumulator chains 1 or 2, L2 256-byte prefetch
-hint, x tiles per block ``mt``, weights scaled in fp16 ``wscale``); the launch plan is a pure function of shapes and
+hint, x tiles per block ``mt``, weights scaled in fp16 ``wscale``, scales/zeros and x loaded a chunk ahead
+``sz_ahead`` / ``x_ahead``, blocks per SM asked of ptxas ``minb``); the launch plan is a pure function of shapes and
 the SM count.
 """
 
