@@ -25,8 +25,8 @@
 //
 // Work split: a block = GEMV_WARPS warps on the same 32 columns, warps splitting K in chunks of 4 * GEMV_U packed rows
 // (register double buffer: the next chunk's loads, with GEMV_SZ_AHEAD / GEMV_X_AHEAD its scales and zero points / its
-// x values too, are issued before this chunk's math), reduced through shared memory at the end, where bias and SwiGLU are applied; one launch,
-// no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
+// x values too, are issued before this chunk's math), reduced through shared memory at the end, where bias and
+// SwiGLU are applied; one launch, no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
 // multiple of 32 with GEMV_GSTEPS = min(group_size / 32, GEMV_U) dividing GEMV_U (a scale run never straddles a
 // group), x rows 16-byte aligned.
 #include "w4_dequant.cuh"
@@ -153,6 +153,11 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
     zraw = has_zeros ? __ldg(reinterpret_cast<const unsigned int*>(zeros + goff)) : 0x08080808u;
   };
 
+  // x values of u-step u of chunk c for x tile mt (zeros for rows past M).
+  auto load_x = [&](int mt, int c, int u) {
+    return x_ok[mt] ? __ldg(xw[mt] + (size_t)(c * kU + u) * 4) : make_int4(0, 0, 0, 0);
+  };
+
   auto load_chunk = [&](int c, Chunk& b) {
     const int4* p = qw + (size_t)c * kU * N;
 #pragma unroll
@@ -161,8 +166,7 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 #pragma unroll
     for (int mt = 0; mt < GEMV_MT; ++mt)
 #pragma unroll
-      for (int u = 0; u < kU; ++u)
-        b.x[mt][u] = x_ok[mt] ? __ldg(xw[mt] + (size_t)(c * kU + u) * 4) : make_int4(0, 0, 0, 0);
+      for (int u = 0; u < kU; ++u) b.x[mt][u] = load_x(mt, c, u);
 #endif
 #if GEMV_SZ_AHEAD
 #pragma unroll
@@ -230,8 +234,7 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 #if GEMV_X_AHEAD
         const int4 xv = b.x[mt][u];
 #else
-        int4 xv = make_int4(0, 0, 0, 0);
-        if (x_ok[mt]) xv = __ldg(xw[mt] + (size_t)(c * kU + u) * 4);
+        const int4 xv = load_x(mt, c, u);
 #endif
         // x halves (x0..x7) -> the k order of the A fragments: {x0,x4}, {x1,x5} | {x2,x6}, {x3,x7}.
         const uint32_t b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);
