@@ -53,7 +53,9 @@ class LlamaModel(torch.nn.Module):
     def __init__(self, config: LlamaConfig, weights: dict, quant: str = "none", group_size: int = 128,
                  quantized: bool = False):
         """``quant`` != "none" quantizes the linear weights of ``weights`` unless ``quantized`` says they already are
-        (``kernels.quant.QuantizedWeight``), as when loading a build output or a GPTQ/AWQ import."""
+        (``kernels.quant.QuantizedWeight``), as when loading a build output or a GPTQ/AWQ import. ``group_size`` is
+        the largest int4 group size: each weight gets the largest one that divides its in_features
+        (``export.quantize.choose_group_size``) and carries it; ``group_sizes`` says which."""
         super().__init__()
         if quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -70,6 +72,14 @@ class LlamaModel(torch.nn.Module):
         embed = self.weights["embed"]
         self.dtype, self.device = embed.dtype, embed.device
         self.register_buffer("cos_sin_cache", rope_cache(config, embed.device), persistent=False)
+
+    @property
+    def group_sizes(self) -> dict:
+        """The int4 group size of each projection, ``{"layers.*.wqkv": 64, "layers.*.w2": 32, ...}`` (collapsed over
+        layers when they agree; see ``export.quantize.group_size_map``); empty unless quant is int4."""
+        from .quantize import group_size_map
+
+        return group_size_map(self.weights)
 
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -91,7 +101,8 @@ class LlamaModel(torch.nn.Module):
 
     @classmethod
     def from_output_dir(cls, out, device="cpu") -> "LlamaModel":
-        """Load what ``python -m export.build`` wrote (build.json + config.json + weights.safetensors)."""
+        """Load what ``python -m export.build`` wrote (build.json + config.json + weights.safetensors). The int4
+        weights carry their own group sizes; build.json's ``group_size`` is the largest one allowed."""
         from .quantize import load_weights
 
         out = Path(out)
@@ -101,7 +112,7 @@ class LlamaModel(torch.nn.Module):
         build = json.loads((out / "build.json").read_text())
         config = LlamaConfig.from_build(build, out)
         weights = load_weights(out / "weights.safetensors", device=device)
-        return cls(config, weights, quant=build.get("quant", "none"), group_size=build.get("group_size", 128),
+        return cls(config, weights, quant=build.get("quant", "none"), group_size=build.get("group_size") or 128,
                    quantized=True)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None, dtype=None):

@@ -45,6 +45,7 @@ from onnx import TensorProto
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import OpEmitter
+from .quantize import group_size_map
 
 FLAVOURS = ("plugin", "reference")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -164,7 +165,9 @@ def export_onnx(model_or_weights, config=None, path=None, flavour: str = "plugin
     ``model_or_weights``: an ``export.model.LlamaModel`` or a dict of internal weights (quantized linears as
     ``kernels.quant.QuantizedWeight``, whose bits/group size the exporter reads from the weights themselves);
     ``config``: the ``export.checkpoint.LlamaConfig`` (taken from the model when omitted). ``quant``/``group_size``
-    are recorded in the metadata and checked against the weights. ``dtype``: activation/cache dtype (default: the
+    are recorded in the metadata and checked against the weights; ``group_size`` is the largest int4 group size (each
+    weight has its own, on its W4A16 node / blocked DequantizeLinear; ``tritrt.group_sizes`` in the metadata maps
+    them per projection, as ``export.quantize.group_size_map``). ``dtype``: activation/cache dtype (default: the
     embedding's dtype).
     """
     if path is None:
@@ -176,7 +179,8 @@ def export_onnx(model_or_weights, config=None, path=None, flavour: str = "plugin
         model = g.model(doc=f"tritrt LLaMA, {flavour} flavour")
         config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
         meta = {"tritrt.flavour": flavour, "tritrt.block_size": str(block_size), "tritrt.quant": quant or "none",
-                "tritrt.group_size": str(group_size or 0), "tritrt.config": json.dumps(config_dict)}
+                "tritrt.group_size": str(group_size or 0), "tritrt.group_sizes": json.dumps(group_size_map(weights)),
+                "tritrt.config": json.dumps(config_dict)}
         for k, v in meta.items():
             entry = model.metadata_props.add()
             entry.key, entry.value = k, v
@@ -193,6 +197,9 @@ def _check_quant(weights: Mapping[str, Any], quant: Optional[str], group_size: O
         raise ValueError(f"quant={quant!r} but the weights hold {sorted(bits) or 'no'}-bit quantized linears; "
                          f"quantize them first (export.quantize) or pass the matching quant")
     if quant == "int4" and group_size is not None:
-        sizes = {int(w.group_size) for w in weights.values() if getattr(w, "bits", None) == 4}
-        if sizes != {group_size}:
-            raise ValueError(f"group_size={group_size} but the int4 weights use group sizes {sorted(sizes)}")
+        # group_size is the largest allowed; each weight may have chosen a smaller one that divides its in_features
+        above = sorted({f"{n}: {w.group_size}" for n, w in weights.items()
+                        if getattr(w, "bits", None) == 4 and int(w.group_size) > group_size})
+        if above:
+            raise ValueError(f"group_size={group_size} is the largest int4 group size, but some weights use a larger "
+                             f"one ({', '.join(above[:3])}); pass the group size they were quantized with")

@@ -1,8 +1,10 @@
 """Weight-only quantization of a model's linear layers, GPTQ/AWQ repacking, and (de)serialising the result.
 
 ``quantize_state_dict`` applies ``kernels.quant.quantize_int8`` (per output channel, symmetric) or ``quantize_int4``
-(group-wise, asymmetric, group 128 by default) to the linear weights of an internal-name state dict: ``wqkv``, ``wo``,
-``w13``, ``w2`` of every layer. Embeddings, ``lm_head`` and norms stay in floating point (the embedding is a gather, and
+(group-wise, asymmetric) to the linear weights of an internal-name state dict: ``wqkv``, ``wo``, ``w13``, ``w2`` of
+every layer. The int4 group size is chosen per weight (``choose_group_size``): the largest of 128, 64, 32 that is at
+most the requested one and divides the weight's in_features, so that models whose hidden or intermediate size is not
+a multiple of 128 (SmolLM2's 576, 1536) build with the defaults; ``group_size_map`` says what was chosen. Embeddings, ``lm_head`` and norms stay in floating point (the embedding is a gather, and
 ``lm_head`` is often tied to it). GPTQ/AWQ checkpoints are not re-quantized: ``import_quantized`` repacks their tensors
 with ``kernels.quant``'s importers. ``save_weights`` / ``load_weights`` write the result as one safetensors file so the
 runtime can load a build output without the original checkpoint.
@@ -22,8 +24,29 @@ def is_quantizable(name: str) -> bool:
     return name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES)
 
 
+def choose_group_size(in_features: int, max_group_size: int = 128, name: str = "weight") -> int:
+    """The int4 group size of a weight with ``in_features`` inputs: the largest of ``INT4_GROUP_SIZES`` (32, 64, 128)
+    that is at most ``max_group_size`` and divides ``in_features``.
+
+    Smaller groups cost a little more memory (one fp16 scale and one zero point per group: 0.38 bits per weight at 64
+    instead of 0.19 at 128) and quantize more finely. A K that no supported size divides (not a multiple of 32) is an
+    error rather than a padded layout: padding K would need the kernels and the plugin to read a weight wider than x.
+    """
+    from kernels.quant import INT4_GROUP_SIZES
+
+    if max_group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size={max_group_size} is not supported: use one of {INT4_GROUP_SIZES}")
+    for g in sorted(INT4_GROUP_SIZES, reverse=True):
+        if g <= max_group_size and in_features % g == 0:
+            return g
+    raise ValueError(f"{name}: in_features={in_features} is not a multiple of {min(INT4_GROUP_SIZES)}, the smallest "
+                     f"int4 group size, so this model cannot be quantized to int4; use --quant int8 (per channel, any "
+                     f"in_features) or --quant none")
+
+
 def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
-    """A copy of ``state`` with every linear weight quantized to ``quant`` ("int8" or "int4")."""
+    """A copy of ``state`` with every linear weight quantized to ``quant`` ("int8" or "int4"). For int4,
+    ``group_size`` is the largest group size a weight may get (``choose_group_size`` picks each weight's)."""
     from kernels import quant as kq
 
     if quant not in ("int8", "int4"):
@@ -33,13 +56,35 @@ def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
         if not is_quantizable(name) or not isinstance(w, torch.Tensor):
             continue
         # Scales in the weight's dtype: the activations run in that dtype and the GEMM wants them to match.
+        g = choose_group_size(w.shape[-1], group_size, name) if quant == "int4" else None
         try:
             if quant == "int8":
                 out[name] = kq.quantize_int8(w, scale_dtype=w.dtype)
             else:
-                out[name] = kq.quantize_int4(w, group_size=group_size, symmetric=False, scale_dtype=w.dtype)
+                out[name] = kq.quantize_int4(w, group_size=g, symmetric=False, scale_dtype=w.dtype)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
+    return out
+
+
+def group_size_map(weights: dict) -> dict:
+    """The int4 group size of each linear projection, compactly: ``{"layers.*.wqkv": 64, ...}`` when every layer has
+    the same one for that projection, else one entry per layer (``"layers.3.w2": 32``); other int4 weights (an
+    lm_head) under their own name. Empty when no weight is int4. For build.json and the build summary."""
+    per_proj: dict = {}
+    for name, w in weights.items():
+        if getattr(w, "bits", None) != 4:
+            continue
+        layer, _, proj = name.partition(".")[2].partition(".") if name.startswith("layers.") else ("", "", name)
+        per_proj.setdefault(proj, {})[layer] = int(w.group_size)
+    out = {}
+    for proj, by_layer in per_proj.items():
+        if "" in by_layer:  # not a per-layer weight
+            out[proj] = by_layer[""]
+        elif len(set(by_layer.values())) == 1:
+            out[f"layers.*.{proj}"] = next(iter(by_layer.values()))
+        else:
+            out.update({f"layers.{i}.{proj}": g for i, g in sorted(by_layer.items(), key=lambda kv: int(kv[0]))})
     return out
 
 

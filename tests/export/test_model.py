@@ -84,12 +84,17 @@ def test_prefill_decode_chunked_vs_hf(tiny_dirs, variant):
     _run_steps(model, hf, model.config.vocab_size, [[7, 13], [1, 1], [5, 1]], gen)
 
 
-@pytest.mark.parametrize("quant, group_size", [("int8", 128), ("int4", 32)])
-def test_quantized_model_vs_hf_with_dequantized_weights(tiny_llama_dir, quant, group_size):
-    """The quantized model equals HF running the dequantized weights: quantization error is not counted."""
+@pytest.mark.parametrize("variant, quant, group_size", [("llama", "int8", 128), ("llama", "int4", 32),
+                                                         ("odd_dims", "int4", 128)])
+def test_quantized_model_vs_hf_with_dequantized_weights(tiny_dirs, variant, quant, group_size):
+    """The quantized model equals HF running the dequantized weights: quantization error is not counted. odd_dims
+    (hidden 320, intermediate 608) at the default group size mixes group sizes 64 and 32 (``group_sizes``)."""
     import kernels.quant as kq
 
+    tiny_llama_dir = tiny_dirs(variant)
     model = LlamaModel.from_checkpoint(tiny_llama_dir, quant=quant, group_size=group_size)
+    if variant == "odd_dims":
+        assert model.group_sizes == {"layers.*.wqkv": 64, "layers.*.wo": 64, "layers.*.w13": 64, "layers.*.w2": 32}
     c = model.config
     for name in ("layers.0.wqkv", "layers.1.w2"):
         assert isinstance(model.weights[name], kq.QuantizedWeight) and model.weights[name].bits == int(quant[3:])

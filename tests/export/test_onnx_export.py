@@ -27,13 +27,13 @@ def _run(sess, feed):
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
 
 
-def _weights(ckpt, quant):
+def _weights(ckpt, quant, group_size=32):
     from export.quantize import quantize_state_dict
 
     w = dict(ckpt.state_dict)
     w.setdefault("lm_head", w["embed"])
-    # group 32: the tiny model's K are 64 and 160, which 128 does not divide
-    return w if quant == "none" else quantize_state_dict(w, quant, group_size=32)
+    # group 32 (by default): every weight of the tiny model (K 64 and 160) gets the same group size
+    return w if quant == "none" else quantize_state_dict(w, quant, group_size=group_size)
 
 
 def _hf_logits(ckpt_dir, config, weights, sequences):
@@ -64,27 +64,31 @@ def exported(tiny_dirs, tmp_path_factory):
 
     made = {}
 
-    def get(variant="llama", quant="none"):
-        if (variant, quant) not in made:
+    def get(variant="llama", quant="none", group_size=32):
+        if (variant, quant, group_size) not in made:
             ckpt = load_checkpoint(tiny_dirs(variant))
-            w = _weights(ckpt, quant)
+            w = _weights(ckpt, quant, group_size)
             out = tmp_path_factory.mktemp(f"onnx_{variant}_{quant}")
-            paths = {f: export_onnx(w, ckpt.config, out / f"model.{f}.onnx", f, block_size=BLOCK, quant=quant)
-                     for f in ("plugin", "reference")}
-            made[variant, quant] = (ckpt, w, paths)
-        return made[variant, quant]
+            gs = group_size if quant == "int4" else None
+            paths = {f: export_onnx(w, ckpt.config, out / f"model.{f}.onnx", f, block_size=BLOCK, quant=quant,
+                                    group_size=gs) for f in ("plugin", "reference")}
+            made[variant, quant, group_size] = (ckpt, w, paths)
+        return made[variant, quant, group_size]
 
     return get
 
 
-@pytest.mark.parametrize("variant,quant", [("llama", "none"), ("tied", "none"), ("llama3", "none"), ("qwen2", "none"),
-                                           ("llama", "int8"), ("llama", "int4"), ("qwen2", "int4")])
-def test_flavours_match_hf_and_each_other(exported, tiny_dirs, variant, quant):
+@pytest.mark.parametrize("variant,quant,group_size", [
+    ("llama", "none", None), ("tied", "none", None), ("llama3", "none", None), ("qwen2", "none", None),
+    ("llama", "int8", None), ("llama", "int4", 32), ("qwen2", "int4", 32),
+    ("odd_dims", "int4", 128),  # group sizes chosen per weight: 64 (K = 320) and 32 (K = 608)
+])
+def test_flavours_match_hf_and_each_other(exported, tiny_dirs, variant, quant, group_size):
     """Prefill of 2 sequences (7 and 1 new tokens) on fresh caches, then a decode step on the written caches."""
     from export.onnx_reference_runner import make_evaluator
     from export.verify import make_feeds
 
-    ckpt, w, paths = exported(variant, quant)
+    ckpt, w, paths = exported(variant, quant, group_size or 32)
     sess = _ort(paths["reference"])
     feeds, sequences = make_feeds(ckpt.config, BLOCK, lens=(7, 1), seed=1, prefill_runner=lambda f: _run(sess, f))
     plugin = make_evaluator(paths["plugin"])
@@ -133,6 +137,30 @@ def test_graph_contract(exported):
         # the cache write's outputs are the graph's cache outputs (aliased in place by the engine)
         writes = [n for n in plugin_nodes if n.op_type == "WriteKvCache"]
         assert [list(n.output) for n in writes] == [[f"k_cache_out_{i}", f"v_cache_out_{i}"] for i in range(c.num_layers)]
+
+
+def test_int4_group_size_per_weight_on_every_node(exported):
+    """hidden 320 / intermediate 608 at the default (largest) group size 128: each weight takes the largest group size
+    that divides its K, and both flavours carry each weight's own (the W4A16 node's attribute, the blocked
+    DequantizeLinear's block_size); the metadata records the largest and the per-projection map."""
+    import json
+
+    ckpt, w, paths = exported("odd_dims", "int4", 128)
+    want = {"wqkv": 64, "wo": 64, "w13": 64, "w2": 32}
+    assert {n: w[f"layers.{i}.{n}"].group_size for i in range(2) for n in want} == want
+    for flavour, path in paths.items():
+        model = onnx.load(path, load_external_data=False)
+        op = "W4A16Linear" if flavour == "plugin" else "DequantizeLinear"
+        attr = "group_size" if flavour == "plugin" else "block_size"
+        nodes = [n for n in model.graph.node if n.op_type == op]
+        assert len(nodes) == 4 * ckpt.config.num_layers
+        for n in nodes:
+            proj = n.name.split(".")[-1].removesuffix("_dq").removesuffix("_mm")
+            got = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}[attr]
+            assert got == want[proj], (n.name, got)
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert meta["tritrt.group_size"] == "128"
+        assert json.loads(meta["tritrt.group_sizes"]) == {f"layers.*.{n}": g for n, g in want.items()}
 
 
 def test_skipped_slots_leave_cache_untouched(exported):
@@ -194,6 +222,9 @@ def test_bad_input_errors(exported, tmp_path):
         export_onnx(w, c, tmp_path / "m.onnx", "plugin", quant="int4")
     with pytest.raises(ValueError, match="quant must be"):
         export_onnx(w, c, tmp_path / "m.onnx", "plugin", quant="fp8")
+    _, w4, _ = exported("llama", "int4")  # every weight at group 32
+    with pytest.raises(ValueError, match="largest int4 group size.*layers.0.w13: 32"):
+        export_onnx(w4, c, tmp_path / "m.onnx", "plugin", quant="int4", group_size=16)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_onnx(w, c, tmp_path / "missing" / "m.onnx", "reference")
     with pytest.raises(ValueError, match="needs its LlamaConfig"):

@@ -58,8 +58,59 @@ def test_is_quantizable():
 def test_bad_modes(state):
     with pytest.raises(ValueError, match="'int8' or 'int4'"):
         quantize_state_dict(state, "fp8")
-    with pytest.raises(ValueError, match="layers.0.wqkv: .*in_features=64"):
-        quantize_state_dict(state, "int4", group_size=128)  # hidden 64 is not a multiple of 128
+    with pytest.raises(ValueError, match="group_size=48 is not supported"):
+        quantize_state_dict(state, "int4", group_size=48)
+
+
+@pytest.mark.parametrize("k, largest, want", [
+    (4096, 128, 128), (1536, 128, 128), (576, 128, 64), (320, 128, 64), (704, 128, 64), (608, 128, 32),
+    (160, 128, 32), (96, 128, 32), (4096, 64, 64), (4096, 32, 32), (576, 32, 32), (32, 128, 32)])
+def test_group_size_is_the_largest_that_divides(k, largest, want):
+    """Per weight: the largest of 128, 64, 32 that is at most the requested (largest) one and divides K."""
+    from export.quantize import choose_group_size
+
+    assert choose_group_size(k, largest) == want
+
+
+@pytest.mark.parametrize("k", [100, 8, 48, 1000])
+def test_group_size_when_none_divides(k):
+    """K not a multiple of 32: no int4 layout fits; the error names the weight, its K and what to do instead."""
+    from export.quantize import choose_group_size
+
+    with pytest.raises(ValueError, match=rf"layers.3.w2: in_features={k} is not a multiple of 32.*--quant int8"):
+        choose_group_size(k, 128, "layers.3.w2")
+
+
+def test_default_group_size_per_weight(state):
+    """The tiny model (hidden 64, intermediate 160) at the default group size: 64 where K = 64, 32 where K = 160;
+    each weight dequantizes within its own groups' step."""
+    from export.quantize import group_size_map
+
+    q = quantize_state_dict(state, "int4")  # group_size 128 at most
+    assert {n: q[f"layers.0.{n}"].group_size for n in LINEARS} == {"wqkv": 64, "wo": 64, "w13": 64, "w2": 32}
+    assert group_size_map(q) == {"layers.*.wqkv": 64, "layers.*.wo": 64, "layers.*.w13": 64, "layers.*.w2": 32}
+    assert group_size_map(quantize_state_dict(state, "int8")) == {} and group_size_map(state) == {}
+    d = dequantize_state_dict(q)
+    for name in ("layers.1.wqkv", "layers.1.w2"):
+        g, w = q[name].group_size, state[name].float()
+        wg = w.reshape(w.shape[0], -1, g)
+        step = ((wg.amax(-1) - wg.amin(-1)) / 15).repeat_interleave(g, dim=1)
+        assert bool(((d[name].float() - w).abs() <= step / 2 * (1 + 1e-3) + 1e-7).all()), name
+
+
+def test_group_size_map_lists_layers_that_differ():
+    """Collapsed to ``layers.*.proj`` only when every layer agrees (an import may mix them); a quantized lm_head is
+    listed under its own name."""
+    from export.quantize import group_size_map
+
+    def qw(g):
+        return kq.QuantizedWeight(4, None, None, None, g, 128, 8)
+
+    weights = {"layers.0.wqkv": qw(128), "layers.1.wqkv": qw(128), "layers.10.w2": qw(32), "layers.2.w2": qw(64),
+               "lm_head": qw(64), "layers.0.wo": kq.QuantizedWeight(8, None, None, None, 128, 128, 8),
+               "embed": torch.zeros(1)}
+    assert group_size_map(weights) == {"layers.*.wqkv": 128, "layers.2.w2": 64, "layers.10.w2": 32, "lm_head": 64}
+    assert list(group_size_map(weights))[1:3] == ["layers.2.w2", "layers.10.w2"]  # in layer order
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
