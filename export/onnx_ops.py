@@ -225,7 +225,7 @@ class OpEmitter:
                       "scales": g.initializer(f"{name}.scales", weight.scales)}
             if parts.bits == 4:
                 # the plugin always takes zero points; the symmetric variant's are the constant 8
-                fields["zeros"] = g.initializer(f"{name}.zeros", parts.zeros.to(torch.uint8))
+                fields["zeros"] = g.initializer(f"{name}.zeros", parts.zeros.to(torch.int8))
             op_type = "W8A16Linear" if parts.bits == 8 else "W4A16Linear"
             attrs = {"group_size": int(parts.group_size)} if parts.bits == 4 else {}
             # no bias input on the GEMM plugins (only Qwen2's qkv has one): a separate Add

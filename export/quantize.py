@@ -206,6 +206,8 @@ def load_weights(path, device="cpu") -> dict:
 
         for name, tensors in fields.items():
             info = json.loads(meta[name])
+            if tensors.get("zeros") is not None and tensors["zeros"].dtype == torch.uint8:
+                tensors["zeros"] = tensors["zeros"].view(torch.int8)  # written before zeros became int8: same bytes
             state[name] = getattr(kq, info["type"])(**tensors, **info["fields"])
     if json.loads(meta.get(_TIED, "false")):
         state["lm_head"] = state["embed"]

@@ -135,7 +135,7 @@ def w4a16_aot_signature(dtype: str = "fp16") -> tuple[dict, list]:
     (int32, >= grid[0] entries, zeroed once at allocation; the kernel leaves it zeroed) are scratch inputs; unused
     optional pointers (zeros/bias/residual) may be any valid pointer, their constexpr flag is off.
     """
-    sig = dict(x_ptr=f"*{dtype}", qw_ptr="*i32", scales_ptr=f"*{dtype}", zeros_ptr="*u8", bias_ptr=f"*{dtype}",
+    sig = dict(x_ptr=f"*{dtype}", qw_ptr="*i32", scales_ptr=f"*{dtype}", zeros_ptr="*i8", bias_ptr=f"*{dtype}",
                res_ptr=f"*{dtype}", out_ptr=f"*{dtype}", partial_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32",
                K="i32", stride_xm="i32", stride_om="i32", stride_rm="i32")
     return sig, ["x_ptr", "qw_ptr", "scales_ptr", "out_ptr", "N", "K", "stride_xm"]
@@ -155,8 +155,8 @@ def check_w4_weight(qweight, scales, zeros, group_size, K=None):
                          f"that divides in_features")
     if tuple(scales.shape) != (K // group_size, N):
         raise ValueError(f"W4A16: scales must be [K // group_size, N] = {(K // group_size, N)}, got {tuple(scales.shape)}")
-    if zeros is not None and (tuple(zeros.shape) != (K // group_size, N) or zeros.dtype != torch.uint8):
-        raise ValueError(f"W4A16: zeros must be uint8 [K // group_size, N] = {(K // group_size, N)}, got "
+    if zeros is not None and (tuple(zeros.shape) != (K // group_size, N) or zeros.dtype != torch.int8):
+        raise ValueError(f"W4A16: zeros must be int8 [K // group_size, N] = {(K // group_size, N)}, got "
                          f"{zeros.dtype} {tuple(zeros.shape)}")
     return K, N
 

@@ -12,8 +12,10 @@ Layout (what ``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16`` / ``kernels.csrc`` 
 - INT4: ``qweight`` int32 ``[K // 8, N]``, eight 4-bit values packed along K: ``q[k, n] = (qweight[k // 8, n] >>
   4 * (k % 8)) & 0xF`` (unsigned, 0..15). This is GPTQ's own ``qweight`` layout, so GPTQ imports need no repack,
   and a ``[BLOCK_K, BLOCK_N]`` tile is read as ``BLOCK_K / 8`` rows that are contiguous along N.
-  ``scales`` ``[K // G, N]`` (weight dtype), ``zeros`` uint8 ``[K // G, N]`` (0..16; 16 only from GPTQ v1 imports)
-  or ``None`` for the symmetric variant, whose zero point is the constant 8.
+  ``scales`` ``[K // G, N]`` (weight dtype), ``zeros`` int8 ``[K // G, N]`` (0..16; 16 only from GPTQ v1
+  imports), or ``None`` for the symmetric variant, whose zero point is the constant 8. int8, not uint8: TensorRT's
+  ONNX parser turns UINT8 initializers into INT32 and its builder takes no UINT8 plugin formats; 0..16 are the same
+  bytes either way, so the CUDA kernels read them as bytes.
   ``w[n, k] = (q[k, n] - z[k // G, n]) * s[k // G, n]``, exact in fp32 (``dequantize`` rounds it once to 16 bits).
 - ``perm`` (int64 ``[K]`` or None): GPTQ act-order imports store K reordered so that groups are contiguous;
   ``linear`` then gathers ``x[..., perm]`` before the GEMM (one extra read of x, negligible next to the weight).
@@ -103,7 +105,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
         s = ((hi - lo) / 15.0).clamp_min(1e-8).to(sdt)
         zf = torch.round(-lo / s.float()).clamp_(0, 15)
         q = (torch.round(wg / s.float()[..., None]) + zf[..., None]).clamp_(0, 15)
-        z = zf.to(torch.uint8).t().contiguous()  # [K // G, N]
+        z = zf.to(torch.int8).t().contiguous()  # [K // G, N]
     q = q.reshape(n, k).to(torch.int32).t()  # [K, N]
     return QuantizedWeight(4, pack_int4(q), s.t().contiguous(), z, group_size, k, n)
 

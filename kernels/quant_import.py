@@ -42,11 +42,11 @@ def _check_int32(name: str, t: torch.Tensor, dims: int = 2) -> None:
                          f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
 
 
-def _zeros_u8(z: torch.Tensor) -> torch.Tensor:
+def _zeros_i8(z: torch.Tensor) -> torch.Tensor:
     if int(z.min()) < 0 or int(z.max()) > 16:
         raise ValueError(f"zero points outside 0..16 ({int(z.min())}..{int(z.max())}): wrong zero_offset for this "
                          "checkpoint? (GPTQ v1 stores zero - 1: zero_offset=1; v2: zero_offset=0)")
-    return z.to(torch.uint8).contiguous()
+    return z.to(torch.int8).contiguous()
 
 
 def _group_size(fmt: str, k: int, n: int, scales: torch.Tensor, qzeros: torch.Tensor, group_size: Optional[int],
@@ -81,7 +81,7 @@ def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                              "; pass the checkpoint's group_size (quantize_config.json); group_size=-1 (one group) "
                              "checkpoints are not supported")
     ngroups = k // group_size
-    zeros = _zeros_u8(_unpack_cols(qzeros) + zero_offset)
+    zeros = _zeros_i8(_unpack_cols(qzeros) + zero_offset)
     perm = None
     if g_idx is not None:
         g_idx = g_idx.to(torch.int64)
@@ -107,5 +107,5 @@ def import_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     group_size = _group_size("AWQ", k, n8 * 8, scales, qzeros, group_size)
     n = n8 * 8
     q = _unpack_cols(qweight, AWQ_ORDER)  # [K, N]
-    zeros = _zeros_u8(_unpack_cols(qzeros, AWQ_ORDER))
+    zeros = _zeros_i8(_unpack_cols(qzeros, AWQ_ORDER))
     return QuantizedWeight(4, pack_int4(q), scales.contiguous(), zeros, group_size, k, n)

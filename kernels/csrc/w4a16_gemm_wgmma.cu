@@ -1,7 +1,7 @@
 // W4A16 GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~32 to a few hundred:
 // y[M, N] = x[M, K] @ W^T (+ bias), or with WG_SWIGLU (W's columns interleaved gate/up pairs) silu(gate) * up ->
 // [M, N / 2]; W in kernels.quant's INT4 layout (qweight int32 [K/8, N], nibble j of packed row r is k = 8r + j;
-// scales fp16 [K/G, N]; zeros uint8 [K/G, N] or none = 8).
+// scales fp16 [K/G, N]; zeros int8 [K/G, N], 0..16, read as bytes, or none = 8).
 //
 // The product is computed transposed, y^T = W x^T, so that the weight is wgmma's A operand, which may come from
 // registers: each thread dequantizes its own A fragment and nothing dequantized goes through shared memory. x is the

@@ -25,7 +25,7 @@ from kernels.csrc import cached_kernel, check_operands, device_sm_count
 
 SOURCE = Path(__file__).with_name("w4a16_gemm_wgmma.cu")
 KERNEL = "w4a16_gemm_wgmma"
-PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
+PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*i8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("workspace", "*fp32"), ("counters", "*i32"), ("M", "i32"), ("N", "i32"), ("K", "i32"),
           ("group_size", "i32"), ("stride_xm", "i32"), ("has_zeros", "i32"), ("has_bias", "i32")]
 BK = 64

@@ -1,8 +1,8 @@
 // W4A16 GEMV for small M (1..8), fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's INT4 layout.
 //
 // Layout read: qweight int32 [K/8, N] (8 nibbles along K per int32, k = 8r + j at bits 4j), scales fp16 [K/G, N],
-// zeros uint8 [K/G, N] (or none: zero point 8). The weight is the only big operand, so the kernel is built around
-// streaming it at full bandwidth: each thread loads 16 bytes (4 columns x 8 k) per packed row, ROWS rows per step with
+// zeros int8 [K/G, N] (0..16, read as bytes; or none: zero point 8). The weight is the only big operand, so the
+// kernel is built around streaming it at full bandwidth: each thread loads 16 bytes (4 columns x 8 k) per packed row, ROWS rows per step with
 // all loads issued before any math (ROWS x 16 B in flight per thread), a warp reads TN x 16 contiguous bytes of each
 // of 32/TN rows. Unpacking uses the fp32 exponent trick: (nibble | 0x4B000000) is the float 2^23 + nibble, so
 // (q - z) costs a shift, a LOP3 and an FADD -- no int->float conversion (quarter rate on sm_90). The weight is exact

@@ -21,7 +21,7 @@ ROWS_PER_STEP = 8  # kRows in the .cu: K must be a multiple of 8 * ROWS_PER_STEP
 M_VARIANTS = (1, 2, 4, 8)
 PREFETCH = True  # register double buffer (GEMV_PREFETCH); see the .cu
 MAX_M = M_VARIANTS[-1]
-PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
+PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*i8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
           ("has_zeros", "i32"), ("has_bias", "i32")]
 

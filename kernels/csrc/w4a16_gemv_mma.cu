@@ -1,6 +1,6 @@
 // W4A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
-// INT4 layout (qweight int32 [K/8, N], nibble j of row r is k = 8r + j; scales fp16 [K/G, N]; zeros uint8 [K/G, N]
-// or none = 8). With `swiglu` W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2].
+// INT4 layout (qweight int32 [K/8, N], nibble j of row r is k = 8r + j; scales fp16 [K/G, N]; zeros int8 [K/G, N],
+// 0..16 read as bytes, or none = 8). With `swiglu` W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2].
 //
 // Why: the scalar GEMV (w4a16_gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
 // 9/8 instructions of dequantisation and a 1/8 share of an mma (sm_90 SASS of the loop, 256 weights per lane: LOP3
@@ -78,7 +78,7 @@ static_assert(GEMV_MT == 1 || (GEMV_MMAX == 8 && GEMV_CHAINS == 1), "GEMV_MT > 1
 constexpr int kRows = GEMV_MT * GEMV_MMAX;  // x rows per block
 
 // One chunk in registers: the weights (kU packed rows of 4 columns per lane); with GEMV_SZ_AHEAD the raw scales
-// (4 fp16) and zero points (4 uint8) of each of its kU / kG scale groups; with GEMV_X_AHEAD the x values of its kU
+// (4 fp16) and zero points (4 bytes) of each of its kU / kG scale groups; with GEMV_X_AHEAD the x values of its kU
 // steps (8 per lane and step, zeros for rows past M).
 struct Chunk {
   int4 q[kU];

@@ -44,7 +44,7 @@ WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that s
 REGS_BOUND = 128
 # ... and per x tiles per block for M > 8 (ptxas, sm_90, u=4: mt=2 128, mt=4 wscale 168-ish, mt=8 wscale 194).
 REGS_BY_MT = {1: 128, 2: 128, 4: 192, 8: 256}
-PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*u8"), ("bias", "*fp16"),
+PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*i8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("group_size", "i32"), ("stride_xm", "i32"),
           ("has_zeros", "i32"), ("has_bias", "i32"), ("swiglu", "i32")]
 

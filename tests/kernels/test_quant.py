@@ -118,7 +118,7 @@ def test_gptq_import_exact(zero_offset):
     qw = import_gptq(pack_rows_loop(q), pack_cols_loop(z - zero_offset), s, zero_offset=zero_offset)
     assert qw.perm is None and qw.group_size == G and (qw.in_features, qw.out_features) == (K, N)
     assert torch.equal(unpack_int4(qw.qweight), q.to(torch.int32))
-    assert torch.equal(qw.zeros, z.to(torch.uint8))
+    assert torch.equal(qw.zeros, z.to(torch.int8))
     assert torch.equal(dequantize(qw), expected_weight(q, z, s, G))
 
 
@@ -183,7 +183,7 @@ def test_awq_import_exact():
     qw = import_awq(pack_cols_loop(q, AWQ_ORDER), pack_cols_loop(z, AWQ_ORDER), s)
     assert qw.group_size == G and qw.perm is None
     assert torch.equal(unpack_int4(qw.qweight), q.to(torch.int32))
-    assert torch.equal(qw.zeros, z.to(torch.uint8))
+    assert torch.equal(qw.zeros, z.to(torch.int8))
     assert torch.equal(dequantize(qw), expected_weight(q, z, s, G))
     # The AWQ order matters: reading it as sequential packing would give a different weight.
     wrong = import_awq(pack_cols_loop(q), pack_cols_loop(z), s)

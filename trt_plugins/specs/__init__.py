@@ -23,7 +23,7 @@ The plugin set (each is one kernel launch; T = packed tokens, the only dynamic d
 - ``PagedDecodeAttention(..the same.., part_o[S,Hq,64,D] fp32, part_lse[S,Hq,64] fp32, counter[S,Hk] int32 zeros)
   -> out``; attrs ``scale``, ``num_splits``: split-KV decode, the scratch an explicit graph input.
 - ``W8A16Linear(x[M,K], qweight[K,N] int8, scales[N]) -> y[M,N]``; attr ``m_hint`` (tiles; autotune tactic).
-- ``W4A16Linear(x[M,K], qweight[K/8,N] int32, scales[K/g,N], zeros[K/g,N] uint8) -> y[M,N]``; attrs
+- ``W4A16Linear(x[M,K], qweight[K/8,N] int32, scales[K/g,N], zeros[K/g,N] int8) -> y[M,N]``; attrs
   ``group_size``, ``m_hint``.
 
 Dims other than T / M / S (and the cache's num_blocks, the block table's width) are build-time constants: they

@@ -6,7 +6,8 @@ tactic: 1 = GEMV path, 16 / 128 = tensor-core tiles; TensorRT times each on the 
 fastest) and forces ``SPLIT_K = 1``, so the split-K partials / ticket workspace are not needed (their pointers are
 fed a harmless valid tensor). Every such configuration is correct for any M; it is only tuned for M near m_hint.
 Layouts (``kernels.quant``): INT8 ``qweight [K, N]`` int8 + ``scales [N]``; INT4 ``qweight [K/8, N]`` int32 +
-``scales [K/g, N]`` + ``zeros [K/g, N]`` uint8 (symmetric checkpoints: zeros filled with 8).
+``scales [K/g, N]`` + ``zeros [K/g, N]`` int8 (0..16; symmetric checkpoints: zeros filled with
+8). Not uint8: TensorRT's ONNX parser converts UINT8 initializers to INT32 and its builder takes no UINT8 plugin formats.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _w4_check(shapes, dtypes, attrs):
     if attrs is not None:
         g = attrs["group_size"]
         require(g > 0 and k % g == 0, "W4A16Linear", f"K={k} must be a multiple of group_size={g}")
-        for name, dt in (("scales", dtypes["x"]), ("zeros", "uint8")):
+        for name, dt in (("scales", dtypes["x"]), ("zeros", "int8")):
             require(tuple(shapes[name]) == (k // g, n) and dtypes[name] == dt, "W4A16Linear",
                     f"{name} must be [K/g, N] = {(k // g, n)} {dt}, got {tuple(shapes[name])} {dtypes[name]}")
         require(attrs["m_hint"] in TACTICS, "W4A16Linear", f"m_hint must be one of {TACTICS}, got {attrs['m_hint']}")
@@ -121,7 +122,7 @@ def _w4_ref(inputs, attrs):
 
 def _w4_samples():
     return tuple(Sample({"x": (1, k), "qweight": (k // 8, n), "scales": (k // 128, n), "zeros": (k // 128, n)},
-                        {"x": dt, "qweight": "int32", "scales": dt, "zeros": "uint8"},
+                        {"x": dt, "qweight": "int32", "scales": dt, "zeros": "int8"},
                         {"group_size": 128, "m_hint": m}, note)
                  for k, n, note in ((4096, 4096, "Llama 7B/8B attention out"), (4096, 14336, "Llama-3-8B up"),
                                     (256, 96, "tiny test model"))
@@ -132,7 +133,7 @@ W4A16_LINEAR = PluginSpec(
     op_type="W4A16Linear",
     doc="y[M, N] = x[M, K] @ dequant(qweight, scales, zeros) with group-wise INT4 weights, in x's dtype.",
     input_specs=(TensorSpec("x", _HALF, 2), TensorSpec("qweight", ("int32",), 2), TensorSpec("scales", _HALF, 2),
-                 TensorSpec("zeros", ("uint8",), 2)),
+                 TensorSpec("zeros", ("int8",), 2)),
     output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], s["qweight"][1]), lambda d, a: d["x"]),),
     attrs={"group_size": Attr(int, 128, "INT4 group size along K (32, 64 or 128)"), "m_hint": _M_HINT},
     kernel=_w4_kernel,
