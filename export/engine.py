@@ -9,11 +9,17 @@ cache is loaded and saved across builds; the engine is written under a temporary
 
 Nothing here runs without TensorRT: ``build_engine`` raises ``TensorRTNotFound``, whose message says what is ready and
 where to build. Everything TensorRT consumes (profiles, the ONNX, the PTX) is computed and tested without it.
+
+``builder="tensorrt-rtx"`` builds the same network with TensorRT-RTX (PyPI; no GPU needed) for a fixed
+``compute_capability`` (e.g. ``"SM89"``), its plugins registered by ``trt_plugins.rtx_glue``: that is how CI proves our
+graphs build (the ``tensorrt`` test tier). Such an engine cannot run on the GPUs we target (TensorRT-RTX has no sm_90
+target) and has no AOT kernels, so ``export.build`` never makes one: with only TensorRT-RTX present it says so.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,11 +31,18 @@ class TensorRTNotFound(RuntimeError):
     """TensorRT (>= 10.9) cannot be imported here."""
 
 
+BUILDERS = ("tensorrt", "tensorrt-rtx")
+
+
 def tensorrt_missing_reason() -> Optional[str]:
-    """None if TensorRT >= 10.9 is importable, else why not."""
+    """None if TensorRT >= 10.9 is importable, else why not (naming TensorRT-RTX when that is all there is)."""
     try:
         import tensorrt as trt
     except ImportError as e:
+        rtx = rtx_version()
+        if rtx:
+            return (f"only TensorRT-RTX {rtx} is installed, and it cannot build our engines: it has no sm_90 "
+                    "target and cannot embed our AOT kernels (it proves our graphs build, in the tensorrt test tier)")
         return f"TensorRT is not installed ({e})"
     major, minor = (int(p) for p in trt.__version__.split(".")[:2])
     if (major, minor) < MIN_TENSORRT:
@@ -37,10 +50,42 @@ def tensorrt_missing_reason() -> Optional[str]:
     return None
 
 
+def rtx_version() -> Optional[str]:
+    """TensorRT-RTX's version if it is importable here, else None."""
+    from trt_plugins.rtx_glue import import_rtx
+
+    try:
+        return import_rtx().__version__
+    except ImportError:
+        return None
+
+
 def not_found_message(out_dir, reason: str) -> str:
-    return (f"TensorRT not found ({reason}): the ONNX and kernels in {out_dir} are ready; build the engine on a "
+    return (f"{reason}. The ONNX and kernels in {out_dir} are ready; build the engine on a "
             f"machine with TensorRT >= 10.9 and a GPU via `python -m export.build --from-onnx {out_dir}` "
             f"(pip install 'tritrt[tensorrt]')")
+
+
+def _tensorrt(builder: str, where):
+    """(tensorrt module, its load_plugins) for ``builder``; TensorRTNotFound when it is not importable."""
+    if builder == "tensorrt":
+        reason = tensorrt_missing_reason()
+        if reason:
+            raise TensorRTNotFound(not_found_message(where, reason))
+        import tensorrt as trt
+
+        from trt_plugins.trt_glue import load_plugins
+
+        return trt, load_plugins
+    if builder == "tensorrt-rtx":
+        from trt_plugins import rtx_glue
+
+        try:
+            trt = rtx_glue.import_rtx()
+        except ImportError as e:
+            raise TensorRTNotFound(str(e)) from None
+        return trt, lambda: rtx_glue.load_plugins(trt)
+    raise ValueError(f"builder must be one of {BUILDERS}, got {builder!r}")
 
 
 def dim_ranges(build: dict) -> dict[str, dict[str, tuple[int, int, int]]]:
@@ -118,50 +163,76 @@ def _progress_monitor(trt):
     return Monitor()
 
 
-def build_engine(onnx_path, engine_path, build: dict, *, timing_cache=None, workspace_gib: Optional[float] = None,
-                 progress: bool = True, log: Callable[[str], None] = print, out_dir=None) -> Path:
+def _logger(trt):
+    """A TensorRT logger that prints warnings and errors to stderr (as ``trt.Logger`` does) and keeps the errors, so
+    that a failed build's exception says why."""
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors = []
+
+        def log(self, severity, msg):
+            if severity <= trt.ILogger.Severity.ERROR:
+                self.errors.append(msg)
+            if severity <= trt.ILogger.Severity.WARNING:
+                print(f"[TensorRT] {severity.name}: {msg}", file=sys.stderr)
+
+    return Logger()
+
+
+def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=None,
+                 workspace_gib: Optional[float] = None, progress: bool = True, log: Callable[[str], None] = print,
+                 out_dir=None, builder: str = "tensorrt", compute_capability: Optional[str] = None,
+                 profiles: Optional[dict] = None) -> Path:
     """Parse ``onnx_path`` (plugin flavour) into a strongly typed network, build it with the decode and prefill
     profiles, and write ``engine_path`` atomically. ``timing_cache``: a file read if present and rewritten after.
-    ``out_dir``: the directory the error message names (default: the engine's)."""
+    ``out_dir``: the directory the error message names (default: the engine's). ``builder``: ``"tensorrt"`` (full
+    TensorRT >= 10.9, AOT plugins, for this machine's GPU) or ``"tensorrt-rtx"`` (build-only, for
+    ``compute_capability``, a ``trt.ComputeCapability`` name such as ``"SM89"``). ``profiles``: ``{profile name:
+    {input: (min, opt, max) shape}}`` instead of those ``build`` gives (``profile_shapes``), for graphs other than the
+    model's (the tier's one-plugin networks)."""
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
-    reason = tensorrt_missing_reason()
-    if reason:
-        raise TensorRTNotFound(not_found_message(out_dir or engine_path.parent, reason))
-    import tensorrt as trt
-
-    from trt_plugins.trt_glue import load_plugins
-
-    load_plugins()  # registers the QDP plugins (with their AOT PTX) before the parser meets their nodes
-    shapes = profile_shapes(onnx_path, build)
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    if (builder == "tensorrt-rtx") != (compute_capability is not None):
+        raise ValueError("compute_capability is for (and required by) builder='tensorrt-rtx'")
+    trt, load_plugins = _tensorrt(builder, out_dir or engine_path.parent)
+    load_plugins()  # registers our plugins (full TensorRT: with their AOT PTX) before the parser meets their nodes
+    shapes = profiles if profiles is not None else profile_shapes(onnx_path, build)
+    logger = _logger(trt)
+    trt_builder = trt.Builder(logger)
+    network = trt_builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):  # resolves model.plugin.onnx.data beside the file
         errors = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise RuntimeError(f"TensorRT could not parse {onnx_path}:\n{errors}")
-    config = builder.create_builder_config()
+    config = trt_builder.create_builder_config()
+    if compute_capability is not None:
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability), 0)
     if workspace_gib:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
     # The KV-cache plugins write their cache inputs in place (outputs alias inputs).
     if hasattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03"):
         config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     net_inputs = {network.get_input(i).name for i in range(network.num_inputs)}
-    for name in PROFILE_NAMES:
-        profile = builder.create_optimization_profile()
+    for name in shapes:
+        profile = trt_builder.create_optimization_profile()
         for inp, (lo, opt, hi) in shapes[name].items():
             if inp in net_inputs:
                 profile.set_shape(inp, lo, opt, hi)
         config.add_optimization_profile(profile)
-    cache_bytes = Path(timing_cache).read_bytes() if timing_cache and Path(timing_cache).exists() else b""
-    cache = config.create_timing_cache(cache_bytes)
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    if builder == "tensorrt-rtx":
+        timing_cache = None  # TensorRT-RTX has no timing cache (its calls are deprecated no-ops)
+    else:
+        cache_bytes = Path(timing_cache).read_bytes() if timing_cache and Path(timing_cache).exists() else b""
+        config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
     if progress:
         config.progress_monitor = _progress_monitor(trt)
-    log(f"building TensorRT {trt.__version__} engine from {onnx_path.name} (profiles: {', '.join(PROFILE_NAMES)})")
-    serialized = builder.build_serialized_network(network, config)
+    log(f"building {'TensorRT-RTX' if builder == 'tensorrt-rtx' else 'TensorRT'} {trt.__version__} engine from "
+        f"{onnx_path.name} (profiles: {', '.join(shapes)})")
+    serialized = trt_builder.build_serialized_network(network, config)
     if serialized is None:
-        raise RuntimeError("TensorRT failed to build the engine; the log above says why")
+        raise RuntimeError("TensorRT failed to build the engine: " + ("; ".join(logger.errors) or "see its log above"))
     _write_atomic(engine_path, memoryview(serialized))
     if timing_cache:
         Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)

@@ -6,13 +6,18 @@ device is visible, before the tests import ``kernels``.
 
 - ``interpreter``: launches Triton kernels on CPU tensors; needs ``TRITON_INTERPRET=1``.
 - ``gpu``: needs a CUDA device (and the real JIT, so not the interpreter).
-- ``tensorrt``: needs ``import tensorrt`` (>= 10.9) and a CUDA device.
+- ``tensorrt``: the engine-build tier: builds (never runs) engines of our graphs with full TensorRT >= 10.9 where it is
+  importable, else with TensorRT-RTX (CPU only, for a fixed compute capability); the ``trt_builder`` fixture says
+  which. CI installs TensorRT-RTX, so this tier runs there.
+- ``tensorrt_engine``: runs engines: needs ``import tensorrt`` (>= 10.9) and a CUDA device.
 
 Also the tiny LLaMA checkpoints (random, seeded, made with ``transformers``) that the export and runtime tests share:
 each made once per session, on first use.
 """
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,31 +30,93 @@ from kernels._utils import interpreting  # noqa: E402  (after the variable is se
 INTERPRET = interpreting()
 
 
-def _tensorrt_reason():
+def _tensorrt_engine_reason():
     if not HAS_CUDA:
-        return "TensorRT tier needs a CUDA device"
+        return "running TensorRT engines needs a CUDA device"
     from export.engine import tensorrt_missing_reason
 
     return tensorrt_missing_reason()
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "interpreter: launches Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
+# TensorRT-RTX's target for the build tier: the newest it shares with our kernels' instruction set (it has no sm_90)
+RTX_COMPUTE_CAPABILITY = "SM89"
+
+
+def trt_build_target():
+    """(builder, compute capability or None) of the ``tensorrt`` tier, or (None, why not)."""
+    from export.engine import rtx_version, tensorrt_missing_reason
+
+    if HAS_CUDA and tensorrt_missing_reason() is None:
+        return "tensorrt", None
+    if rtx_version():
+        return "tensorrt-rtx", RTX_COMPUTE_CAPABILITY
+    return None, ("needs TensorRT >= 10.9 (with a GPU) or TensorRT-RTX (pip install "
+                  "tensorrt-rtx-cu13==1.7.1.116, as .ci/run does)")
 
 
 def pytest_collection_modifyitems(config, items):
-    trt_reason = None
-    trt_checked = False
+    reasons = {}
+
+    def reason(kind):
+        if kind not in reasons:
+            if kind == "engine":
+                reasons[kind] = _tensorrt_engine_reason()
+            else:
+                builder, why = trt_build_target()
+                reasons[kind] = None if builder else why
+        return reasons[kind]
+
     for item in items:
         if "gpu" in item.keywords and (not HAS_CUDA or INTERPRET):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device with the Triton JIT (run with -m gpu there)"))
         if "interpreter" in item.keywords and not INTERPRET:
             item.add_marker(pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (set automatically without CUDA)"))
-        if "tensorrt" in item.keywords:
-            if not trt_checked:
-                trt_reason, trt_checked = _tensorrt_reason(), True
-            if trt_reason:
-                item.add_marker(pytest.mark.skip(reason=trt_reason))
+        for marker, kind in (("tensorrt_engine", "engine"), ("tensorrt", "build")):
+            if marker in item.keywords and reason(kind):
+                item.add_marker(pytest.mark.skip(reason=reason(kind)))
+
+
+@pytest.fixture(scope="session")
+def trt_builder():
+    """``(builder, compute_capability)`` for ``export.engine.build_engine`` in the ``tensorrt`` tier."""
+    builder, cc = trt_build_target()
+    if builder is None:
+        pytest.skip(cc)
+    return builder, cc
+
+
+def _tier_log_dir(config) -> Path:
+    """Where the ``tensorrt`` tier's tests note the engines they built: one dir for the whole run (xdist workers'
+    temp dirs are children of the controller's)."""
+    base = config._tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tensorrt_tier"
+
+
+@pytest.fixture
+def record_engines(request):
+    """``record_engines(label, [bytes, ...])``: note engines built, for the count printed at the end of the run."""
+    log = _tier_log_dir(request.config)
+    log.mkdir(parents=True, exist_ok=True)
+
+    def record(label, sizes):
+        assert sizes and all(n > 0 for n in sizes), f"{label}: an empty engine among {sizes}"
+        name = "".join(c if c.isalnum() else "_" for c in request.node.nodeid)
+        (log / f"{name}.json").write_text(json.dumps({"label": label, "bytes": list(sizes)}))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    log = _tier_log_dir(config)
+    if os.environ.get("PYTEST_XDIST_WORKER") or not log.is_dir():
+        return
+    notes = [json.loads(f.read_text()) for f in sorted(log.glob("*.json"))]
+    if notes:
+        sizes = [n for note in notes for n in note["bytes"]]
+        builder, cc = trt_build_target()
+        terminalreporter.write_line(f"tensorrt tier: {len(sizes)} engines built and serialized with {builder}"
+                                    f"{f' for {cc}' if cc else ''} ({min(sizes)}..{max(sizes)} bytes) by "
+                                    f"{len(notes)} tests")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,11 +28,11 @@ baked into the PTX.
 from __future__ import annotations
 
 import inspect
-import itertools
 from typing import Tuple, Union
 
+from .contract import attrs_with_tactic, dtype_combinations, output_dtypes, output_shapes, static_shapes
 from .specs import SPECS, PluginSpec
-from .specs._base import FLOATS, LONG_NAMES
+from .specs._base import LONG_NAMES
 
 _TRT_NAMES = LONG_NAMES  # our dtype name -> tensorrt.DataType attribute
 _TYPESTR = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32", "int32": "INT32", "int8": "INT8", "uint8": "UINT8",
@@ -63,18 +63,7 @@ def _our_dtype(trt, dt) -> str:
 
 def _shapes(spec: PluginSpec, descs: dict, strict: bool) -> dict:
     """Input dims: static dims as ints (they choose constexprs), the others as TensorRT shape expressions."""
-    shapes = {n: list(d.shape_expr) for n, d in descs.items()}
-    for n, i in spec.static_dims:
-        e = shapes[n][i]
-        if e.is_fake:
-            continue  # TensorRT probes dtypes with fake expressions; nothing is launched from them
-        if not e.is_constant:
-            if strict:
-                raise ValueError(f"{spec.op_type}: dim {i} of input {n} must be a build-time constant (it selects "
-                                 "the kernel's constexprs); give it a fixed size in the ONNX graph / profile")
-            continue
-        shapes[n][i] = e.constant_value()
-    return shapes
+    return static_shapes(spec, {n: list(d.shape_expr) for n, d in descs.items()}, strict)
 
 
 def _placeholder_ints(spec: PluginSpec, shapes: dict) -> dict:
@@ -84,23 +73,13 @@ def _placeholder_ints(spec: PluginSpec, shapes: dict) -> dict:
 
 
 def _combinations(trtp, spec: PluginSpec) -> list:
-    """One AutoTuneCombination per dtype choice: float inputs share one dtype; outputs follow the spec."""
-    floats = [d for d in spec.input_specs[0].dtypes if d in FLOATS] or [None]
+    """One AutoTuneCombination per dtype choice (``contract.dtype_combinations``), each with the spec's tactics."""
     combos = []
-    for f in floats:
-        choices = []
-        for t in spec.input_specs:
-            if f is not None and f in t.dtypes and set(t.dtypes) <= set(FLOATS):
-                choices.append((f,))
-            else:
-                choices.append(t.dtypes)
-        for pick in itertools.product(*choices):
-            dtypes = dict(zip(spec.inputs, pick))
-            outs = [o.dtype(dtypes, spec.full_attrs(None)) for o in spec.output_specs]
-            c = trtp.AutoTuneCombination(", ".join(_TYPESTR[d] for d in (*pick, *outs)))
-            if spec.tactics:
-                c.tactics(list(spec.tactics))
-            combos.append(c)
+    for dtypes in dtype_combinations(spec):
+        c = trtp.AutoTuneCombination(", ".join(_TYPESTR[d] for d in dtypes))
+        if spec.tactics:
+            c.tactics(list(spec.tactics))
+        combos.append(c)
     return combos
 
 
@@ -128,12 +107,12 @@ def _register(spec: PluginSpec) -> None:
         shapes = _shapes(spec, descs, strict=False)
         dtypes = {n: _our_dtype(trt, d.dtype) for n, d in descs.items()}
         outs = []
-        for o in spec.output_specs:
+        for o, shape, dt in zip(spec.output_specs, output_shapes(spec, shapes, attrs),
+                                output_dtypes(spec, dtypes, attrs)):
             if o.alias is not None:
                 outs.append(descs[o.alias].aliased())
             else:
-                dt = getattr(trt, _TRT_NAMES[o.dtype(dtypes, attrs)])
-                outs.append(trtp.from_shape_expr(tuple(o.shape(shapes, attrs)), dtype=dt))
+                outs.append(trtp.from_shape_expr(shape, dtype=getattr(trt, _TRT_NAMES[dt])))
         return outs[0] if n_out == 1 else tuple(outs)
 
     ret = trtp.TensorDesc if n_out == 1 else Tuple[tuple([trtp.TensorDesc] * n_out)]
@@ -153,10 +132,7 @@ def _register(spec: PluginSpec) -> None:
 
         b = split(args, kwargs, in_names + ["outputs", "tactic"])
         descs = {n: b[n] for n in spec.inputs}
-        attrs = {a: b[a] for a in spec.attrs}
-        if spec.tactic_attr and b.get("tactic") in spec.tactics:
-            attrs[spec.tactic_attr] = b["tactic"]
-        attrs = spec.full_attrs(attrs)
+        attrs = attrs_with_tactic(spec, {a: b[a] for a in spec.attrs}, b.get("tactic"))
         shapes = _shapes(spec, descs, strict=True)
         dtypes = {n: _our_dtype(trt, d.dtype) for n, d in descs.items()}
         sp = spec.specialise(_placeholder_ints(spec, shapes), dtypes, attrs, check=False)

@@ -174,7 +174,7 @@ def test_feeds_have_the_documented_layout(built_out):
     assert json.loads((built_out / "build.json").read_text())["block_size"] == info["block_size"]
 
 
-@pytest.mark.tensorrt
+@pytest.mark.tensorrt_engine
 def test_engine_matches_onnxruntime(tmp_path, capsys):
     """Where TensorRT exists: build the fp16 int4 engine and compare it with ONNX Runtime (never run in this repo's
     CI or on the lent GPU, which have no TensorRT; written against Polygraphy's documented TrtRunner)."""

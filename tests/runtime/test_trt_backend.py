@@ -61,7 +61,7 @@ def test_missing_engine_or_tensorrt_is_a_clear_error(tmp_path):
             TrtBackend(tmp_path)
 
 
-@pytest.mark.tensorrt
+@pytest.mark.tensorrt_engine
 def test_engine_greedy_equals_torch_backend(tiny_dir, tmp_path):
     """Build the tiny model's engine and generate greedily with both backends (never run here: no TensorRT)."""
     import subprocess

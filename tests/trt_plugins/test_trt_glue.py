@@ -95,7 +95,7 @@ def _build_engine(op, ins, attrs):
     return trt.Runtime(logger).deserialize_cuda_engine(blob)
 
 
-@pytest.mark.tensorrt
+@pytest.mark.tensorrt_engine
 @pytest.mark.parametrize("op", sorted(SPECS))
 def test_one_plugin_engine_equals_reference(op):
     spec = SPECS[op]
