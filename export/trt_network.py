@@ -22,6 +22,7 @@ from pathlib import Path
 from export.engine import PROFILE_NAMES, profile_shapes  # absolute: Polygraphy imports this file as a script
 
 ONNX_ENV = "TRITRT_ONNX"
+OUT_ENV = "TRITRT_OUT"
 
 
 def load_network():
@@ -42,6 +43,26 @@ def load_network():
 
         load_plugins()
     return NetworkFromOnnxPath(path, strongly_typed=True)()
+
+
+def load_data():
+    """Polygraphy data-loader script entry: the feeds ``export.verify`` uses for ``$TRITRT_OUT`` (a prefill of two
+    sequences on fresh caches; random feeds would index the KV cache out of bounds), for ``polygraphy run
+    --data-loader-script``."""
+    import numpy as np
+
+    from export.verify import load_out, make_feeds
+
+    out = os.environ.get(OUT_ENV)
+    if not out:
+        raise RuntimeError(f"set {OUT_ENV} to the build's OUT directory")
+    info = load_out(out)
+    cache_dtype = {"float16": np.float16, "float32": np.float32}.get(info["build"].get("dtype"))
+    if cache_dtype is None:
+        raise RuntimeError(f"{out} is a {info['build'].get('dtype')} build: numpy (Polygraphy's feeds) has no bfloat16; "
+                           "compare bf16 builds with `python -m export.verify`")
+    feeds, _ = make_feeds(info["config"], info["block_size"], cache_dtype=cache_dtype, decode=False)
+    yield from feeds
 
 
 def _shape(dims) -> str:
