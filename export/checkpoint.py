@@ -182,9 +182,12 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
         raise CheckpointError(f"{path} is not valid JSON ({e}); re-download or fix the file") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object; re-download or fix the file")
+    return data
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -202,13 +205,30 @@ def _weight_files(path: Path) -> dict[str, Path]:
     if not shards:
         extra = " (found PyTorch .bin weights: convert them to safetensors first)" if list(path.glob("*.bin")) else ""
         raise CheckpointError(f"no *.safetensors weights in {path}{extra}")
-    from safetensors import safe_open
-
     names = {}
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
+        with _open_shard(shard) as f:
             names.update({k: shard for k in f.keys()})
     return names
+
+
+def _open_shard(shard: Path):
+    """``safe_open`` of one shard; a truncated or corrupt file (safetensors checks the header and that the data covers
+    every tensor) is a ``CheckpointError``."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(shard), framework="pt")
+    except Exception as e:  # safetensors raises its own error types (SafetensorError, OSError) for corrupt files
+        raise CheckpointError(f"cannot read {shard} ({e}); the file is truncated or corrupt: re-download it") from e
+
+
+def check_weight_files(path) -> None:
+    """Open the header of every weight shard of the checkpoint ``path``: a missing, truncated or corrupt shard is a
+    ``CheckpointError`` before any tensor is read (headers only, cheap even for a large model)."""
+    for shard in sorted(set(_weight_files(Path(path)).values())):
+        with _open_shard(shard):
+            pass
 
 
 class _LazyTensors:
@@ -221,26 +241,37 @@ class _LazyTensors:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         shard = self.files[name]
         if shard not in self._open:
-            try:
-                self._open[shard] = safe_open(str(shard), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise CheckpointError(f"cannot read {shard} ({e}); re-download it") from e
-        return self._open[shard].get_tensor(name)
+            self._open[shard] = _open_shard(shard)
+        try:
+            return self._open[shard].get_tensor(name)
+        except Exception as e:  # e.g. a shard truncated after it was opened
+            raise CheckpointError(f"cannot read tensor '{name}' from {shard} ({e}); re-download it") from e
+
+
+def read_hf_config(path) -> dict:
+    """``config.json`` of the checkpoint directory ``path``, with a message that says what to pass instead when
+    ``path`` is a file, missing or not a model directory."""
+    path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {path} is a file; pass the directory that holds it: --checkpoint "
+                              f"{path.parent}")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist; pass a local Hugging Face model directory "
+                              f"(config.json + *.safetensors), or omit --checkpoint to build the built-in tiny LLaMA")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    try:
+        return _read_json(path / "config.json")
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'} ({e.strerror})") from e
 
 
 def load_checkpoint(path, dtype: Optional[torch.dtype] = None) -> Checkpoint:
     """Load ``path`` (an HF model directory) into a ``Checkpoint`` with internal names, casting floats to ``dtype``."""
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist; pass a local Hugging Face model directory "
-                              f"(config.json + *.safetensors), or omit --checkpoint to build the built-in tiny LLaMA")
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{path} has no config.json; is it a Hugging Face model directory?")
-    hf = _read_json(path / "config.json")
+    hf = read_hf_config(path)
     config = LlamaConfig.from_hf(hf, str(path / "config.json"))
     qcfg = hf.get("quantization_config")
     quant_method = (qcfg or {}).get("quant_method")
