@@ -1,0 +1,155 @@
+"""Quality evaluation (export.eval) on the tiny model: a build identical to its checkpoint scores KL 0 and top-1 1.0,
+an int4 build does not; the reference run by transformers agrees with ours; windows; the CLI's one-line errors; the
+shipped texts are the recorded files and share no passage. The slow test runs the CLI on SmolLM2."""
+
+import hashlib
+import json
+import re
+
+import pytest
+import torch
+
+from export import eval as ev
+from export.data import CALIBRATION_TEXT, DATA_DIR, EVAL_TEXT, TEXTS, read_text
+
+FAST = ["--max-tokens", "400", "--window", "96"]
+
+
+def _build(checkpoint, out, quant, *extra):
+    from export.build import main as build_main
+
+    argv = ["--checkpoint", str(checkpoint), "--quant", quant, "--dtype", "float32", "--out", str(out), "--no-engine",
+            *extra]
+    assert build_main(argv) == 0, f"export.build {' '.join(argv)} failed"
+    return out
+
+
+@pytest.fixture(scope="module")
+def builds(tiny_dirs, tmp_path_factory):
+    ckpt = tiny_dirs("llama")
+    root = tmp_path_factory.mktemp("eval_builds")
+    return ckpt, _build(ckpt, root / "none", "none"), _build(ckpt, root / "int4", "int4", "--group-size", "32")
+
+
+def _eval(capsys, *argv):
+    rc = ev.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_identical_build_scores_zero_kl_and_full_agreement(builds, capsys, tmp_path):
+    ckpt, none, _ = builds
+    rc, out, err = _eval(capsys, none, "--against", ckpt, *FAST, "--json", tmp_path / "r.json")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "r.json").read_text())
+    b = r["builds"][0]
+    assert r["reference_kind"] == "ours" and r["windows"] == 5 and b["tokens"] == 400 - 5
+    assert b["top1_agreement"] == 1.0
+    assert b["kl_mean"] < 1e-6 and abs(b["perplexity_change"]) < 1e-5, b
+    # random weights over a 320-token vocabulary: perplexity near the vocabulary size, never below 1
+    assert 100 < r["reference"]["perplexity"] < 1000
+    assert "(reference)" in out and str(none) in out
+
+
+def test_int4_build_costs_quality(builds, capsys, tmp_path):
+    ckpt, none, int4 = builds
+    rc, _, err = _eval(capsys, none, int4, "--against", ckpt, *FAST, "--batch", "2", "--json", tmp_path / "r.json")
+    assert rc == 0, err
+    ident, q = json.loads((tmp_path / "r.json").read_text())["builds"]
+    assert q["quant"] == "int4" and q["group_size"] == 32
+    assert q["kl_mean"] > 1e-4 > ident["kl_mean"]
+    assert q["kl_max"] >= q["kl_mean"] and 0.5 < q["top1_agreement"] <= 1.0
+    assert q["tokens"] == ident["tokens"]
+
+
+def test_transformers_reference_agrees_with_ours(builds):
+    ckpt, none, _ = builds
+    args = ev.parse_args([str(none), "--against", str(ckpt), *FAST])
+    ours = ev.run(args, log=lambda m: None)
+    args.reference = "hf"
+    hf = ev.run(args, log=lambda m: None)
+    assert hf["reference_kind"] == "hf"
+    assert abs(hf["reference"]["perplexity"] / ours["reference"]["perplexity"] - 1) < 1e-4
+    assert hf["builds"][0]["kl_mean"] < 1e-6
+
+
+def test_windows_of():
+    ids = list(range(10))
+    w = ev.windows_of(ids, 4)
+    assert [x.tolist() for x in w] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    w = ev.windows_of(ids, 4, bos=99)  # BOS takes one slot of each window; every text token is still seen once
+    assert [x.tolist() for x in w] == [[99, 0, 1, 2], [99, 3, 4, 5], [99, 6, 7, 8], [99, 9]]
+    assert [x.tolist() for x in ev.windows_of(list(range(9)), 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # [8] predicts nothing
+
+
+def test_scores_match_a_direct_computation():
+    torch.manual_seed(0)
+    ref_logits, logits = torch.randn(7, 11), torch.randn(7, 11)
+    targets = torch.randint(0, 11, (7,))
+    ref, s = ev.Scores("ref"), ev.Scores("b")
+    ref_logp = ref.add(ref_logits, targets)
+    s.add(logits, targets, ref_logp)
+    d = s.summary(ref)
+    p, q = ref_logits.softmax(-1), logits.softmax(-1)
+    kl = (p * (p.log() - q.log())).sum(-1)
+    assert d["kl_mean"] == pytest.approx(float(kl.mean()), rel=1e-5)
+    assert d["top1_agreement"] == pytest.approx(float((ref_logits.argmax(-1) == logits.argmax(-1)).float().mean()))
+    nll = torch.nn.functional.cross_entropy(logits, targets)
+    assert d["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["no_out", "no_checkpoint", "no_text", "cuda", "window"])
+def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
+    ckpt, none, _ = builds
+    argv = {
+        "no_out": [tmp_path / "missing", "--against", ckpt],
+        "no_checkpoint": [none, "--against", tmp_path / "nope"],
+        "no_text": [none, "--against", ckpt, "--text", tmp_path / "nope.txt"],
+        "cuda": [none, "--against", ckpt, "--device", "cuda"],
+        "window": [none, "--against", ckpt, "--window", "1"],
+    }[case]
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if case == "window":
+        with pytest.raises(SystemExit) as e:
+            ev.main([str(a) for a in argv])
+        assert e.value.code == 2
+        return
+    rc, out, err = _eval(capsys, *argv)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert {"no_out": "python -m export.build", "no_checkpoint": "no such checkpoint", "no_text": "shipped text",
+            "cuda": "--device cpu"}[case] in lines[0]
+
+
+def test_shipped_texts_are_the_recorded_files_and_disjoint():
+    sources = (DATA_DIR / "SOURCES.md").read_text()
+    for fname, _ in TEXTS.values():
+        digest = hashlib.sha256((DATA_DIR / fname).read_bytes()).hexdigest()
+        assert f"`{fname}`" in sources and digest in sources, f"{fname} changed; update SOURCES.md"
+    ev_lines = {ln.strip() for ln in read_text(EVAL_TEXT).splitlines() if len(ln.strip()) > 40}
+    cal_lines = {ln.strip() for ln in read_text(CALIBRATION_TEXT).splitlines() if len(ln.strip()) > 40}
+    assert not ev_lines & cal_lines
+    assert len(re.findall(r"\w+", read_text(EVAL_TEXT))) > 20000  # words; SmolLM2's tokenizer gives 39357 tokens
+
+
+@pytest.mark.slow
+def test_smollm2_int8_eval(tmp_path, capsys, monkeypatch):
+    """The real model end to end on 1k tokens: GGUF -> build int8 -> eval against the GGUF."""
+    from export.gguf import GGUFError, default_checkpoint
+
+    try:
+        gguf_file = default_checkpoint()
+    except GGUFError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("TRITRT_CACHE", str(tmp_path / "cache"))
+    from export.gguf import checkpoint_dir
+
+    out = _build(checkpoint_dir(gguf_file), tmp_path / "int8", "int8")
+    rc, _, err = _eval(capsys, out, "--against", gguf_file, "--max-tokens", "1024", "--json", tmp_path / "r.json")
+    assert rc == 0, err
+    r = json.loads((tmp_path / "r.json").read_text())
+    b = r["builds"][0]
+    assert r["text_tokens"] == 1024 and 5 < r["reference"]["perplexity"] < 100
+    assert 0 < b["kl_mean"] < 0.05 and b["top1_agreement"] > 0.9 and abs(b["perplexity_change"]) < 0.05, b
