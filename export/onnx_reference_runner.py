@@ -42,19 +42,26 @@ def matmul(a, b, device="cpu"):
     ReferenceEvaluator's MatMul is ``np.matmul``, which has no BLAS for float16 (the Llama-3-8B lm_head,
     [T, 4096] @ [4096, 128256], ~10 s a call on a 2-core host, scaled from 0.6 s measured at
     [T, 1024] @ [1024, 32000]); numpy's float16 loop accumulates in fp32 and rounds once,
-    which is what this computes (fp32 upcast, fp32 matmul, one cast). Other dtypes go to numpy.
+    which is what this computes (fp32 upcast, fp32 matmul, one cast). bfloat16 (ml_dtypes) arrays too: numpy's
+    matmul of them returns float32, which a bf16 graph's next node would then see in the wrong dtype. Other dtypes go
+    to numpy.
     """
     import torch
 
     from trt_plugins.reference import to_torch
 
     a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.dtype not in (np.float16, np.float32):
+    if a.dtype != b.dtype or not (a.dtype in (np.float16, np.float32) or a.dtype.name == "bfloat16"):
         return np.matmul(a, b)
     ta, tb = to_torch(a, device), to_torch(b, device)
     with fp32_matmul():
         out = torch.matmul(ta.float(), tb.float())
-    return out.to(ta.dtype).cpu().numpy()
+    out = out.to(ta.dtype).cpu()
+    if out.dtype == torch.bfloat16:  # numpy has no bf16: the same bits as ml_dtypes' (what onnx uses)
+        import ml_dtypes
+
+        return out.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return out.numpy()
 
 
 class fp32_matmul:

@@ -1,31 +1,35 @@
-"""``python -m export.verify OUT``: Polygraphy comparisons of everything ``python -m export.build`` wrote.
+"""``python -m export.verify OUT``: compare everything ``python -m export.build`` wrote, with Polygraphy's runners.
 
 Runners, all fed the same inputs (a prefill of two sequences of different lengths on fresh caches, then a decode
-step and a chunked-prefill step, each on the caches the step before wrote):
+step and a chunked-prefill step, each on the caches ONNX Runtime wrote the step before):
 
-- ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime);
+- ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime). A bf16 graph runs
+  as its exact fp32 upcast, which ONNX Runtime's CPU provider can run (``export.verify_ort`` says why that is right);
 - ``plugin-ref``: ``model.plugin.onnx`` through ``onnx.reference``, plugin nodes (and MatMul) through their torch
-  references (``export.onnx_reference_runner``) on ``--device``;
-- ``hf``: ``transformers``' own LlamaForCausalLM (fp32) rebuilt from OUT's ``config.json`` and
-  ``weights.safetensors`` (quantized weights dequantized, so quantization error is not counted) on ``--device``, run
-  on each sequence's full tokens;
+  references (``export.onnx_reference_runner``) on ``--device``, in the build's dtype;
+- ``hf``: ``transformers``' own LlamaForCausalLM in fp32 on OUT's ``config.json`` and ``weights.safetensors``
+  (quantized weights dequantized exactly, so quantization error is not counted) on ``--device``, run on each
+  sequence's full tokens: the exact values every other runner is judged against;
 - ``trt``: the engine (``model.engine``) through Polygraphy's ``TrtRunner``, only where TensorRT is importable.
 
 ``--device`` (auto: cuda when torch sees a GPU) moves only the torch parts, same math: a Llama-3-8B-shaped build
 needs the GPU for them to finish in minutes. ONNX Runtime always runs on the host CPU (all cores).
 
-Every runner is compared with ``onnxrt`` on the outputs all give (logits and the updated caches; ``hf``'s caches are
-HF's own, placed in the graph's paged layout by ``export.verify_hf``). fp32 builds: everything within ``FP32_TOL``.
-Half builds: ONNX Runtime vs fp32 HF within ``HALF_REL_TO_MAX`` of each output's max, and our plugin path within
-``HALF_ERR_FACTOR`` times ORT's own error on each output (measured in the run). Polygraphy prints its report; the
-summary table at the end gives the max error and the allowed one per comparison, feed and output. Exit code 0: all match; 1: a mismatch; 2: OUT is incomplete or unusable (the message says what to do).
+Each runner is compared with ``onnxrt`` and with ``hf`` on every output (logits and the updated caches; ``hf``'s caches
+are HF's own, placed in the graph's paged layout by ``export.verify_hf``), and ``onnxrt`` with ``hf``. The tolerance
+rule (``export.verify_rules``): each runner may be off by a budget relative to ``max |hf output|``, fp32 summation
+order for fp32 runners, ``HALF_ULPS x eps x sqrt(depth)`` for fp16/bf16 ones; a pair by the sum of its two budgets.
+The report has one line per pair, feed and output kind (``--verbose``: per output, and Polygraphy's own log).
+Exit code 0: all match; 1: a mismatch; 2: OUT is incomplete or unusable, or a bad argument (the message says what to
+do).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,35 +40,15 @@ import torch
 
 # the HF runner (and VerifyError, which it raises too); hf_state_dict and load_hf_model re-exported for callers
 from .verify_hf import VerifyError, hf_state_dict, load_hf_model, make_hf_runner  # noqa: F401
+from .verify_ort import ReferenceSession, host_threads, ort_session  # noqa: F401  (re-exported for callers)
+from .verify_rules import FP32_ATOL, FP32_REL, HALF_ULPS, Rule, compare, report
 
 REQUIRED = ("config.json", "build.json", "weights.safetensors", "model.reference.onnx", "model.reference.onnx.data",
             "model.plugin.onnx", "model.plugin.onnx.data")
-# fp32 tiny model: our graphs and HF differ only in fp32 summation order. Observed max abs error on the tiny models is
-# ~2e-7 on logits of magnitude ~0.5 (a few fp32 ulps after 2 layers); rtol 1e-4 (the brief's bound) and atol 1e-5
-# keep a ~50x margin for other seeds/shapes while any real defect (a wrong weight, a wrong mask, a cache slot
-# off by one) moves logits by >= 1e-3.
-FP32_TOL = (1e-5, 1e-4)
-# Half builds, ONNX Runtime (the half graph) vs the fp32 HF model, per output (logits and every cache): max abs error at
-# most HALF_REL_TO_MAX x max |HF output|. An elementwise bound (the former 1e-2 abs + 1e-2 rel, calibrated on 2 layers)
-# does not scale with depth: fp16 rounding (eps 9.8e-4) enters every op of every layer and the residual stream carries
-# it on, so the error grows with depth (about as sqrt(layers), as random rounding errors add), in units of the
-# output's own scale. Measured, max abs error / max |HF|: tiny fp16 builds (2 layers, this CPU) logits <= 3.5e-4,
-# caches <= 7.4e-4; Llama-3-8B shape, 2 layers, int4 (CPU): logits 1.1e-3, caches <= 9e-4; 8B shape, 32 layers, int4
-# (H100 run): logits 2.9e-3 (3x for 16x the depth), caches not compared with HF then, but plugin-ref vs ORT up to
-# 5.6e-3 of max, i.e. ~3e-3 each side. 1e-2 (~10 fp16 ulps of the output's max) keeps >= 3x over the
-# 32-layer numbers and ~2x over sqrt-growth to 80 layers; a real defect (a wrong weight, mask or cache slot) moves the
-# output by a sizeable fraction of its max (tamper test, wrong-slot test: O(1) relative).
-HALF_REL_TO_MAX = 1e-2
-# Half builds, each output (logits and every cache) of our plugin path (plugin-ref, engine): max abs error vs the fp32
-# HF model at most this many times ONNX Runtime's own max abs error vs HF on that output, measured in the same run (the
-# independent runtime, same graph, same dtype), and at least one half ulp of the output's max (an output ORT gets
-# exactly). A fixed 1e-2 between the two flavours failed on correct graphs: two half pipelines that round at
-# different places differ by up to the sum of their errors, which grows with width and depth. Measured ratios of
-# plugin-ref's logits error to ORT's: 2.4x (tiny fp16 int8 build, this CPU), <= 2.9x (Llama-3-8B-shaped 2-layer fp16
-# int4: ORT vs HF 5.8e-3, plugin-ref vs ORT 1.1e-2; H200 host CPU), 1.8x (32 layers, H100). 4x keeps a margin over
-# those; a real defect (a wrong weight, mask or cache slot) moves outputs by orders of magnitude more than fp16
-# rounding (the tamper test: x1.5).
-HALF_ERR_FACTOR = 4.0
+# fp32 builds, as (atol, rtol of max|hf|) per pair: see export.verify_rules
+FP32_TOL = (FP32_ATOL, FP32_REL)
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "float16": "float16", "fp16": "float16",
+               "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def load_out(out) -> dict:
@@ -80,10 +64,17 @@ def load_out(out) -> dict:
     try:
         build = json.loads((out / "build.json").read_text())
         hf_config = json.loads((out / "config.json").read_text())
+        config = LlamaConfig(**build["config"]) if "config" in build else LlamaConfig.from_hf(hf_config)
     except json.JSONDecodeError as e:
         raise VerifyError(f"cannot parse a JSON file in {out} ({e}); rebuild OUT") from e
-    config = LlamaConfig(**build["config"]) if "config" in build else LlamaConfig.from_hf(hf_config)
-    return {"out": out, "build": build, "config": config, "block_size": int(build.get("block_size", 16))}
+    except (TypeError, KeyError, ValueError) as e:
+        raise VerifyError(f"{out}/build.json or config.json does not describe a model we built ({e}); rebuild OUT") \
+            from e
+    dtype = DTYPE_NAMES.get(str(build.get("dtype", "float32")))
+    if dtype is None:
+        raise VerifyError(f"{out}/build.json names dtype {build.get('dtype')!r}; rebuild OUT")
+    return {"out": out, "build": build, "config": config, "block_size": int(build.get("block_size", 16)),
+            "dtype": dtype}
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -95,28 +86,6 @@ def resolve_device(device: str = "auto") -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise VerifyError("--device cuda, but torch sees no CUDA GPU; run with --device cpu (or auto)")
     return device
-
-
-def host_threads() -> int:
-    """CPU cores this process may use (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def ort_session(path, threads: int | None = None):
-    """ONNX Runtime (CPU) on the reference flavour, with its QDQ fusions off, on ``threads`` cores (default: all).
-
-    By default ORT turns ``DequantizeLinear`` + ``MatMul`` into an integer MatMul that also quantizes the activations
-    to 8 bits (observed: ~3e-3 logit error on the tiny int8 model, 0 with the fusion off). The reference flavour means
-    weight-only quantization, so it must run as written. (ORT still constant-folds ``DequantizeLinear`` of the
-    weight initializers into fp32 weights at session creation, single-threaded: the same values, but most of the
-    session's creation time and host memory on an 8B model.)
-    """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_quant_qdq", "1")
-    options.intra_op_num_threads = threads or host_threads()
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 # --- feeds ----------------------------------------------------------------------------------------------------------
@@ -169,18 +138,56 @@ def _batch_feed(b) -> dict:
 
     return {f: getattr(b, f).numpy() for f in TENSOR_FIELDS}  # make_batch's dtypes are the graph's
 
+# --- runners --------------------------------------------------------------------------------------------------------
+def _bf16_inputs(path) -> list[str]:
+    import onnx
 
-# --- the comparison -----------------------------------------------------------------------------------------------------
-def _is_fp32(build: dict) -> bool:
-    return build.get("dtype", "float32") in ("float32", "fp32")
+    model = onnx.load(str(path), load_external_data=False)
+    return [i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
 
 
-def _tolerances(build: dict, atol, rtol):
-    """fp32 builds: (atol, rtol) for every comparison, FP32_TOL unless given. Half builds: as given (None: the
-    depth-aware rules of ``_compare_half``; given: an elementwise bound for ONNX Runtime vs HF instead)."""
-    if not _is_fp32(build):
-        return atol, rtol
-    return (FP32_TOL[0] if atol is None else atol), (FP32_TOL[1] if rtol is None else rtol)
+def _cast_feeds(runner, names: list[str], cast):
+    """``runner`` behind a wrapper that casts the feeds' ``names`` with ``cast`` (fp32 caches -> bf16) first.
+
+    In a bf16 build ONNX Runtime runs the fp32 upcast graph, so the feeds' caches are fp32 (its outputs); the bf16
+    runners get them rounded to bf16, as a bf16 runtime holds its cache. Same values for every bf16 runner."""
+    from polygraphy.backend.base import BaseRunner
+    from polygraphy.common import TensorMetadata
+    from polygraphy.datatype import DataType
+
+    class CastFeeds(BaseRunner):
+        def __init__(self):
+            super().__init__(name=runner.name, prefix="cast-feeds")
+
+        def activate_impl(self):
+            runner.activate()
+
+        def get_input_metadata_impl(self):
+            # the inner runner's inputs, the cast ones as the fp32 the feeds hold (the data loader feeds these names)
+            meta = TensorMetadata()
+            for name, m in runner.get_input_metadata(use_numpy_dtypes=False).items():
+                meta.add(name, dtype=DataType.FLOAT32 if name in names else m.dtype, shape=m.shape)
+            return meta
+
+        def infer_impl(self, feed_dict):
+            out = runner.infer({k: cast(v) if k in names else v for k, v in feed_dict.items()}, check_inputs=False)
+            self.inference_time = runner.inference_time
+            return out
+
+        def deactivate_impl(self):
+            runner.deactivate()
+
+    return CastFeeds()
+
+
+def _to_bf16_numpy(a):
+    import ml_dtypes  # onnx's own numpy bf16 type (onnx depends on it)
+
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def _to_bf16_torch(a):
+    return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16)
 
 
 def _trt_runner(out: Path):
@@ -188,7 +195,7 @@ def _trt_runner(out: Path):
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        return None, "TensorRT is not installed: engine vs ONNX Runtime comparison skipped"
+        return None, "TensorRT is not installed: the engine comparison is skipped"
     if not (out / "model.engine").exists():
         return None, f"{out / 'model.engine'} does not exist (build it where TensorRT is): engine comparison skipped"
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
@@ -199,34 +206,52 @@ def _trt_runner(out: Path):
     return TrtRunner(EngineFromBytes((out / "model.engine").read_bytes()), name="trt"), None
 
 
-def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device: str = "auto",
-               preload: bool | None = None) -> bool:
-    """Run every comparison on OUT; returns True when all match. Raises ``VerifyError`` for an unusable OUT.
+def _upcast_outputs(results) -> None:
+    """bf16 outputs (ml_dtypes arrays, torch tensors) as fp32 numpy, exactly: comparisons and Polygraphy read numpy."""
+    for _, iters in results:
+        for it in iters:
+            for k in list(it.keys()):
+                v = it[k]
+                if isinstance(v, torch.Tensor):
+                    it[k] = v.float().cpu().numpy()
+                elif getattr(v, "dtype", None) is not None and str(v.dtype) == "bfloat16":
+                    it[k] = np.asarray(v, np.float32)
 
-    ``device`` (auto, cpu, cuda): where the torch parts run (plugin references, MatMul, the fp32 HF model); ONNX
-    Runtime runs on the host CPU whatever it is. ``preload`` (default: on cuda): load the plugin model and the HF
-    model while ONNX Runtime's session is being created.
+
+# --- the run ---------------------------------------------------------------------------------------------------------
+def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device: str = "auto",
+               preload: bool | None = None, verbose: bool = False) -> bool:
+    """Run every comparison on OUT and log the report; returns True when all match. Raises ``VerifyError`` for an
+    unusable OUT.
+
+    ``atol`` (default ``FP32_ATOL``) is added to every bound; ``rtol`` (default: the per-runner budgets of
+    ``export.verify_rules``) replaces each pair's bound relative to max|hf output|. ``device`` (auto, cpu, cuda):
+    where the torch parts run (plugin references, MatMul, the fp32 HF model); ONNX Runtime runs on the host CPU
+    whatever it is. ``preload`` (default: on cuda): load the plugin model and the HF model while ONNX Runtime's
+    session is being created. ``verbose``: every output's row, and Polygraphy's own log and comparison.
     """
-    from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.logger import G_LOGGER
 
     from .onnx_reference_runner import PluginReferenceRunner
 
+    for name, v in (("atol", atol), ("rtol", rtol)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise VerifyError(f"{name} must be a finite number >= 0, got {v}")
     device = resolve_device(device)
     info = load_out(out)
-    out, config, build = info["out"], info["config"], info["build"]
-    atol, rtol = _tolerances(build, atol, rtol)
-    log(f"export.verify: torch references and the HF model on {device}"
-        f"{' (' + torch.cuda.get_device_name() + ')' if device == 'cuda' else ''}; ONNX Runtime on the CPU, "
-        f"{host_threads()} threads")
+    out, config, build, dtype = info["out"], info["config"], info["build"], info["dtype"]
+    quant = build.get("quant", "none")
+    log(f"export.verify: {out} ({config.num_layers} layers, {dtype}, quant {quant}); torch references and the HF "
+        f"model on {device}{' (' + torch.cuda.get_device_name() + ')' if device == 'cuda' else ''}; ONNX Runtime "
+        f"on the CPU, {host_threads()} threads")
     plugin_ref = PluginReferenceRunner(str(out / "model.plugin.onnx"), name="plugin-ref", device=device)
-    preloaded = {}
+    preloaded, timings = {}, []
 
     def timed_session():
         start = time.perf_counter()
-        return ort_session(out / "model.reference.onnx"), time.perf_counter() - start
+        return ReferenceSession(out / "model.reference.onnx"), time.perf_counter() - start
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with G_LOGGER.verbosity(G_LOGGER.INFO if verbose else G_LOGGER.ERROR), ThreadPoolExecutor(max_workers=1) as pool:
         # ORT's session creation (most of it: constant-folding the dequantized weights) is single-threaded and
         # releases the GIL: on cuda the torch side loads meanwhile (the plugin model and its evaluator, the fp32 HF
         # model on the GPU). On cpu they load in turn, so that the fp32 HF model is in host memory only while it runs.
@@ -235,158 +260,147 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
             start = time.perf_counter()
             plugin_ref.preload()
             preloaded["hf"] = load_hf_model(out, config, device)
-            log(f"export.verify: plugin model and fp32 HF model loaded in {time.perf_counter() - start:.1f} s, "
-                "while ONNX Runtime's session was being created")
+            timings.append(f"plugin and HF models loaded in {time.perf_counter() - start:.1f} s while ONNX "
+                           f"Runtime's session was being created")
         try:
-            sess, seconds = pending.result()
+            reference, seconds = pending.result()
         except Exception as e:  # ORT raises its own exception types for unreadable/invalid models
             raise VerifyError(f"ONNX Runtime cannot load {out / 'model.reference.onnx'} ({e}); rebuild OUT") from e
+        try:
+            timings.append(f"ONNX Runtime session in {seconds:.1f} s")
+            rule = Rule({}, config.num_layers, atol=FP32_ATOL if atol is None else atol, rtol=rtol)
+            ok = _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, verbose, log, timings)
+        finally:
+            reference.close()
+    return ok
+
+
+def _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, verbose, log, timings) -> bool:
+    """Make the feeds, run every runner on them, compare each pair (``rule``, its precisions filled in here) and log
+    the report; ``reference`` is the ``ReferenceSession`` (ONNX Runtime) on OUT's reference graph."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+    from polygraphy.comparator import Comparator
+
+    out, config, dtype = info["out"], info["config"], info["dtype"]
+    sess = reference.session
     cache_dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
-    if "bfloat16" in sess.get_inputs()[-1].type:
-        raise VerifyError("bf16 reference graphs cannot run in ONNX Runtime's CPU provider; build with --dtype "
-                          "float16 or float32 to verify")
     names = [o.name for o in sess.get_outputs()]
 
     def prefill_runner(feed):
         return dict(zip(names, sess.run(None, feed)))
 
-    log(f"export.verify: ONNX Runtime session created in {seconds:.1f} s")
     start = time.perf_counter()
     feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
                                   prefill_runner=prefill_runner)
-    log(f"export.verify: {len(feeds)} feeds made in {time.perf_counter() - start:.1f} s")
-    runners = [OnnxrtRunner(sess, name="onnxrt"), plugin_ref,
-               make_hf_runner(out, config, sequences, feeds, device, log, preloaded)]
+    timings.append(f"{len(feeds)} feeds in {time.perf_counter() - start:.1f} s")
+    bf16 = _bf16_inputs(out / "model.plugin.onnx")
+    runners = [OnnxrtRunner(sess, name="onnxrt"),
+               _cast_feeds(plugin_ref, bf16, _to_bf16_numpy) if bf16 else plugin_ref,
+               make_hf_runner(out, config, sequences, feeds, device, log if verbose else (lambda *_: None),
+                              preloaded)]
     trt, why = _trt_runner(out)
-    if trt is None:
-        log(why)
-    else:
-        runners.append(trt)
+    if trt is not None:
+        runners.append(_cast_feeds(trt, bf16, _to_bf16_torch) if bf16 else trt)
     start = time.perf_counter()
-    results = Comparator.run(runners, data_loader=feeds)
-    log(f"export.verify: runners ran in {time.perf_counter() - start:.1f} s")
-    try:  # Polygraphy >= 0.53 spells it as a class; CompareFunc.simple is deprecated there
-        from polygraphy.comparator.compare import SimpleCompareFunc
-    except ImportError:
-        SimpleCompareFunc = CompareFunc.simple
-    comparisons = [(0, i) for i in range(1, len(runners))]
-    if _is_fp32(build):
-        compare = SimpleCompareFunc(atol=atol, rtol=rtol, check_shapes=True)
-        ok = bool(Comparator.compare_accuracy(results, comparisons=comparisons, compare_func=compare))
-        bounds, rule = {}, f"atol={atol:g}, rtol={rtol:g}"
-    else:
-        ok, comparisons, bounds = _compare_half(results, comparisons, atol, rtol, np.finfo(cache_dtype).eps,
-                                                SimpleCompareFunc, Comparator, log)
-        rule = (f"half: onnxrt vs hf <= {HALF_REL_TO_MAX:g} x max|hf| per output" if atol is None and rtol is None
-                else f"half: onnxrt vs hf atol={atol or 0:g}, rtol={rtol or 0:g}") + \
-            f"; plugin path vs hf <= {HALF_ERR_FACTOR:g} x onnxrt's error per output"
-    log(_summary(results, comparisons, bounds))
-    # compare_accuracy only compares outputs both runners produced: the logits must have been among them
-    for _, iters in results:
-        for it in iters:
-            if "logits" not in it:
-                ok = False
-    log(f"export.verify: {'PASSED' if ok else 'FAILED'} ({rule}; {len(feeds)} feeds)")
+    try:
+        results = Comparator.run(runners, data_loader=feeds)
+    except (TypeError, ValueError, RuntimeError) as e:
+        # a graph this version cannot run (e.g. written by an older export whose plugin contract differed)
+        raise VerifyError(f"a runner failed on OUT's graphs ({type(e).__name__}: {e}); rebuild OUT with this "
+                          f"version (`python -m export.build --out {out} ...`), or pass --verbose for the trace") \
+            from e
+    timings.append(f"runners in {time.perf_counter() - start:.1f} s")
+    _upcast_outputs(results)
+
+    precision = {"hf": "float32", "onnxrt": "float32" if reference.upcast else dtype, "plugin-ref": dtype,
+                 "trt": dtype}
+    rule = dataclasses.replace(rule, precision=precision)
+    ours = [r.name for r in runners if r.name not in ("onnxrt", "hf")]
+    pairs = [("hf", "onnxrt")] + [(ref, r) for r in ours for ref in ("onnxrt", "hf")]
+    rows = compare(results, pairs, rule)
+    if verbose:
+        _polygraphy_compare(results, rows, Comparator)
+    ok = all(r.ok for r in rows)
+    log(f"export.verify: {'; '.join(timings)}")
+    if reference.upcast:
+        log("export.verify: bf16 build: ONNX Runtime runs the reference graph upcast exactly to fp32 (its CPU provider "
+            "has no bf16 kernels); the bf16 runners get its caches rounded to bf16")
+    if trt is None:
+        log(f"export.verify: {why}")
+    log(f"export.verify: rule: {rule.describe()}")
+    for line in report(rows, verbose=verbose):
+        log(line)
+    bad = sum(not r.ok for r in rows)
+    log(f"export.verify: {'PASSED' if ok else 'FAILED'} ({len(rows) - bad} of {len(rows)} comparisons within "
+        f"bounds; {len(feeds)} feed{'s' * (len(feeds) != 1)} x {len(pairs)} runner pairs)")
     return ok
 
 
-def _max_abs_err(results, a: int, b: int) -> dict:
-    """Per output that runners ``a`` and ``b`` both give: max abs difference over all feeds."""
-    runs, err = list(results), {}
-    for ra, rb in zip(runs[a][1], runs[b][1]):
-        for k in ra.keys():
-            if k in rb:
-                d = np.abs(np.asarray(ra[k], np.float64) - np.asarray(rb[k], np.float64))
-                err[k] = max(err.get(k, 0.0), float(d.max()) if d.size else 0.0)
-    return err
+def _polygraphy_compare(results, rows, Comparator) -> None:
+    """--verbose: Polygraphy's own per-output statistics, each output held to the bound of our rule (the verdict is
+    our table's: Polygraphy's elementwise check is stricter only where an element's rtol would apply, and we use
+    none)."""
+    from polygraphy.comparator.compare import SimpleCompareFunc
 
-
-def _max_abs(results, a: int) -> dict:
-    """Per output of runner ``a``: max |value| over all feeds."""
-    scale = {}
-    for r in list(results)[a][1]:
-        for k in r.keys():
-            v = np.abs(np.asarray(r[k], np.float64))
-            scale[k] = max(scale.get(k, 0.0), float(v.max()) if v.size else 0.0)
-    return scale
-
-
-def _compare_half(results, comparisons, atol, rtol, eps, compare_cls, comparator, log):
-    """Half builds, per output (logits and each cache): ONNX Runtime vs the fp32 HF model within ``HALF_REL_TO_MAX``
-    x max |HF| (or the user's atol/rtol elementwise); our plugin path vs HF within ``HALF_ERR_FACTOR`` x ONNX Runtime's
-    own error (at least ``eps / 2`` x max |HF|), vs ORT the triangle bound (that plus ORT's error).
-
-    Returns ``(ok, comparisons made, {(a, b): {output: allowed max abs error}})``."""
     names = [name for name, _ in results]
-    ort, hf = names.index("onnxrt"), names.index("hf")
-    ort_err, scale = _max_abs_err(results, ort, hf), _max_abs(results, hf)
-    ours_vs_hf = {k: max(HALF_ERR_FACTOR * e, 0.5 * eps * scale[k]) for k, e in ort_err.items()}
-    worst = max(ort_err, key=lambda k: ort_err[k] / scale[k] if scale[k] else 0.0)
-    rel = ort_err["logits"] / scale["logits"] if scale["logits"] else 0.0
-    log(f"half build: ONNX Runtime's own logits error vs fp32 HF {ort_err['logits']:.3e} ({rel:.2e} of max, allowed "
-        f"{HALF_REL_TO_MAX:g}); plugin path allowed {ours_vs_hf['logits']:.3e} vs HF ({HALF_ERR_FACTOR:g}x), "
-        f"{ours_vs_hf['logits'] + ort_err['logits']:.3e} vs ONNX Runtime")
-    log(f"half build: ONNX Runtime's largest error vs fp32 HF relative to the output's max: {worst} "
-        f"{ort_err[worst]:.3e} ({ort_err[worst] / scale[worst]:.2e} of max {scale[worst]:.3g})")
-    bounds = {}
-    if atol is None and rtol is None:
-        bounds[(ort, hf)] = {k: HALF_REL_TO_MAX * scale[k] for k in ort_err}
-        sanity = compare_cls(atol={"": 0.0, **bounds[(ort, hf)]}, rtol=0.0, check_shapes=True)
-    else:
-        sanity = compare_cls(atol=atol or 0.0, rtol=rtol or 0.0, check_shapes=True)
-    ok = bool(comparator.compare_accuracy(results, comparisons=[(ort, hf)], compare_func=sanity))
-    ours = [i for i in range(len(names)) if i not in (ort, hf)]
-    vs_ort = {k: ours_vs_hf[k] + ort_err[k] for k in ort_err}
-    ok &= bool(comparator.compare_accuracy(results, comparisons=[(ort, i) for i in ours],
-                                           compare_func=compare_cls(atol={"": 0.0, **vs_ort}, rtol=0.0,
-                                                                    check_shapes=True)))
-    ok &= bool(comparator.compare_accuracy(results, comparisons=[(hf, i) for i in ours],
-                                           compare_func=compare_cls(atol={"": 0.0, **ours_vs_hf}, rtol=0.0,
-                                                                    check_shapes=True)))
-    bounds.update({(ort, i): vs_ort for i in ours})
-    bounds.update({(hf, i): ours_vs_hf for i in ours})
-    return ok, comparisons + [(hf, i) for i in ours], bounds
+    for a, b in dict.fromkeys(r.pair for r in rows):
+        bounds = {}
+        for r in rows:
+            if r.pair == (a, b):
+                bounds[r.output] = min(bounds.get(r.output, math.inf), r.allowed)
+        func = SimpleCompareFunc(atol={"": 0.0, **bounds}, rtol=0.0, check_shapes=True)
+        Comparator.compare_accuracy(results, comparisons=[(names.index(a), names.index(b))], compare_func=func)
 
 
-def _summary(results, comparisons, bounds) -> str:
-    """One line per (comparison, feed, output): max abs error, max error relative to the reference's max, and the
-    allowed max abs error where the rule is one number (half builds; fp32's elementwise atol + rtol x |ref|: "-")."""
-    runs = list(results)
-    lines = [f"{'comparison':28} {'feed':>4} {'output':18} {'max_abs_err':>12} {'rel_to_max':>11} {'allowed':>10}"]
-    for a, b in comparisons:
-        (name_a, iters_a), (name_b, iters_b) = runs[a], runs[b]
-        allowed = bounds.get((a, b), {})
-        for f, (ra, rb) in enumerate(zip(iters_a, iters_b)):
-            for key in ra.keys():
-                if key not in rb:
-                    continue
-                x, y = np.asarray(ra[key], np.float64), np.asarray(rb[key], np.float64)
-                if x.shape != y.shape:
-                    lines.append(f"{name_b + ' vs ' + name_a:28} {f:>4} {key:18} shape {y.shape} != {x.shape}")
-                    continue
-                err = float(np.abs(x - y).max()) if x.size else 0.0
-                scale = float(np.abs(x).max()) if x.size else 0.0
-                bound = f"{allowed[key]:10.3e}" if key in allowed else f"{'-':>10}"
-                lines.append(f"{name_b + ' vs ' + name_a:28} {f:>4} {key:18} {err:12.3e} "
-                             f"{err / scale if scale else 0.0:11.3e} {bound}")
-    return "\n".join(lines)
+# --- the command line ------------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (no usage block), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see -h)\n")
+
+
+def _tolerance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text}: a tolerance must be a finite number >= 0")
+    return v
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(prog="python -m export.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="the directory written by `python -m export.build`")
+    p.add_argument("--atol", type=_tolerance, default=FP32_ATOL,
+                   help=f"absolute slack added to every bound, for outputs whose scale is ~0 (default: {FP32_ATOL:g})")
+    p.add_argument("--rtol", type=_tolerance, default=None,
+                   help="allowed max abs error of every pair as a fraction of max |hf output|, instead of the rule "
+                        f"(default: the rule: fp32 runners {FP32_REL:g} together, fp16/bf16 runners each "
+                        f"{HALF_ULPS:g} x eps x sqrt(depth); see export.verify_rules)")
+    p.add_argument("--no-decode", action="store_true",
+                   help="compare the prefill feed only (default: prefill, then a decode and a chunked-prefill step)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the torch references and the fp32 HF model run (default: auto, cuda if torch sees a "
+                        "GPU); ONNX Runtime always runs on the CPU")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="a row for every output (default: the worst of each kind, and every failing one) and "
+                        "Polygraphy's full log")
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="the directory written by `python -m export.build`")
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 1e-5) of fp32 builds; in half builds, "
-                   "an elementwise bound for ONNX Runtime vs HF instead of the default relative-to-max rule")
-    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default 1e-4) of fp32 builds; in half builds, as --atol")
-    p.add_argument("--no-decode", action="store_true", help="compare the prefill feed only (no decode/chunk steps)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the torch references and the fp32 HF model run (default auto: cuda if available); "
-                        "ONNX Runtime always runs on the CPU")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     try:
-        ok = run_verify(args.out, atol=args.atol, rtol=args.rtol, decode=not args.no_decode, device=args.device)
+        ok = run_verify(args.out, atol=args.atol, rtol=args.rtol, decode=not args.no_decode, device=args.device,
+                        verbose=args.verbose)
     except VerifyError as e:
-        print(f"export.verify: error: {e}", file=sys.stderr)
+        if args.verbose and e.__cause__ is not None:
+            import traceback
+
+            traceback.print_exception(e.__cause__, file=sys.stderr)
+        print(f"export.verify: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0 if ok else 1
 

@@ -23,8 +23,10 @@ class VerifyError(RuntimeError):
 def hf_state_dict(weights: dict, config) -> dict:
     """HF tensor names from our internal weights, dequantized, as contiguous fp32 tensors (on the weights' device).
 
-    A quantized weight is dequantized in the build dtype (what the quantized model computes) and upcast; one weight at
-    a time, so that the peak is the fp32 model plus one half-precision weight, not a half copy of every weight too.
+    A quantized weight is dequantized exactly, ``(q - z) * s`` in fp32, which is what our GEMM kernels multiply by
+    (they never round the weight to 16 bits; see ``kernels.quant.dequantize``): the HF model is then the exact model
+    the build describes, and each half runner's deviation from it is that runner's own rounding. One weight at a time,
+    so that the peak is the fp32 model plus one weight.
     """
     from kernels.quant import dequantize
 
@@ -33,7 +35,7 @@ def hf_state_dict(weights: dict, config) -> dict:
     fp32, seen = {}, {}
     for name, w in weights.items():
         if id(w) not in seen:  # tied embeddings: lm_head is the embed tensor itself, one fp32 copy
-            seen[id(w)] = (w if isinstance(w, torch.Tensor) else dequantize(w)).float()
+            seen[id(w)] = w.float() if isinstance(w, torch.Tensor) else dequantize(w, torch.float32)
         fp32[name] = seen[id(w)]
     return {k: v.contiguous() for k, v in hf_views(fp32, config).items()}
 
@@ -112,7 +114,7 @@ def make_hf_runner(out, config, sequences, feeds, device: str = "cpu", log=print
                 runs = [self.model(torch.as_tensor(s, dtype=torch.long, device=device)[None], use_cache=True)
                         for s in seqs]
                 logits = torch.stack([r.logits[0, -1] for r in runs]).float().cpu().numpy()
-                caches = paged_caches([hf_layer_caches(r.past_key_values) for r in runs], feed["block_table"],
+                caches = paged_caches([hf_layer_caches(output_cache(r)) for r in runs], feed["block_table"],
                                       feed["k_cache_0"].shape)
             self.inference_time = time.perf_counter() - start
             return OrderedDict(logits=logits, **caches)
@@ -122,6 +124,12 @@ def make_hf_runner(out, config, sequences, feeds, device: str = "cpu", log=print
             release_gpu_cache(device)
 
     return HfRunner()
+
+
+def output_cache(output):
+    """The KV cache object of an HF model output: ``output.cache`` in transformers >= 5 (where ``past_key_values``
+    still works but logs a deprecation warning on every run), ``output.past_key_values`` before."""
+    return output["cache"] if "cache" in output.keys() else output.past_key_values
 
 
 def hf_layer_caches(past_key_values) -> list:
