@@ -118,7 +118,7 @@ def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool
                          f"that divides in_features")
     if M == 1 and not overrides.get("use_dot"):
         # GEMV: 32 columns x 4 unrolled K tiles per trip measured best (H200, Llama-3-8B o/down: 1.44x/1.26x over
-        # cuBLAS vs 1.14x/1.03x for 64 columns x 1 tile; benchmarks/results/bench_gemm_sweep_h200.md).
+        # cuBLAS vs 1.14x/1.03x for 64 columns x 1 tile; benchmarks/results/h200/bench_gemm_sweep.md).
         overrides = {"block_n": 32, "unroll": 4, **overrides}
     p = plan_tiles(M, N, K, group_size, **overrides)
     constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, HAS_RES=has_res,

@@ -104,7 +104,7 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
     """
     if 2 <= M <= 16 and overrides.get("use_dot", True) and "block_k" not in overrides:
         # BLOCK_K 64 beat 128 on all five Llama-3-8B shapes at M=4 and 16 (H200 run 3: e.g. gate_up M=16 1.22x vs
-        # 0.92x over cuBLAS; benchmarks/results/bench_gemm_h200.md, rows "bk64").
+        # 0.92x over cuBLAS; benchmarks/results/h200/bench_gemm.md, rows "bk64").
         overrides = {"block_k": 64, **overrides}
     p = plan_tiles(M, N, K, _block_k_cap(K), **overrides)
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"],

@@ -46,9 +46,10 @@ MIN_K_TILES = 16
 # Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
 # cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
 # of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
-# (benchmarks/results/bench_gemm_wgmma_dsmem_h100.log): DSMEM vs workspace, qkv M = 128 bm128/bn128/split 4 (73% of
-# the slots) 1.18x vs 1.04x cuBLAS, o M = 128 bm128/bn64/split 2 1.05 vs 0.94, but 8k M = 128 bm128/bn128/split 4
-# (97%) 1.14 vs 1.48, down M = 128 bm128/bn128/split 8 (97%) 1.14 vs 1.38, 64 x 64 tiles 2-26% slower.
+# (benchmarks/results/dev-logs/h100/bench_gemm_wgmma_dsmem.log): DSMEM vs workspace, qkv M = 128 bm128/bn128/split 4
+# (73% of the slots) 1.18x vs 1.04x cuBLAS, o M = 128 bm128/bn64/split 2 1.05 vs 0.94, but 8k M = 128
+# bm128/bn128/split 4 (97%) 1.14 vs 1.48, down M = 128 bm128/bn128/split 8 (97%) 1.14 vs 1.38, 64 x 64 tiles 2-26%
+# slower.
 DSMEM_MIN_TILE = 128 * 64
 DSMEM_MAX_FILL = 0.75
 
@@ -57,7 +58,7 @@ def asets(wt: int) -> int:
     """A-fragment register sets (WG_ASETS): up to ASETS - 1 k16 steps' wgmmas stay in flight while the next step is
     dequantized. 4 for up to 2 tiles per warpgroup (H100, one run, every split summed over DSMEM: 4 vs 2 sets faster on
     50 of 80 variant x shape rows, slower on 11, -3..+8%, e.g. o at M = 128, bm 128 split 2: 0.96 -> 1.04x cuBLAS;
-    benchmarks/results/bench_gemm_wgmma_asets_h100.log); 2 for 4 tiles, where 4 sets (64 registers) spill."""
+    benchmarks/results/dev-logs/h100/bench_gemm_wgmma_asets.log); 2 for 4 tiles, where 4 sets (64 registers) spill."""
     return 4 if wt <= 2 else 2
 
 
@@ -112,12 +113,12 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     no split or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
     ``MIN_K_TILES`` stages long. Ranked by the warps resident per SM (averaged over the waves), because a block is
     bound by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible,
-    SM, L2 and DRAM throughput under 30%; benchmarks/results/ncu_w4a16_h100.log), so more independent warps is what
-    speeds it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer
+    SM, L2 and DRAM throughput under 30%; benchmarks/results/dev-logs/h100/ncu_w4a16.log), so more independent warps is
+    what speeds it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer
     splits (each split's fp32 partial tile is written and read once more), one warpgroup per block (fewer warps wait
     at each block barrier), the widest block (x crosses L2 N / bn times). A split is summed over DSMEM or through
     the workspace by the rule at ``DSMEM_MIN_TILE``.
-    Measured (H100, benchmarks/results/bench_gemm_wgmma_sweep_h100.md, 40-62 variants per shape; runs vary ~3%): on
+    Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
     vs 1.59, o 1.37 (best), gate_up 1.83 vs 2.05, down 1.76 vs 1.77, 8k 1.92 vs 1.96.

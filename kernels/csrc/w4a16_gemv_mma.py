@@ -24,20 +24,22 @@ from kernels.csrc import cached_kernel, check_operands, device_sm_count
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
 MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
-# H200 runs 1-2 (benchmarks/results/bench_gemm_gemv_h200_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
+# H200 runs 1-2 (benchmarks/results/dev-logs/h200/bench_gemm_gemv_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
 CHAINS = 1  # accumulators per tile (GEMV_CHAINS); the plan picks 2 for <= 2 warps per block (see gemv_plan)
 L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256): within +-1% on all 15 rows, so off
 # Each chunk's scales and zero points loaded with its weights, one chunk ahead of its math (GEMV_SZ_AHEAD), rather
 # than as its math starts (a dependent global load per chunk). H100, speed-up over cuBLAS without -> with, two runs
-# (benchmarks/results/bench_gemm_gemv_szahead_h100.log): M = 1 qkv 2.46 -> 2.56 / 2.44 -> 2.52, o 2.62 -> 2.68 /
-# 2.50 -> 2.59, gate_up 3.02 -> 3.30 / 2.98 -> 3.18, down 2.87 -> 2.94 / 2.88 -> 2.83, 8k 2.92 -> 3.12 / 3.02 -> 3.08;
-# M = 16 (tiled) qkv 2.09 -> 2.13, o 2.25 -> 2.25, gate_up 1.88 -> 2.35, down 2.41 -> 2.37, 8k 2.58 -> 2.60. Down is
-# within the runs' ~3% either way; every other shape gains or holds at M = 1 to 32.
+# (benchmarks/results/dev-logs/h100/bench_gemm_gemv_szahead.log): M = 1 qkv 2.46 -> 2.56 / 2.44 -> 2.52,
+# o 2.62 -> 2.68 / 2.50 -> 2.59, gate_up 3.02 -> 3.30 / 2.98 -> 3.18, down 2.87 -> 2.94 / 2.88 -> 2.83,
+# 8k 2.92 -> 3.12 / 3.02 -> 3.08; M = 16 (tiled) qkv 2.09 -> 2.13, o 2.25 -> 2.25, gate_up 1.88 -> 2.35,
+# down 2.41 -> 2.37, 8k 2.58 -> 2.60. Down is within the runs' ~3% either way; every other shape gains or holds at
+# M = 1 to 32.
 SZ_AHEAD = True
 # ... and its x values (GEMV_X_AHEAD), for one x tile per block (mt = 1, M <= 8: 32 more registers, 123 in all; the
-# tiled builds would spill). H100 (benchmarks/results/bench_gemm_gemv_xahead_h100.log), on top of SZ_AHEAD, M = 1:
-# qkv 2.51 -> 2.71, o 2.62 -> 2.93, gate_up 3.18 -> 3.26, down 2.84 -> 3.05, 8k 3.07 -> 3.29; M = 4 and 8 gain alike.
+# tiled builds would spill). H100 (benchmarks/results/dev-logs/h100/bench_gemm_gemv_xahead.log), on top of SZ_AHEAD,
+# M = 1: qkv 2.51 -> 2.71, o 2.62 -> 2.93, gate_up 3.18 -> 3.26, down 2.84 -> 3.05, 8k 3.07 -> 3.29; M = 4 and 8 gain
+# alike.
 X_AHEAD = True
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 # Register bound used for residency (ptxas, sm_90: 93-117 for the u=4 variants, 128 for u=8).
@@ -72,7 +74,7 @@ def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
     return max(1, min(65536 // (regs * 32 * warps), 2048 // (32 * warps), 32))
 
 
-# x tiles per block for M > 8. H200 (benchmarks/results/bench_gemm_mma_tiled_h200.md, five Llama shapes): at M=16
+# x tiles per block for M > 8. H200 (benchmarks/results/h200/bench_gemm_gemv.md, five Llama shapes): at M=16
 # mt=2 gives 1.60-2.06x over cuBLAS; at M=64 and 128 mt=2 was the best or within ~15% of the best of mt 2/4/8 on
 # every shape, while mt=8 (the most reuse of each dequantized weight) was 1.7-4x slower: 194 registers leave few
 # warps per SM, and x comes through L1 once per tile per warp. So 2, whatever M.
@@ -83,9 +85,9 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
               sm_count: int = 132, mt: Optional[int] = None, wscale: Optional[bool] = None) -> dict:
     """Variant and grid: 32 columns (times the row tiles for M > 8) per block, and the most warps per block
     (splitting K, at most one per chunk) that still fit every block in one wave. H200 runs 1-2
-    (benchmarks/results/bench_gemm_summary_h200.md): a second partial wave took 21% longer at qkv (192 blocks x 16
-    warps, 1 block/SM), half the warps 17-54% longer at o/down; at M=1 this rule picks the best measured of 2-3
-    choices on all five shapes."""
+    (benchmarks/results/dev-logs/h200/bench_gemm_summary.md): a second partial wave took 21% longer at qkv
+    (192 blocks x 16 warps, 1 block/SM), half the warps 17-54% longer at o/down; at M=1 this rule picks the best
+    measured of 2-3 choices on all five shapes."""
     if mt is None:
         mt = 1 if M <= MAX_M else MT_DEFAULT
     if wscale is None:
@@ -104,16 +106,16 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) two accumulator chains ran 23.6 us at
     # M = 1 against 28.6-32.2 us with one (H200); with more warps per block one chain was best. The M = 1 build
     # (GEMV_MMAX 1, which skips the other rows' loads and FMAs) is not used: H100 (benchmarks/results/
-    # bench_gemm_gemv_h100.md) ran the M <= 8 build 12-20% faster at M = 1 on the four shapes where they differ
+    # h100/bench_gemm_gemv.md) ran the M <= 8 build 12-20% faster at M = 1 on the four shapes where they differ
     # (qkv 2.37x vs 2.03x cuBLAS, o 2.52 vs 2.23, down 2.71 vs 2.35, 8k 2.94 vs 2.45); an older H200 build had the M = 1
-    # build 1-12% ahead (bench_gemm_gemv_h200_run2.md). It stays available as ``mmax=1``.
+    # build 1-12% ahead (dev-logs/h200/bench_gemm_gemv_run2.md). It stays available as ``mmax=1``.
     few = warps <= 2 and mt == 1
     # minb: the blocks per SM that one wave of this grid needs (at most what the register bound allows), asked of
     # ptxas (__launch_bounds__) so that the build cannot take more registers than that. Unbounded, the mt = 2 build of
     # 8 warps took 146 registers instead of 128: one block per SM instead of the two that qkv's 192 blocks need. At
     # one warp per block (gate_up, M = 17..32: 1792 blocks, 14 per SM) the cap of 128 costs a few spills (ptxas: 5
     # local stores), and is still worth it: 1.54-1.62x cuBLAS against 1.22-1.33x with 12 blocks per SM and no
-    # spills, 1.20-1.30x unbounded (H100, benchmarks/results/bench_gemm_gemv_minb_h100.log).
+    # spills, 1.20-1.30x unbounded (H100, benchmarks/results/dev-logs/h100/bench_gemm_gemv_minb.log).
     return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M, chains=2 if few else 1, mt=mt,
                 wscale=bool(wscale), sz_ahead=SZ_AHEAD, x_ahead=X_AHEAD and mt == 1,
                 minb=min(-(-blocks // sm_count), _blocks_per_sm(warps, regs)), grid=(blocks,))

@@ -70,7 +70,7 @@ def _blocks_per_sm(warps: int, vec: int) -> int:
 
 
 def _fills(blocks: int, sm_count: int) -> bool:
-    # >= 70% of the SMs: H100 (bench_gemm_w8gemv_h100.md, M=1) ran qkv faster with 96 blocks of 8-byte
+    # >= 70% of the SMs: H100 (h100/bench_gemm_w8gemv.md, M=1) ran qkv faster with 96 blocks of 8-byte
     # loads (vec 8: 1.71x cuBLAS) than with 192 blocks of 4-byte ones (1.63x), and 8k with 128 blocks of vec 8;
     # at 64 blocks (o, down with vec 8) the idle SMs cost more (1.58x vs vec 4's 1.67x).
     return 10 * blocks >= 7 * sm_count
@@ -99,7 +99,7 @@ def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional
     leave 100 of 132 SMs idle). ``warps``: see ``_warps_for``. Not yet measured for W8: the benchmark times the
     neighbouring choices (vec, ksplit x 2 and / 2, warps x 2 and / 2, u x 2, L2 hint).
 
-    Measured (H100, benchmarks/results/bench_gemm_w8gemv_h100.md, M = 1/4/8 on the five Llama shapes): the
+    Measured (H100, benchmarks/results/h100/bench_gemm_w8gemv.md, M = 1/4/8 on the five Llama shapes): the
     cluster plan (vec 16 + K split) was slower than the plain one on every shape where they differ (o 1.05x vs 1.67x
     cuBLAS, down 1.29x vs 1.69x, 8k 1.35x vs 1.81x, qkv 1.49x vs 1.63x at M = 1), so ``clusters`` is off by default
     and a K split is used only when asked for (``ksplit``)."""

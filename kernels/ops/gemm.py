@@ -27,24 +27,24 @@ import torch
 from torch import Tensor
 
 # M up to which fp16 W4A16 goes to the CUDA GEMV (0 disables it). Measured (H200, benchmarks/results/
-# bench_gemm_*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton tensor-core
-# path wins (0.9-1.1x vs 0.6-0.85x), so only M=1 goes to CUDA.
+# h200/bench_gemm*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton
+# tensor-core path wins (0.9-1.1x vs 0.6-0.85x), so only M=1 goes to CUDA.
 CUDA_GEMV_MAX_M = 1
 # M up to which fp16 W4A16 goes to the tensor-core kernel first (0 disables it; shapes it does not take fall through
-# to the scalar GEMV / Triton). H200 run 2 (bench_gemm_gemv_h200_run2.md), speed-up over cuBLAS on the five Llama
-# shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x); tiled in M
-# (bench_gemm_mma_tiled_h200.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
+# to the scalar GEMV / Triton). H200 run 2 (dev-logs/h200/bench_gemm_gemv_run2.md), speed-up over cuBLAS on the five
+# Llama shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x); tiled in M
+# (h200/bench_gemm_gemv.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
 # 0.60-0.79x); at M=64 Triton is ahead on 4 of 5 shapes (0.66-0.84x against 0.66-0.81x), so M > 32 stays on Triton.
 CUDA_GEMV_MMA_MAX_M = 32
 # M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound sizes,
-# where the fused kernels lose. H100 (benchmarks/results/bench_gemm_routed_h100.md), speed-up over cuBLAS: W4A16 at
+# where the fused kernels lose. H100 (benchmarks/results/h100/bench_gemm_routed.md), speed-up over cuBLAS: W4A16 at
 # M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton ahead on 4 of 5; W8A16 at
 # M=256 Triton still ahead on 4 of 5 (0.52-0.63x vs 0.47-0.62x); at M=512 dequant+cuBLAS ahead on all 5 (0.58-0.66x
 # vs 0.42-0.59x).
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
-# (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (bench_gemm_wgmma_sweep_h100.md), its plan's
+# (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
 # 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on
 # dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
@@ -52,16 +52,16 @@ DEQUANT_MIN_M_W8 = 512
 WGMMA_W4 = True
 # ... and, for GEMV_ONLY_MAX_M < M <= CUDA_GEMV_MMA_MAX_M, instead of the tiled tensor-core GEMV where the wgmma plan
 # keeps at least WGMMA_MIN_WARPS warps per SM resident (``warps_per_sm`` of its plan). H100
-# (benchmarks/results/bench_gemm_gemv_vs_wgmma_h100.log), speed-up over cuBLAS at M = 17..32, GEMV vs wgmma: qkv
-# 1.64-1.67 vs 1.73-1.76 (11.6 warps), gate_up 1.52-1.62 vs 1.85-1.89 (13.6), down 1.68-1.75 vs 1.83-1.88 (15.5), 8k
+# (benchmarks/results/dev-logs/h100/bench_gemm_gemv_vs_wgmma.log), speed-up over cuBLAS at M = 17..32, GEMV vs wgmma:
+# qkv 1.64-1.67 vs 1.73-1.76 (11.6 warps), gate_up 1.52-1.62 vs 1.85-1.89 (13.6), down 1.68-1.75 vs 1.83-1.88 (15.5), 8k
 # 1.72-1.77 vs 2.01-2.05 (15.5); o 1.62-1.63 vs 1.43-1.44 (7.8 warps). At M <= 16 the GEMV won on all five
 # (2.07-2.63 vs 1.58-2.05).
 GEMV_ONLY_MAX_M = 16
 WGMMA_MIN_WARPS = 10
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
-# it; shapes it does not take fall through to Triton). H100 (bench_gemm_w8gemv_h100.md, bench_gemm_routed_h100_m1-4_final
-# .md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68 vs 1.72), M=4 ahead on 4 of 5, M=8
-# on 3 of 5 (first run).
+# it; shapes it does not take fall through to Triton). H100 (h100/bench_gemm_w8gemv.md,
+# dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
+# vs 1.72), M=4 ahead on 4 of 5, M=8 on 3 of 5 (first run).
 CUDA_W8_GEMV_MAX_M = 4
 
 
@@ -160,7 +160,7 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
         # No W8A16 kernel here fuses SwiGLU better than running it after: Triton's epilogue (a split of the MMA
         # accumulator into column pairs) ran at 1.33x / 0.81x of cuBLAS + F.silu * up on gate/up at M = 64 / 128
         # against 1.53x / 1.00x for the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
-        # benchmarks/results/bench_gemm_swiglu_h100.md). So the GEMM routes as without SwiGLU, then the activation.
+        # benchmarks/results/h100/bench_gemm_swiglu.md). So the GEMM routes as without SwiGLU, then the activation.
         return _swiglu_after(_w8_linear(x2, qweight, scales, bias), r2).reshape(*lead, n_out)
     return _w8_linear(x2, qweight, scales, bias, r2).reshape(*lead, N)
 
@@ -197,7 +197,7 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
         from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
 
-        # SwiGLU after the matmul: at M = 512 on gate/up (H100, benchmarks/results/bench_gemm_swiglu_h100.md) 0.74x
+        # SwiGLU after the matmul: at M = 512 on gate/up (H100, benchmarks/results/h100/bench_gemm_swiglu.md) 0.74x
         # of cuBLAS + F.silu * up, where the Triton kernel's fused epilogue ran at 0.38x.
         y = dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, None if swiglu else r2)
         return (_swiglu_after(y, r2) if swiglu else y).reshape(*lead, n_out)
