@@ -192,7 +192,7 @@ def load_text(spec: str) -> tuple[str, str]:
 
 def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
     """The text's token ids without special tokens, and the BOS id when the tokenizer adds one."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # (no "longer than the model" warning)
     probe, bare = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and len(probe) > len(bare) and probe[0] == bos
@@ -234,6 +234,9 @@ def run(args, log=print) -> dict:
     if not windows:
         raise EvalError(f"--text gives {len(ids)} tokens, too few to score; use a longer text")
     kind = args.reference if args.reference != "auto" else ("hf" if device.type == "cuda" else "ours")
+    if kind == "ours" and device.type == "cuda":
+        raise EvalError("--reference ours runs float32, which our CUDA kernels do not (float16/bfloat16 only); use "
+                        "--reference hf on CUDA (the default there), or --device cpu")
     try:
         if kind == "ours":
             reference = OurModel(LlamaModel.from_checkpoint(ckpt, quant="none", dtype=torch.float32, device=device),
@@ -270,8 +273,8 @@ def format_table(result: dict) -> str:
              f"{ref['seconds']:.0f}")]
     for b in result["builds"]:
         rows.append((b["name"], b["quant"], str(b["group_size"] or "-"), b["dtype"], f"{b['perplexity']:.3f}",
-                     f"{100 * b['perplexity_change']:+.2f}%", f"{b['top1_agreement']:.4f}", f"{b['kl_mean']:.5f}",
-                     f"{b['kl_max']:.3f}", f"{b['seconds']:.0f}"))
+                     f"{100 * b['perplexity_change']:+.2f}%", f"{b['top1_agreement']:.4f}", f"{b['kl_mean']:.3g}",
+                     f"{b['kl_max']:.3g}", f"{b['seconds']:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows)

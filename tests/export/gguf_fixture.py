@@ -46,10 +46,11 @@ def gguf_ready_tensor(hf: str, w: torch.Tensor, cfg: dict) -> torch.Tensor:
     return w
 
 
-def write_gguf(hf_dir, path, matrix_type: str = "F32", arch: str = "llama", tokenizer: bool = True,
+def write_gguf(hf_dir, path, matrix_type: str = "F32", arch: str = "llama", tokenizer: str | None = "gpt2",
                overrides: dict | None = None) -> Path:
     """Write ``hf_dir`` as a GGUF at ``path``; ``matrix_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, or any ggml type
-    name: types gguf.quants cannot make are written as zero bytes) for the 2-D tensors."""
+    name: types gguf.quants cannot make are written as zero bytes) for the 2-D tensors; ``tokenizer`` "gpt2" (the
+    checkpoint's byte-level BPE), "llama" (a made-up SentencePiece vocabulary of the same size) or None."""
     import gguf
     from safetensors.torch import load_file
 
@@ -75,8 +76,10 @@ def write_gguf(hf_dir, path, matrix_type: str = "F32", arch: str = "llama", toke
             w.add_string(key, value)
         else:
             w.add_uint32(key, value)
-    if tokenizer:
+    if tokenizer == "gpt2":
         _add_tokenizer(w, hf_dir)
+    elif tokenizer == "llama":
+        _add_spm_tokenizer(w, cfg["vocab_size"])
     for hf, t in state.items():
         if cfg.get("tie_word_embeddings") and hf == "lm_head.weight":
             continue
@@ -113,3 +116,26 @@ def _add_tokenizer(w, hf_dir: Path) -> None:
     w.add_eos_token_id(vocab["</s>"])
     w.add_unk_token_id(vocab["<unk>"])
     w.add_add_bos_token(False)
+
+
+# SentencePiece pieces after the 3 specials, 256 byte tokens, "\u2581" and a-z: each splits into two earlier pieces.
+SPM_PIECES = ["\u2581t", "he", "\u2581the", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te", "of",
+              "ed", "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha", "as", "ou", "io", "le", "ve", "co", "me"]
+
+
+def _add_spm_tokenizer(w, vocab_size: int) -> None:
+    """A Llama-2-style SentencePiece vocabulary (llama.cpp's ``llama`` tokenizer model: pieces with scores, byte
+    fallback tokens, no merges), padded or cut to ``vocab_size``."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"]
+    tokens += [chr(c) for c in range(ord("a"), ord("z") + 1)] + SPM_PIECES
+    tokens = (tokens + [f"<extra_{i}>" for i in range(vocab_size)])[:vocab_size]
+    types = [2, 3, 3] + [6] * 256 + [1] * (vocab_size - 259)  # UNKNOWN, CONTROL, BYTE, NORMAL
+    scores = [0.0] * 259 + [-float(i) for i in range(vocab_size - 259)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)

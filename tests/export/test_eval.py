@@ -98,7 +98,7 @@ def test_scores_match_a_direct_computation():
     assert d["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-5)
 
 
-@pytest.mark.parametrize("case", ["no_out", "no_checkpoint", "no_text", "cuda", "window"])
+@pytest.mark.parametrize("case", ["no_out", "no_checkpoint", "no_text", "cuda", "window", "ours_on_cuda"])
 def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
     ckpt, none, _ = builds
     argv = {
@@ -107,7 +107,10 @@ def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
         "no_text": [none, "--against", ckpt, "--text", tmp_path / "nope.txt"],
         "cuda": [none, "--against", ckpt, "--device", "cuda"],
         "window": [none, "--against", ckpt, "--window", "1"],
+        "ours_on_cuda": [none, "--against", ckpt, "--device", "cuda", "--reference", "ours"],
     }[case]
+    if case == "ours_on_cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (on CPU --device cuda is refused first)")
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     if case == "window":
@@ -120,7 +123,7 @@ def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert {"no_out": "python -m export.build", "no_checkpoint": "no such checkpoint", "no_text": "shipped text",
-            "cuda": "--device cpu"}[case] in lines[0]
+            "cuda": "--device cpu", "ours_on_cuda": "--reference hf"}[case] in lines[0]
 
 
 def test_shipped_texts_are_the_recorded_files_and_disjoint():

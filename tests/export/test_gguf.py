@@ -168,6 +168,21 @@ def test_tokenizer_round_trip(tiny_dirs, tmp_path):
     assert got.convert_tokens_to_ids("</s>") == 2
 
 
+def test_sentencepiece_tokenizer_via_transformers(tiny_dirs, tmp_path):
+    """A ``llama`` (SentencePiece) vocabulary goes through transformers' GGUF converter: pieces merge by score, BOS is
+    added, unknown characters fall back to bytes, and decoding gives the text back."""
+    from export.runtime.tokenizer import load_tokenizer
+
+    out = _convert(tiny_dirs("llama"), tmp_path, tokenizer="llama")
+    tok = load_tokenizer(out)
+    ids = tok("the cat")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["<s>", "\u2581the", "\u2581", "c", "at"]
+    for text in ("the theorem is seen", "déjà"):
+        ids = tok(text)["input_ids"]
+        assert ids[0] == 1 and tok.decode(ids, skip_special_tokens=True) == text
+    assert "<0xC3>" in tok.convert_ids_to_tokens(tok("é")["input_ids"])
+
+
 def test_load_checkpoint_reads_the_converted_dir(tiny_dirs, tmp_path):
     out = _convert(tiny_dirs("llama"), tmp_path, "Q8_0")
     ckpt = load_checkpoint(out)
@@ -240,3 +255,6 @@ def test_smollm2_greedy_text(tmp_path):
         gen = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
     text = tok.decode(gen[0, ids.shape[1]:])
     assert text.startswith(", the city of Nova Haven was a thriving metropolis"), text
+    from export.data import eval_text
+
+    assert len(tok(eval_text(), verbose=False)["input_ids"]) == 39357  # the issue asks for >= 20k tokens
