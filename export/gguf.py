@@ -224,11 +224,12 @@ def _write_weights(reader, cfg: dict, dest: Path, where: str, max_shard_bytes: i
 
 
 # --- conversion ---------------------------------------------------------------------------------------------------
-def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYTES, replace: bool = True) -> Path:
     """Convert ``gguf_path`` into an HF checkpoint directory at ``dest_dir`` and return it.
 
     The directory is written beside ``dest_dir`` under a temporary name and renamed at the end, so a failed or
-    interrupted conversion never leaves a half-written ``dest_dir``; an existing ``dest_dir`` is replaced.
+    interrupted conversion never leaves a half-written ``dest_dir``. An existing ``dest_dir`` is replaced; with
+    ``replace=False`` (the cache, where two processes may convert the same file at once) the first one stays.
     """
     from .gguf_tokenizer import write_tokenizer
 
@@ -260,13 +261,18 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
             "converter_version": CONVERTER_VERSION, "general.name": meta.get("general.name"),
             "general.license": meta.get("general.license"), "tensor_types": counts, "tokenizer": tok,
         }, indent=2))
-        if dest.exists():
+        if dest.exists() and replace:
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
             os.replace(dest, old)
             os.replace(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except OSError:  # replace=False and another process renamed its (identical) conversion there first
+                if replace or not (dest / "config.json").is_file():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -298,7 +304,7 @@ def cached_checkpoint(gguf_path, cache_dir=None, log_fn=None) -> Path:
         return dest
     if log_fn:
         log_fn(f"converting {gguf_path.name} to a safetensors checkpoint in {dest} (once; cached)")
-    return gguf_to_checkpoint(gguf_path, dest)
+    return gguf_to_checkpoint(gguf_path, dest, replace=False)
 
 
 def checkpoint_dir(path, log_fn=None) -> Path:

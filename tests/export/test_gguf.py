@@ -230,6 +230,16 @@ def test_cache_converts_once_and_again_after_a_change(tiny_dirs, tmp_path, monke
     assert eg.checkpoint_dir(tiny_dirs("llama")) == tiny_dirs("llama"), "a directory passes through"
 
 
+def test_cache_keeps_the_first_of_two_concurrent_conversions(tiny_dirs, tmp_path):
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "m.gguf")
+    dest = tmp_path / "cache" / "m"
+    first = eg.gguf_to_checkpoint(src, dest, replace=False)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert eg.gguf_to_checkpoint(src, dest, replace=False) == dest  # the loser of the race drops its copy
+    assert (dest / "config.json").stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["m"], "temp dirs left behind"
+
+
 def test_default_checkpoint_says_how_to_install(monkeypatch):
     import importlib.util
 
