@@ -3,7 +3,8 @@ gather + SDPA), all measured in one run on one card.
 
 Run on the GPU from the repo root: ``python3 -m benchmarks.bench_attention [--sweep [--sweep-prefill]]``. ``--sweep``
 first times a few decode tile configurations (``--sweep-prefill``: prefill tiles too); these are the numbers behind
-the defaults in ``kernels/prefill_attention.py`` and ``kernels/decode_attention.py``. Results: ``results/bench_attention_{prefill,decode,sweep}_<card>.{json,md}``.
+the defaults in ``kernels/prefill_attention.py`` and ``kernels/decode_attention.py``. Results:
+``benchmarks/results/<card>/bench_attention_{prefill,decode,sweep}.{json,md}``.
 
 Prefill: causal bf16, packed sequences of length S with batch 16384 // S (16k tokens per call); FLOPs counted as
 ``2 * 2 * S^2 * Hq * D / 2`` per sequence (causal half). Baseline: ``F.scaled_dot_product_attention`` forced onto
@@ -90,7 +91,8 @@ def _gather_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu, out, scratch):
 
 def _graphed(fn, sets):
     """One CUDA graph per input set replaying ``fn(*set)``: decode runs under CUDA graphs (torch runtime) or inside a
-    TensorRT engine, so the ~20-30 us of Python launch overhead is not what a deployment pays."""
+    TensorRT engine, so the Python launch overhead (``us_eager`` vs ``us`` in
+    ``results/<card>/bench_attention_decode.md``) is not what a deployment pays."""
     graphs = []
     for args in sets:
         fn(*args)  # compile / warm up outside capture

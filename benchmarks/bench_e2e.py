@@ -14,7 +14,8 @@ baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors
 - peak GPU memory of each configuration (weights included).
 
 Quantized modes have no HF counterpart: their ratios are against HF fp16, the plain-PyTorch way to run the model.
-Usage: ``python benchmarks/bench_e2e.py [--budget-s 330] [--layers 32]``; writes ``results/bench_e2e_<card>.*``.
+Usage: ``python benchmarks/bench_e2e.py [--budget-s 330] [--layers 32]``; writes
+``benchmarks/results/<card>/bench_e2e.{json,md}``.
 """
 
 from __future__ import annotations

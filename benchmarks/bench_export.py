@@ -3,7 +3,8 @@
 What a user runs on a real checkpoint, timed: ``python -m export.build --checkpoint CK --quant int4 --dtype float16``
 then ``python -m export.verify OUT --device D``. The checkpoint is random (no download), written as sharded fp16
 safetensors with the Llama-3-8B config. Each step runs as a child process so its peak RSS (``ru_maxrss``) is its own
-(host memory; verify's GPU use is not in it). The results say which device verify's torch parts ran on.
+(host memory; verify's GPU use is not in it). The results (``benchmarks/results/<card>/bench_export.{json,md}``, the
+card the machine's GPU, ``cpu`` without one) say which device verify's torch parts ran on.
 
     python benchmarks/bench_export.py [--layers 32] [--quant int4] [--device auto] [--workdir /tmp/bench_export]
 """
@@ -95,8 +96,9 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     shutil.rmtree(args.workdir, ignore_errors=True)
     ck, out = args.workdir / "checkpoint", args.workdir / "out"
-    # the steps' output goes straight to the results directory when there is one: a call cut off by its time limit
-    # still brings back the log of the step it was in
+    # the steps' output goes straight to the results directory when there is one (beside its card folders, not in
+    # them: a log is a development record): a call cut off by its time limit still brings back the log of the step
+    # it was in
     results_dir = os.environ.get("TRITRT_RESULTS_DIR")
     log = Path(results_dir) / "bench_export.log" if results_dir else args.workdir / "log.txt"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,10 @@ route to; the thresholds are recorded), the default Triton kernels and, from M =
 ``BENCH_GEMM_KERNELS=gemv8`` times only cuBLAS, the default W8A16 Triton kernel and the tensor-core W8A16 GEMV (its
 plan's variant, then one change at a time).
 
-Run: ``python benchmarks/bench_gemm.py`` (writes benchmarks/results/bench_gemm_<card>.{json,md}; set
-TRITRT_RESULTS_DIR to write elsewhere).
+Run: ``python benchmarks/bench_gemm.py``. Writes ``benchmarks/results/<card>/<name>.{json,md}`` (``TRITRT_RESULTS_DIR``
+for another root), the name after the kernel set: ``bench_gemm``, ``bench_gemm_gemv``, ``bench_gemm_w8gemv``,
+``bench_gemm_routed``, with ``_sweep`` under BENCH_GEMM_SWEEP=1 (``result_name``). Runs restricted by
+BENCH_GEMM_SHAPES / BENCH_GEMM_MS write the same name; the result's command line records the restriction.
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ EXTRA_W4 = [("gemv_bn64_u1", _GEMV, dict(use_dot=False, block_n=64, unroll=1)),
             ("bk128", _LARGE, dict(block_k=128))]
 
 
+def result_name(environ=os.environ) -> str:
+    """The result file's name for this run's kernel set (BENCH_GEMM_KERNELS) and sweep flag (BENCH_GEMM_SWEEP)."""
+    kernels = environ.get("BENCH_GEMM_KERNELS", "")
+    suffix = {"": "", "gemv": "_gemv", "gemv8": "_w8gemv", "routed": "_routed"}.get(kernels)
+    if suffix is None:
+        raise ValueError(f"BENCH_GEMM_KERNELS={kernels!r}: expected gemv, gemv8 or routed (or unset for all kernels)")
+    return "bench_gemm" + suffix + ("_sweep" if environ.get("BENCH_GEMM_SWEEP") == "1" else "")
+
+
 def rel_err(y, ref):
     return float((y.float() - ref).norm() / ref.norm())
 
@@ -92,6 +103,7 @@ def main():
     from kernels.csrc import w4a16_gemv_mma as mma
     from kernels.csrc import w8a16_gemv_mma as mma8
 
+    out_name = result_name()  # checks BENCH_GEMM_KERNELS before the run, not after it
     sweep = os.environ.get("BENCH_GEMM_SWEEP") == "1"
     gemv_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv"
     gemv8_only = os.environ.get("BENCH_GEMM_KERNELS") == "gemv8"  # W8: cuBLAS, Triton default, tensor-core GEMV
@@ -237,7 +249,7 @@ def main():
                                                          "WGMMA_W4")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
             "speedup_eager"]
-    write_results("bench_gemm" + ("_sweep" if sweep else "_routed" if routed else ""), rows, cols, meta,
+    write_results(out_name, rows, cols, meta,
                   notes="ms/speedup: CUDA-graph replay of back-to-back calls over rotating weights (no host launch "
                         "overhead), speedup = cuBLAS fp16 time / kernel time, same run, same M. ms_eager/speedup_eager: "
                         "do_bench of single eager calls (host launch included, L2 flushed between calls). weight_gbs "

@@ -11,7 +11,7 @@ Rows per (weights, M), each timed in the same run as a CUDA graph over rotating 
   the activation in their epilogue, from M = 256 (W4) / 512 (W8) to dequantize + cuBLAS with the activation after it,
   otherwise the Triton GEMM with its SwiGLU epilogue.
 Relative error vs silu(gate) * up in fp32 on the dequantized weights (the torch row: on the fp16 weight). Writes
-benchmarks/results/bench_gemm_swiglu_<card>.{json,md}.
+benchmarks/results/<card>/bench_gemm_swiglu.{json,md}.
 
 Run: ``python benchmarks/bench_gemm_swiglu.py``
 """

@@ -7,7 +7,7 @@ cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's varian
 ``DSMEM_MIN_TILE`` outputs, over a cluster's DSMEM (plus, at M = 64, 3 pipeline stages for two shapes; at M > 64, the
 64-row block shapes too). Each time is the median of
 CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
-the dequantized weight. H100/H200 only (sm_90). Writes benchmarks/results/bench_gemm_wgmma_sweep_<card>.{json,md}.
+the dequantized weight. H100/H200 only (sm_90). Writes benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md}.
 
 Run: ``python benchmarks/bench_gemm_wgmma_sweep.py``
 """

@@ -8,7 +8,8 @@ Shapes: hidden 4096 (Llama-3-8B) and 8192 (Llama-3-70B) x tokens 4096 and 32768,
 ``[tokens, 2I]`` gate/up tensor with the matching intermediate size (I = 14336 and 28672). A small launch-config
 sweep at the largest shapes records how close the chosen configs are to the best nearby one.
 
-Run on the GPU: ``TRITRT_RESULTS_DIR=... python3 benchmarks/bench_norm_act.py`` (writes bench_norm_act_<card>.*).
+Run on the GPU: ``python3 benchmarks/bench_norm_act.py`` (writes ``benchmarks/results/<card>/bench_norm_act.{json,md}``
+and, unless TRITRT_SWEEP=0, ``bench_norm_act_sweep``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """The benchmark harness: device-event timing, rotating inputs, the copy-bandwidth ceiling, JSON + markdown results.
 
 Every benchmark script times our kernel and its PyTorch baseline in the same run, on the same inputs, and writes
-one results file pair under ``benchmarks/results/`` named after the script and the card.
+one result pair per benchmark, ``benchmarks/results/<card>/<name>.{json,md}`` (the card's folder from
+``torch.cuda.get_device_name()``: "NVIDIA H100 80GB HBM3" -> ``h100``; ``cpu`` without CUDA), replacing that card's
+previous result of the same benchmark: the folder holds what is current, git holds the history. Each result records
+what it measured: the commit, whether the tree was dirty (and where), the card, driver, torch, triton and CUDA
+versions, the date and the command. ``TRITRT_RESULTS_DIR`` writes the card folders somewhere else (a dev run, or
+``$OUT`` on a lent GPU machine).
 
 Timing: ``triton.testing.do_bench`` (CUDA events, median of repeats, L2 flushed between repeats). For memory-bound
 kernels whose inputs fit in L2 (50-60 MB on H100/H200) the caller passes several input sets whose total exceeds
@@ -11,55 +16,126 @@ L2, and ``bench`` cycles through them so no repeat reads a warm cache.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = RESULTS_DIR.parents[1]
 L2_BYTES = 64 << 20  # >= the L2 of H100 (50 MB) and H200 (60 MB)
 # Llama-3-8B's config.json fields (the end-to-end and export benchmarks' model shape).
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
                  rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                  architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16", hidden_act="silu")
+# Card folders by the first of these found in the device name (more specific before less: l40s before l40).
+CARD_TAGS = ("h100", "h200", "b200", "a100", "l40s", "l40")
+DIRTY_PATHS_SHOWN = 20
 
 
-def env_info() -> dict:
-    """GPU name, driver, CUDA, torch and triton versions: recorded with every result."""
-    import triton
-
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, sm_count=props.multi_processor_count, gpu_mem_gib=round(props.total_memory / 2**30, 1))
-        try:
-            import subprocess
-
-            info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            info["driver"] = "unknown"
-    return info
-
-
-def card_slug() -> str:
-    """A short file-name tag for the card, e.g. 'h100' or 'h200'."""
-    name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else "cpu"
-    for tag in ("h200", "h100", "a100", "l40", "b200"):
+def card_name(device_name: str | None) -> str:
+    """The results folder of a card: "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200", no GPU -> "cpu";
+    other cards by name ("NVIDIA GeForce RTX 4090" -> "geforce-rtx-4090")."""
+    if not device_name:
+        return "cpu"
+    name = device_name.lower()
+    for tag in CARD_TAGS:
         if tag in name:
             return tag
-    return "".join(c for c in name if c.isalnum())[:16] or "gpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.replace("nvidia", "")).strip("-")[:32] or "gpu"
+
+
+def gpu_info() -> dict | None:
+    """Name, SM count, memory and driver of GPU 0, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        driver = "unknown"
+    return dict(gpu=torch.cuda.get_device_name(0), driver=driver, sm_count=props.multi_processor_count,
+                gpu_mem_gib=round(props.total_memory / 2**30, 1))
+
+
+def git_state(repo: Path | None = None) -> dict:
+    """The commit measured and the uncommitted changes under it, taken once per process (the first call: the first
+    timing or result of the run).
+
+    ``dirty_paths`` lists ``git status --porcelain`` entries (status code and path), outside the results folder (a
+    run's own output is not a change to what it measured), at most ``DIRTY_PATHS_SHOWN`` of them. A copy of the tree
+    without ``.git`` (what a lent GPU machine gets) reads ``TRITRT_COMMIT`` and ``TRITRT_DIRTY`` (entries separated by
+    commas or newlines; empty: clean) instead, which the caller sets from git where the repository is; with neither,
+    the commit is "unknown" and ``dirty`` None.
+    """
+    return _git_state(Path(repo or REPO_ROOT).resolve())
+
+
+@functools.lru_cache(maxsize=None)
+def _git_state(repo: Path) -> dict:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        entries = [ln.strip() for ln in git("status", "--porcelain", "--", ".",
+                                             ":(exclude)benchmarks/results").splitlines() if ln.strip()]
+        source = "git"
+    except (OSError, subprocess.CalledProcessError):
+        commit, source = os.environ.get("TRITRT_COMMIT"), "TRITRT_COMMIT"
+        dirty_env = os.environ.get("TRITRT_DIRTY")
+        entries = None if dirty_env is None else [e.strip() for e in re.split(r"[,\n]", dirty_env) if e.strip()]
+        if not commit:
+            return dict(commit="unknown", dirty=None, dirty_paths=[], commit_source=None)
+    shown = (entries or [])[:DIRTY_PATHS_SHOWN]
+    if entries and len(entries) > len(shown):
+        shown.append(f"... and {len(entries) - len(shown)} more")
+    return dict(commit=commit, dirty=None if entries is None else bool(entries), dirty_paths=shown,
+                commit_source=source)
+
+
+def _command() -> str:
+    """How the benchmark was started: its BENCH_* variables and argv (script path relative to the repository)."""
+    argv = list(sys.argv)
+    if argv and argv[0]:
+        try:
+            argv[0] = str(Path(argv[0]).resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("BENCH_")]
+    return " ".join(env + ["python", *argv])
+
+
+def run_info() -> dict:
+    """Recorded with every result: date, host, card, GPU, driver, torch / triton / CUDA versions, commit, dirty
+    paths and command."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = gpu_info()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "card": card_name(gpu["gpu"] if gpu else None),
+        **(gpu or {}),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        **git_state(),
+        "command": _command(),
+    }
 
 
 def rotating_inputs(make: Callable[[], tuple], bytes_per_set: int, min_total: int = 2 * L2_BYTES) -> list[tuple]:
@@ -74,10 +150,12 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
 
     ``cuda_graph=True``: capture one CUDA graph that calls ``fn`` once per input set, back to back, time its replays
     and divide by the number of sets. This leaves out the host's launch overhead (a decode step runs as a graph or a
-    TensorRT engine, not from Python), which otherwise dominates kernels of ~10-50 us; rotation still keeps every
-    call's inputs out of L2.
+    TensorRT engine, not from Python), which otherwise dominates short kernels (``ms`` vs ``ms_eager`` in
+    ``results/<card>/bench_gemm_routed.md``); rotation still keeps every call's inputs out of L2.
     """
     import triton.testing
+
+    git_state()  # the tree measured, taken before the first timing (a long run outlives edits to the working tree)
 
     if cuda_graph:
         side = torch.cuda.Stream()
@@ -112,13 +190,33 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, dtype=torch.bfloat16) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def write_results(name: str, rows: list[dict], columns: Sequence[str], meta: dict | None = None, notes: str = "") -> Path:
-    """Write ``results/<name>_<card>.json`` and ``.md`` (a markdown table of ``columns``); return the .md path."""
-    out_dir = Path(os.environ.get("TRITRT_RESULTS_DIR", RESULTS_DIR))
+def results_dir(card: str) -> Path:
+    """``benchmarks/results/<card>`` (or ``$TRITRT_RESULTS_DIR/<card>``)."""
+    return Path(os.environ.get("TRITRT_RESULTS_DIR") or RESULTS_DIR) / card
+
+
+def _provenance_line(info: dict) -> str:
+    commit = info["commit"] if info["commit"] == "unknown" else info["commit"][:12]
+    if info["dirty"] is None:
+        state = "uncommitted changes unknown"
+    elif info["dirty"]:
+        state = "plus uncommitted changes: " + ", ".join(info["dirty_paths"])
+    else:
+        state = "clean tree"
+    return f"commit {commit}, {state} | `{info['command']}`"
+
+
+def write_results(name: str, rows: list[dict], columns: Sequence[str], meta: dict | None = None,
+                  notes: str = "") -> Path:
+    """Write ``<card>/<name>.json`` (``run_info()``, ``meta`` and ``rows``) and ``<card>/<name>.md`` (the same with a
+    markdown table of ``columns``) under ``results_dir``, replacing the card's previous result; return the .md path."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"benchmark name {name!r}: letters, digits, '_' and '-' only (it names the result files)")
+    info = run_info()
+    out_dir = results_dir(info["card"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = env_info()
-    stem = out_dir / f"{name}_{card_slug()}"
-    payload = {"benchmark": name, "env": env, "meta": meta or {}, "rows": rows}
+    stem = out_dir / name
+    payload = {"benchmark": name, "env": info, "meta": meta or {}, "rows": rows}
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
 
     def fmt(v):
@@ -126,8 +224,9 @@ def write_results(name: str, rows: list[dict], columns: Sequence[str], meta: dic
             return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
         return str(v)
 
-    lines = [f"# {name}", "", f"{env.get('gpu', 'no GPU')} | driver {env.get('driver', '-')} | torch {env['torch']} | "
-             f"triton {env['triton']} | CUDA {env['cuda']} | {env['date']}", ""]
+    lines = [f"# {name}", "",
+             f"{info.get('gpu', 'no GPU')} | driver {info.get('driver', '-')} | torch {info['torch']} | "
+             f"triton {info['triton']} | CUDA {info['cuda']} | {info['date']}", "", _provenance_line(info), ""]
     for k, v in (meta or {}).items():
         lines.append(f"- {k}: {fmt(v)}")
     if meta:

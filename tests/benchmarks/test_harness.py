@@ -1,0 +1,118 @@
+"""The benchmark harness's results, on the CPU: the card folder from the device name, one JSON + one markdown per
+benchmark, and the provenance every result records (commit, dirty paths, card, driver, versions, date). The GPU is
+faked (``gpu_info``) and the repository is a throwaway git repo, so no timing runs and nothing is written into ours."""
+
+import datetime
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import harness
+
+FAKE_H100 = dict(gpu="NVIDIA H100 80GB HBM3", driver="580.159.04", sm_count=132, gpu_mem_gib=79.2)
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A one-commit git repo standing in for the checkout; results go to its benchmarks/results."""
+    root = tmp_path / "repo"
+    (root / "kernels").mkdir(parents=True)
+    (root / "kernels" / "op.py").write_text("x = 1\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "one")
+    monkeypatch.setattr(harness, "REPO_ROOT", root)
+    monkeypatch.setenv("TRITRT_RESULTS_DIR", str(root / "benchmarks" / "results"))
+    monkeypatch.setattr(harness, "gpu_info", lambda: dict(FAKE_H100))
+    return root
+
+
+@pytest.mark.parametrize("device, card", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100"),
+                                          ("NVIDIA H200", "h200"), (None, "cpu"),
+                                          ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090")])
+def test_card_name(device, card):
+    assert harness.card_name(device) == card
+
+
+def test_layout_and_provenance_of_a_dirty_tree(repo):
+    (repo / "kernels" / "op.py").write_text("x = 2\n")
+    (repo / "kernels" / "new.py").write_text("")
+    rows = [dict(shape="qkv", M=1, ms=0.0125, speedup=2.5)]
+    md = harness.write_results("bench_fake", rows, ["shape", "M", "ms", "speedup"], meta={"group_size": 128})
+
+    results = repo / "benchmarks" / "results"
+    assert md == results / "h100" / "bench_fake.md"
+    assert sorted(p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file()) == [
+        "h100/bench_fake.json", "h100/bench_fake.md"]
+    payload = json.loads(md.with_suffix(".json").read_text())
+    env = payload["env"]
+    assert payload["benchmark"] == "bench_fake" and payload["rows"] == rows and payload["meta"] == {"group_size": 128}
+    assert env["commit"] == _git(repo, "rev-parse", "HEAD") and env["commit_source"] == "git"
+    assert env["dirty"] is True and env["dirty_paths"] == ["M kernels/op.py", "?? kernels/new.py"]
+    assert (env["card"], env["gpu"], env["driver"]) == ("h100", FAKE_H100["gpu"], FAKE_H100["driver"])
+    assert env["torch"] and env["triton"]
+    datetime.datetime.fromisoformat(env["date"])
+    text = md.read_text()
+    assert env["commit"][:12] in text and "M kernels/op.py" in text and "580.159.04" in text
+    assert "| qkv | 1 | 0.0125 | 2.5 |" in text
+
+
+def test_a_rerun_replaces_the_result_and_its_own_output_is_not_dirt(repo):
+    first = harness.write_results("bench_fake", [dict(ms=1.0)], ["ms"])
+    # the first result (untracked, inside the repo) and a second benchmark of the same run: still a clean tree
+    harness._git_state.cache_clear()
+    second = harness.write_results("bench_fake", [dict(ms=2.0)], ["ms"])
+    assert first == second
+    payload = json.loads(second.with_suffix(".json").read_text())
+    assert payload["rows"] == [dict(ms=2.0)]
+    assert payload["env"]["dirty"] is False and payload["env"]["dirty_paths"] == []
+    assert "clean tree" in second.read_text()
+
+
+def test_state_taken_once_per_run(repo):
+    before = harness.git_state()
+    (repo / "kernels" / "op.py").write_text("edited while the benchmark ran\n")
+    assert harness.git_state() == before and before["dirty"] is False
+
+
+def test_copy_without_git_reads_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "REPO_ROOT", tmp_path)  # no .git: what a lent GPU machine gets
+    monkeypatch.delenv("TRITRT_COMMIT", raising=False)
+    monkeypatch.delenv("TRITRT_DIRTY", raising=False)
+    assert harness.git_state(tmp_path) == dict(commit="unknown", dirty=None, dirty_paths=[], commit_source=None)
+
+    harness._git_state.cache_clear()
+    monkeypatch.setenv("TRITRT_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("TRITRT_DIRTY", "M kernels/op.py, ?? kernels/new.py")
+    state = harness.git_state(tmp_path)
+    assert state == dict(commit="0123456789abcdef", dirty=True, dirty_paths=["M kernels/op.py", "?? kernels/new.py"],
+                         commit_source="TRITRT_COMMIT")
+
+
+def test_many_dirty_paths_are_cut_short(repo):
+    for i in range(harness.DIRTY_PATHS_SHOWN + 5):
+        (repo / "kernels" / f"f{i:02d}.py").write_text("")
+    paths = harness.git_state()["dirty_paths"]
+    assert len(paths) == harness.DIRTY_PATHS_SHOWN + 1 and paths[-1] == "... and 5 more"
+
+
+def test_bad_benchmark_name(repo):
+    with pytest.raises(ValueError, match="letters, digits"):
+        harness.write_results("../bench", [], ["ms"])
+
+
+def test_bench_gemm_result_names():
+    from benchmarks.bench_gemm import result_name
+
+    assert result_name({}) == "bench_gemm"
+    assert result_name({"BENCH_GEMM_KERNELS": "routed"}) == "bench_gemm_routed"
+    assert result_name({"BENCH_GEMM_KERNELS": "gemv8"}) == "bench_gemm_w8gemv"
+    assert result_name({"BENCH_GEMM_KERNELS": "gemv", "BENCH_GEMM_SWEEP": "1"}) == "bench_gemm_gemv_sweep"
+    with pytest.raises(ValueError, match="BENCH_GEMM_KERNELS"):
+        result_name({"BENCH_GEMM_KERNELS": "gemm"})
