@@ -1,26 +1,38 @@
 """``python -m export.build``: HF checkpoint -> (quantized) weights -> ONNX (plugin + reference) -> kernels -> engine.
 
 With no ``--checkpoint`` it first writes the built-in tiny LLaMA (seeded, random) to a temp dir, so the whole path runs
-on a fresh machine. Everything goes to a temp dir beside OUT that is renamed to OUT at the end: a failed build leaves an
-existing OUT as it was. Steps that cannot run here (the AOT kernels under Triton's interpreter, the engine without
-TensorRT) are skipped with the reason, and the summary at the end lists what was produced and what was skipped.
-``--from-onnx OUT`` builds only the engine of an existing OUT (on the machine that has TensorRT).
+on a fresh machine. Everything cheap is checked before anything is written (arguments, the checkpoint's config and
+shard headers, OUT, ``--sm``); OUT must be new, empty or an earlier output of this command (``export.outdir``), and
+the build goes to a temp dir beside OUT that replaces it atomically at the end: a failed or killed build leaves OUT as
+it was. Steps that cannot run here (the AOT kernels under Triton's interpreter, the engine without TensorRT) are skipped
+with the reason; the summary lists what was produced, what was skipped, notes on choices made for the user (e.g. the
+dtype) and the total time. Progress goes to stderr when it is a terminal. ``--from-onnx OUT`` builds only the engine of
+an existing OUT (on the machine that has TensorRT).
 """
 
 from __future__ import annotations
 
-import argparse
+import errno
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from .cli import ArgumentParser, Progress, print_error
+from .outdir import OutDirError, WorkDir, check_out, our_output
+
+if TYPE_CHECKING:
+    from .checkpoint import LlamaConfig
 
 MODELS = ("llama",)
 QUANTS = ("none", "int8", "int4")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+GROUP_SIZES = (32, 64, 128)
+HALF_DTYPES = ("float16", "bfloat16")
+_DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM)
 # The built-in tiny model: every dim a multiple of 128 so int4 works at the default group size; head_dim 32.
 TINY_BUILD = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=2, vocab_size=320, max_position_embeddings=512)
@@ -30,29 +42,45 @@ class BuildError(RuntimeError):
     """A build cannot proceed; the message says what to do."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m export.build", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=MODELS, default="llama", help="model family (default: llama)")
-    p.add_argument("--quant", choices=QUANTS, default="none", help="weight-only quantization of the linear layers")
-    p.add_argument("--checkpoint", type=Path, help="local HF model directory (default: build the built-in tiny LLaMA)")
-    p.add_argument("--out", type=Path, help="output directory (default: ./build/<model>-<quant>)")
-    p.add_argument("--sm", type=int, help="target compute capability for the AOT kernels, e.g. 90 (default: this "
-                   "machine's GPU, else 90)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="activation/weight dtype (default: the "
-                   "checkpoint's; the GPU kernels need float16 or bfloat16)")
-    p.add_argument("--group-size", type=int, default=128, help="int4 group size along in_features (32, 64, 128)")
-    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (power of two <= 128)")
+def _supported_sms() -> tuple[int, ...]:
+    from kernels.aot.compile import SUPPORTED_SM  # a light import: no torch, no GPU query
+
+    return tuple(SUPPORTED_SM)
+
+
+def parse_args(argv=None):
+    sms = _supported_sms()
+    p = ArgumentParser(prog="python -m export.build", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=MODELS, default="llama",
+                   help="model family. llama covers every checkpoint export.checkpoint reads: Llama 2/3/3.1, "
+                   "TinyLlama, Mistral without a sliding window and Qwen2; the architecture itself is read from the "
+                   "checkpoint's config.json")
+    p.add_argument("--quant", choices=QUANTS, default="none", help="weight-only quantization of the linear layers "
+                   "(a GPTQ/AWQ checkpoint keeps its own int4)")
+    p.add_argument("--checkpoint", type=Path, help="local HF model directory: config.json + *.safetensors "
+                   "(default: the built-in tiny LLaMA, seeded random weights)")
+    p.add_argument("--out", type=Path, help="output directory; must be new, empty or an earlier output of this "
+                   "command, which is replaced (default: ./build/<model>-<quant>)")
+    p.add_argument("--sm", type=int, choices=sms, metavar="{" + ",".join(map(str, sms)) + "}",
+                   help="target compute capability of the AOT kernels (default: this machine's GPU, else 90)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weight and activation dtype. auto: the checkpoint's if float16 or bfloat16, else float16 "
+                   "(TensorRT's attention and GEMM plugins take only these two); float32 builds for CPU checks only")
+    p.add_argument("--group-size", type=int, help="int4 group size along in_features: 32, 64 or 128 (default: 128; "
+                   "only int4 uses it)")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens, a power of two <= 128")
     p.add_argument("--max-num-tokens", type=int, default=2048, help="most tokens in one step (prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step (decode batch)")
     p.add_argument("--max-seq-len", type=int, help="longest sequence (default: min(max_position_embeddings, 8192))")
     p.add_argument("--num-blocks", type=int, help="largest KV-cache pool in blocks the engine accepts "
                    "(default: max-num-seqs full sequences)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in tiny model")
-    p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file (default: ~/.cache/tritrt/...)")
+    p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file (default: ~/.cache/tritrt/"
+                   "trt_timing.cache, or $TRITRT_TIMING_CACHE)")
     p.add_argument("--no-engine", action="store_true", help="skip the TensorRT engine even if TensorRT is present")
     p.add_argument("--from-onnx", type=Path, metavar="OUT", help="only build model.engine for an existing OUT")
     args = p.parse_args(argv)
-    if args.group_size not in (32, 64, 128):
+    if args.quant == "int4" and args.group_size is not None and args.group_size not in GROUP_SIZES:
         p.error(f"--group-size {args.group_size}: choose 32, 64 or 128")
     if args.block_size < 1 or args.block_size > 128 or args.block_size & (args.block_size - 1):
         p.error(f"--block-size {args.block_size}: choose a power of two in 1..128")
@@ -80,18 +108,75 @@ def _human(n: int) -> str:
         n /= 1024
 
 
+@dataclass
+class Plan:
+    """Everything decided before the build writes anything."""
+    out: Path
+    checkpoint: Optional[Path]  # None: the built-in tiny model
+    config: LlamaConfig
+    hf_config: Optional[dict]  # the checkpoint's config.json; None for the built-in tiny model
+    dtype: str
+    group_size: int
+    sm: int
+    sm_source: str
+    limits: dict
+    notes: list[str] = field(default_factory=list)
+
+
+def _dtype(requested: str, ckpt_dtype: str, builtin: bool) -> tuple[str, Optional[str]]:
+    """(dtype to build, note for the summary or None): ``auto`` never picks a dtype TensorRT's plugins cannot take."""
+    if requested != "auto" or ckpt_dtype in HALF_DTYPES:
+        return (ckpt_dtype if requested == "auto" else requested), None
+    what = "the built-in tiny model" if builtin else "the checkpoint"
+    return "float16", (f"dtype float16: {what} is {ckpt_dtype}, and TensorRT's attention and GEMM plugins take only "
+                       f"float16/bfloat16 (--dtype float32 builds for CPU checks only)")
+
+
 def _limits(args, config) -> dict:
     max_seq_len = args.max_seq_len or min(config.max_position_embeddings, 8192)
     if max_seq_len > config.max_position_embeddings:
         raise BuildError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
+                         f"{config.max_position_embeddings}; pass at most that")
     per_seq = -(-max_seq_len // args.block_size)
     return dict(max_seq_len=max_seq_len, max_num_tokens=max(args.max_num_tokens, args.max_num_seqs),
                 max_num_seqs=args.max_num_seqs, max_blocks_per_seq=per_seq,
                 num_blocks=args.num_blocks or args.max_num_seqs * per_seq + 1)
 
 
-def _export_onnx(model, tmp: Path, args, log) -> list[str]:
+def plan_build(args) -> Plan:
+    """Check everything cheap, in the order a user fixes it, before anything is created; raises ``CheckpointError``,
+    ``OutDirError`` or ``BuildError`` with the message to show."""
+    from kernels.aot.compile import interpreter_enabled
+
+    from .checkpoint import LlamaConfig, check_weight_files, read_hf_config
+
+    notes = []
+    if args.checkpoint is not None:
+        hf = read_hf_config(args.checkpoint)
+        config = LlamaConfig.from_hf(hf, str(args.checkpoint / "config.json"))
+        check_weight_files(args.checkpoint)
+    else:
+        hf = None
+        config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **TINY_BUILD))
+    out = (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
+    check_out(out, args.checkpoint)
+    dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=args.checkpoint is None)
+    notes += [note] if note else []
+    if args.quant != "int4" and args.group_size is not None:
+        notes.append(f"--group-size {args.group_size} ignored: only --quant int4 uses it")
+    if args.sm:
+        sm, sm_source = args.sm, "--sm"
+    else:
+        sm, sm_source = default_sm()
+        if sm not in _supported_sms() and not interpreter_enabled():
+            raise BuildError(f"this machine's GPU is sm_{sm}, for which the AOT kernels cannot be compiled; pass "
+                             f"--sm with one of {', '.join(map(str, _supported_sms()))} to build for another card")
+    return Plan(out=out, checkpoint=args.checkpoint, config=config, hf_config=hf, dtype=dtype,
+                group_size=args.group_size or 128, sm=sm, sm_source=sm_source, limits=_limits(args, config),
+                notes=notes)
+
+
+def _export_onnx(model, tmp: Path, args, log, progress) -> list[str]:
     try:
         from .onnx_export import export_onnx
     except ImportError as e:
@@ -99,26 +184,30 @@ def _export_onnx(model, tmp: Path, args, log) -> list[str]:
     for flavour in ("plugin", "reference"):
         path = tmp / f"model.{flavour}.onnx"
         t0 = time.perf_counter()
-        export_onnx(model, model.config, path, flavour, block_size=args.block_size, dtype=model.dtype,
-                    quant=model.quant, group_size=model.group_size if model.quant == "int4" else None)
+        with progress.step(f"exporting {path.name}"):
+            export_onnx(model, model.config, path, flavour, block_size=args.block_size, dtype=model.dtype,
+                        quant=model.quant, group_size=model.group_size if model.quant == "int4" else None)
         log(f"  {path.name} ({time.perf_counter() - t0:.1f} s)")
     return []
 
 
-def _aot_kernels(tmp: Path, sm: int, log) -> list[str]:
+def _aot_kernels(tmp: Path, sm: int, log, progress) -> list[str]:
     from kernels.aot.compile import interpreter_enabled
 
     if interpreter_enabled():
         return ["AOT kernels skipped: TRITON_INTERPRET=1 is set (AOT needs Triton's compiler; unset it)"]
     try:
         from kernels.aot.__main__ import build as aot_build
+        from trt_plugins.specs import SPECS
     except ImportError as e:
         return [f"AOT kernels skipped: kernels.aot is not available ({e})"]
-    try:
-        manifest = aot_build(sm, tmp / "kernels", log=lambda m: None)
-    except SystemExit as e:  # kernels.aot reports bad input (e.g. an unsupported --sm) as its CLI would
-        raise BuildError(str(e)) from None
-    log(f"  kernels/manifest.json ({len(manifest['kernels'])} kernels, sm_{sm})")
+    t0 = time.perf_counter()
+    with progress.step(f"compiling kernels for sm_{sm}", total=sum(len(s.samples) for s in SPECS.values())) as step:
+        manifest = aot_build(sm, tmp / "kernels", log=lambda m: step())
+    log(f"  kernels/manifest.json ({len(manifest['kernels'])} kernels, sm_{sm}, {time.perf_counter() - t0:.1f} s)")
+    if manifest["failed"]:
+        return [f"{len(manifest['failed'])} AOT kernel specialisation(s) failed for sm_{sm} (listed under 'failed' in "
+                f"kernels/manifest.json)"]
     return []
 
 
@@ -135,92 +224,117 @@ def _engine(work_dir: Path, build: dict, args, log, out: Path) -> list[str]:
     return []
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``; an existing ``out`` is removed only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _write_tiny(path: Path, seed: int) -> Path:
+    import transformers
+
+    from .checkpoint import make_tiny_llama
+
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar is not our progress
+    return make_tiny_llama(path, seed=seed, **TINY_BUILD)
 
 
-def run_build(args, log=print) -> tuple[Path, list[str]]:
-    """Build OUT; returns (OUT, skipped-step notes). Raises CheckpointError / BuildError / ValueError on bad input."""
+def _copy_hf_files(plan: Plan, ckpt_dir: Path, tmp: Path) -> tuple[Optional[list[str]], list[str]]:
+    """config.json and the tokenizer files into ``tmp``; returns (tokenizer files or None, skipped notes)."""
+    from .checkpoint import TOKENIZER_FILES
+
+    hf_config = json.loads((ckpt_dir / "config.json").read_text()) if plan.hf_config is None else dict(plan.hf_config)
+    hf_config.pop("quantization_config", None)  # OUT's weights are ours, in weights.safetensors
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    copied = [f for f in TOKENIZER_FILES if (ckpt_dir / f).is_file()]
+    for f in copied:
+        shutil.copy2(ckpt_dir / f, tmp / f)
+    if "tokenizer.json" in copied:
+        return [f for f in copied if f != "generation_config.json"], []
+    also = f" (it has {', '.join(copied)}, but export.run reads tokenizer.json)" if "tokenizer.model" in copied else ""
+    return None, [f"tokenizer skipped: {ckpt_dir} has no tokenizer.json{also}; prompt this OUT with "
+                  f"`python -m export.run OUT --prompt-ids 1,2,3`"]
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    skipped: list[str]
+    notes: list[str]
+    seconds: float
+
+
+def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResult:
+    """Build OUT. Raises ``CheckpointError`` / ``OutDirError`` / ``BuildError`` / ``ValueError`` on bad input, before
+    anything is created when the input is checkable up front (see ``plan_build``)."""
+    t_start = time.perf_counter()
+    progress = progress or Progress(enabled=False)
+    plan = plan_build(args)
     import torch
 
-    from .checkpoint import load_checkpoint, make_tiny_llama
     from .model import LlamaModel
     from .quantize import save_weights
 
-    out = (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     skipped: list[str] = []
-    try:
-        ckpt_dir = args.checkpoint
+    with WorkDir(plan.out, plan.checkpoint, log) as work:
+        tmp = work.path
+        ckpt_dir = plan.checkpoint
         if ckpt_dir is None:
-            ckpt_dir = make_tiny_llama(tmp / "_tiny_checkpoint", seed=args.seed, **TINY_BUILD)
+            with progress.step("writing the built-in tiny LLaMA"):
+                ckpt_dir = _write_tiny(tmp / "_tiny_checkpoint", args.seed)
             log(f"no --checkpoint: built-in tiny LLaMA (seed {args.seed})")
-        ckpt = load_checkpoint(ckpt_dir)
-        dtype_name = ckpt.config.torch_dtype if args.dtype == "auto" else args.dtype
-        if dtype_name not in ("float16", "bfloat16", "float32"):
-            raise BuildError(f"checkpoint dtype '{dtype_name}' is not supported; pass --dtype float16 or bfloat16")
         t0 = time.perf_counter()
-        model = LlamaModel.from_checkpoint(ckpt_dir, quant=args.quant, dtype=getattr(torch, dtype_name),
-                                           group_size=args.group_size)
-        if ckpt.quantization_config and model.quant != args.quant:
-            log(f"note: {ckpt.quantization_config.get('quant_method')} checkpoint: its own {model.quant} "
-                f"(group {model.group_size}) weights are used; --quant {args.quant} ignored")
-        log(f"loaded {ckpt_dir} ({ckpt.config.num_layers} layers, hidden {ckpt.config.hidden_size}, quant "
-            f"{model.quant}, {dtype_name}) in {time.perf_counter() - t0:.1f} s")
-        sm, sm_why = (args.sm, "--sm") if args.sm else default_sm()
+        with progress.step(f"loading {'and quantizing ' if args.quant != 'none' else ''}the weights ({plan.dtype})"):
+            model = LlamaModel.from_checkpoint(ckpt_dir, quant=args.quant, dtype=getattr(torch, plan.dtype),
+                                               group_size=plan.group_size)
+        if model.quant != args.quant:  # a GPTQ/AWQ checkpoint
+            method = (plan.hf_config or {}).get("quantization_config", {}).get("quant_method")
+            plan.notes.append(f"{method} checkpoint: its own {model.quant} (group {model.group_size}) weights are "
+                              f"used; --quant {args.quant} ignored")
+        source = args.checkpoint if args.checkpoint else "the built-in tiny LLaMA"
+        log(f"loaded {source} ({plan.config.num_layers} layers, hidden {plan.config.hidden_size}, quant {model.quant}, "
+            f"{plan.dtype}) in {time.perf_counter() - t0:.1f} s")
+        # Each int4 weight's own group size: the largest allowed that divides its in_features.
+        group_sizes = model.group_sizes if model.quant == "int4" else {}
+        if any(g != model.group_size for g in group_sizes.values()):
+            plan.notes.append("int4 group sizes: " + ", ".join(f"{k} {g}" for k, g in group_sizes.items()))
         build = dict(tritrt_version=1, model=args.model, quant=model.quant,
-                     group_size=model.group_size if model.quant == "int4" else None, dtype=dtype_name,
-                     block_size=args.block_size, sm=sm, **_limits(args, ckpt.config), config=ckpt.config.to_dict(),
-                     source=str(Path(ckpt_dir).resolve()) if args.checkpoint else f"built-in tiny (seed {args.seed})")
+                     group_size=model.group_size if model.quant == "int4" else None,
+                     group_sizes=group_sizes or None, dtype=plan.dtype,
+                     block_size=args.block_size, sm=plan.sm, sm_source=plan.sm_source, **plan.limits,
+                     config=plan.config.to_dict(),
+                     source=str(args.checkpoint.resolve()) if args.checkpoint else f"built-in tiny (seed {args.seed})")
         # HF files first: config.json and the tokenizer, as the runtime and the verifier read them.
-        hf_config = dict(ckpt.hf_config)
-        hf_config.pop("quantization_config", None)  # OUT's weights are ours, in weights.safetensors
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        for f in ckpt.tokenizer_files:
-            shutil.copy2(f, tmp / f.name)
-        save_weights(model.weights, tmp / "weights.safetensors")
-        skipped += _export_onnx(model, tmp, args, log)
-        skipped += _aot_kernels(tmp, sm, log)
+        build["tokenizer"], skip = _copy_hf_files(plan, ckpt_dir, tmp)
+        skipped += skip
+        with progress.step("writing weights.safetensors"):
+            save_weights(model.weights, tmp / "weights.safetensors")
+        skipped += _export_onnx(model, tmp, args, log, progress)
+        skipped += _aot_kernels(tmp, plan.sm, log, progress)
         shutil.rmtree(tmp / "_tiny_checkpoint", ignore_errors=True)
-        build["sm_source"] = sm_why
         if any(s.startswith("ONNX") for s in skipped):
             skipped.append("engine skipped: no ONNX to build it from")
         else:
-            skipped += _engine(tmp, build, args, log, out)
+            skipped += _engine(tmp, build, args, log, plan.out)
         # Top-level files, and the kernels by their manifest (which lists every PTX/cubin).
         build["files"] = sorted([p.name for p in tmp.iterdir() if p.is_file()] + ["build.json"] +
                                 (["kernels/manifest.json"] if (tmp / "kernels" / "manifest.json").exists() else []))
         build["skipped"] = skipped
+        build["notes"] = plan.notes
         (tmp / "build.json").write_text(json.dumps(build, indent=2))
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out, skipped
+        work.commit()
+    return BuildResult(plan.out, skipped, plan.notes, time.perf_counter() - t_start)
 
 
 def engine_only(out: Path, args, log=print) -> list[str]:
     """``--from-onnx OUT``: build OUT/model.engine from OUT/model.plugin.onnx and OUT/build.json."""
+    out = out.resolve()
     if not (out / "build.json").exists() or not (out / "model.plugin.onnx").exists():
         raise BuildError(f"{out} lacks build.json or model.plugin.onnx; run `python -m export.build --out {out}` first")
+    ours, why = our_output(out)
+    if not ours:
+        raise BuildError(f"{out} is not an output of export.build ({why}); rebuild it with "
+                         f"`python -m export.build --out {out}`")
     build = json.loads((out / "build.json").read_text())
     return _engine(out, build, args, log, out)
 
 
-def summarize(out: Path, skipped: list[str]) -> str:
+def summarize(result: BuildResult) -> str:
+    out = result.out
     lines = [f"OUT: {out}"]
     files = sorted(p for p in out.rglob("*") if p.is_file())
     kernels = [p for p in files if p.parent.name == "kernels"]
@@ -230,7 +344,9 @@ def summarize(out: Path, skipped: list[str]) -> str:
     if kernels:
         lines.append(f"  {'kernels/ (' + str(len(kernels)) + ' files)':32s} "
                      f"{_human(sum(p.stat().st_size for p in kernels)):>10s}")
-    lines += ["skipped:"] + [f"  - {s}" for s in skipped] if skipped else ["skipped: nothing"]
+    lines += ["skipped:"] + [f"  - {s}" for s in result.skipped] if result.skipped else ["skipped: nothing"]
+    lines += ["notes:"] + [f"  - {s}" for s in result.notes] if result.notes else []
+    lines.append(f"total time: {result.seconds:.1f} s")
     return "\n".join(lines)
 
 
@@ -238,15 +354,25 @@ def main(argv=None) -> int:
     from .checkpoint import CheckpointError
 
     args = parse_args(argv)
+    t0 = time.perf_counter()
     try:
         if args.from_onnx:
-            out, skipped = args.from_onnx, engine_only(args.from_onnx, args)
+            skipped = engine_only(args.from_onnx, args)
+            result = BuildResult(args.from_onnx.resolve(), skipped, [], time.perf_counter() - t0)
         else:
-            out, skipped = run_build(args)
-    except (CheckpointError, BuildError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+            result = run_build(args, progress=Progress())
+    except (CheckpointError, OutDirError, BuildError, ValueError) as e:
+        print_error(e)
         return 2
-    print(summarize(out, skipped))
+    except OSError as e:  # e.g. a disk that filled up or turned read-only mid-build: the temp dir is gone, OUT as it was
+        where = f": {e.filename}" if e.filename else ""
+        fix = "; free space or pick another --out" if e.errno in _DISK_ERRNOS else ""
+        print_error(f"{e.strerror or e}{where}; the build stopped and left OUT as it was{fix}")
+        return 2
+    except KeyboardInterrupt:
+        print_error("interrupted; OUT was left as it was")
+        return 130
+    print(summarize(result))
     return 0
 
 

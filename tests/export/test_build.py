@@ -30,12 +30,14 @@ def _build(capsys, *argv):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_dirs):
-    """OUT dirs of the tiny fixture checkpoint for each quant mode (int4 at group 32: hidden 64, intermediate 160)."""
+    """OUT dirs of the tiny fixture checkpoint for each quant mode (int4 at group 32: hidden 64, intermediate 160), in
+    float32 so that their weights can be compared exactly with the checkpoint's."""
     outs = {}
     for quant in ("none", "int8", "int4"):
         out = tmp_path_factory.mktemp("out") / quant
         rc = B.main(["--model", "llama", "--quant", quant, "--checkpoint", str(tiny_dirs("llama")), "--out", str(out),
-                     "--group-size", "32", "--block-size", "4", "--max-num-seqs", "8", "--max-num-tokens", "64"])
+                     "--group-size", "32", "--block-size", "4", "--max-num-seqs", "8", "--max-num-tokens", "64",
+                     "--dtype", "float32"])
         assert rc == 0
         outs[quant] = out
     return outs
@@ -98,6 +100,10 @@ def test_builtin_tiny_int4_default_group(tmp_path, capsys):
     assert "skipped:" in stdout and "engine skipped: TensorRT not found" in stdout and str(out) in stdout
     build = json.loads((out / "build.json").read_text())
     assert build["group_size"] == 128 and build["source"].startswith("built-in tiny")
+    # --dtype auto on the float32 tiny model: float16, which TensorRT's plugins take, and a note saying why
+    assert build["dtype"] == "float16" and "dtype float16: the built-in tiny model is float32" in stdout
+    assert any(n.startswith("dtype float16") for n in build["notes"]) and "total time:" in stdout
+    assert build["tokenizer"] and "tokenizer.json" in build["tokenizer"]
     assert not (out / "_tiny_checkpoint").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp dir left beside OUT
 
@@ -111,8 +117,8 @@ def test_engine_without_tensorrt_says_what_to_do(tmp_path):
         build_engine(tmp_path / "model.plugin.onnx", tmp_path / "model.engine", {})
 
 
-@pytest.mark.parametrize("argv", [["--quant", "int3"], ["--model", "gpt2"], ["--group-size", "100"],
-                                  ["--block-size", "12"], ["--max-num-seqs", "0"]])
+@pytest.mark.parametrize("argv", [["--quant", "int3"], ["--model", "gpt2"], ["--quant", "int4", "--group-size", "100"],
+                                  ["--block-size", "12"], ["--max-num-seqs", "0"], ["--sm", "7"]])
 def test_bad_arguments_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         B.parse_args(argv)
@@ -175,7 +181,8 @@ def test_gptq_act_order_checkpoint_builds(tiny_dirs, tmp_path, capsys):
 
     _make_quantized_checkpoint(tiny_dirs("llama"), tmp_path / "gptq", "gptq", act_order=True)
     out = tmp_path / "out"
-    rc, stdout, err = _build(capsys, "--checkpoint", str(tmp_path / "gptq"), "--out", str(out), "--block-size", "4")
+    rc, stdout, err = _build(capsys, "--checkpoint", str(tmp_path / "gptq"), "--out", str(out), "--block-size", "4",
+                             "--dtype", "float32")
     assert rc == 0, err
     build = json.loads((out / "build.json").read_text())
     assert (build["quant"], build["group_size"]) == ("int4", 32)
