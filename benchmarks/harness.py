@@ -6,7 +6,7 @@ one result pair per benchmark, ``benchmarks/results/<card>/<name>.{json,md}`` (t
 previous result of the same benchmark: the folder holds what is current, git holds the history. Each result records
 what it measured: the commit, whether the tree was dirty (and where), the card, driver, torch, triton and CUDA
 versions, the date and the command. ``TRITRT_RESULTS_DIR`` writes the card folders somewhere else (a dev run, or
-``$OUT`` on a lent GPU machine).
+``$OUT`` on a lent GPU machine, where the command also needs the commit: see ``git_state``).
 
 Timing: ``triton.testing.do_bench`` (CUDA events, median of repeats, L2 flushed between repeats). For memory-bound
 kernels whose inputs fit in L2 (50-60 MB on H100/H200) the caller passes several input sets whose total exceeds
@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -68,39 +69,51 @@ def gpu_info() -> dict | None:
 
 
 def git_state(repo: Path | None = None) -> dict:
-    """The commit measured and the uncommitted changes under it, taken once per process (the first call: the first
-    timing or result of the run).
+    """The commit measured and the uncommitted changes on top of it, taken once per process (the first call: the
+    first timing or result of the run).
 
-    ``dirty_paths`` lists ``git status --porcelain`` entries (status code and path), outside the results folder (a
-    run's own output is not a change to what it measured), at most ``DIRTY_PATHS_SHOWN`` of them. A copy of the tree
-    without ``.git`` (what a lent GPU machine gets) reads ``TRITRT_COMMIT`` and ``TRITRT_DIRTY`` (entries separated by
-    commas or newlines; empty: clean) instead, which the caller sets from git where the repository is; with neither,
-    the commit is "unknown" and ``dirty`` None.
+    From ``TRITRT_COMMIT`` and ``TRITRT_DIRTY`` (entries separated by commas or newlines; empty: clean; unset: not
+    known) where the command sets them, which it must on a lent GPU machine: the tree there is a copy whose ``.git``,
+    if any, is not the checkout's (one had an hours-old HEAD), so ``python -m benchmarks.harness`` prints the two
+    assignments to put in front of the command. Otherwise from git: ``dirty_paths`` lists ``git status --porcelain``
+    entries (status code and path) outside the results folder (a run's own output is not a change to what it
+    measured), at most ``DIRTY_PATHS_SHOWN`` of them. Neither: the commit is "unknown" and ``dirty`` None.
     """
     return _git_state(Path(repo or REPO_ROOT).resolve())
 
 
 @functools.lru_cache(maxsize=None)
 def _git_state(repo: Path) -> dict:
+    commit = os.environ.get("TRITRT_COMMIT")
+    if commit:
+        dirty = os.environ.get("TRITRT_DIRTY")
+        entries = None if dirty is None else [e.strip() for e in re.split(r"[,\n]", dirty) if e.strip()]
+        return dict(commit=commit, dirty=None if entries is None else bool(entries), dirty_paths=entries or [],
+                    commit_source="TRITRT_COMMIT")
+    try:
+        return dict(_from_git(repo), commit_source="git")
+    except (OSError, subprocess.CalledProcessError):
+        return dict(commit="unknown", dirty=None, dirty_paths=[], commit_source=None)
+
+
+def _from_git(repo: Path) -> dict:
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
 
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        entries = [ln.strip() for ln in git("status", "--porcelain", "--", ".",
-                                             ":(exclude)benchmarks/results").splitlines() if ln.strip()]
-        source = "git"
-    except (OSError, subprocess.CalledProcessError):
-        commit, source = os.environ.get("TRITRT_COMMIT"), "TRITRT_COMMIT"
-        dirty_env = os.environ.get("TRITRT_DIRTY")
-        entries = None if dirty_env is None else [e.strip() for e in re.split(r"[,\n]", dirty_env) if e.strip()]
-        if not commit:
-            return dict(commit="unknown", dirty=None, dirty_paths=[], commit_source=None)
-    shown = (entries or [])[:DIRTY_PATHS_SHOWN]
-    if entries and len(entries) > len(shown):
+    commit = git("rev-parse", "HEAD").strip()
+    entries = [ln.strip() for ln in git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results").splitlines()
+               if ln.strip()]
+    shown = entries[:DIRTY_PATHS_SHOWN]
+    if len(entries) > len(shown):
         shown.append(f"... and {len(entries) - len(shown)} more")
-    return dict(commit=commit, dirty=None if entries is None else bool(entries), dirty_paths=shown,
-                commit_source=source)
+    return dict(commit=commit, dirty=bool(entries), dirty_paths=shown)
+
+
+def provenance_env(repo: Path | None = None) -> str:
+    """``TRITRT_COMMIT=... TRITRT_DIRTY=...`` of this checkout, to put in front of a benchmark that runs on a copy of
+    it (``python -m benchmarks.harness`` prints it)."""
+    state = _from_git(Path(repo or REPO_ROOT).resolve())
+    return f"TRITRT_COMMIT={state['commit']} TRITRT_DIRTY={shlex.quote(','.join(state['dirty_paths']))}"
 
 
 def _command() -> str:
@@ -238,3 +251,7 @@ def write_results(name: str, rows: list[dict], columns: Sequence[str], meta: dic
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return stem.with_suffix(".md")
+
+
+if __name__ == "__main__":
+    print(provenance_env())

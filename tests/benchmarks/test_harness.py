@@ -4,6 +4,7 @@ faked (``gpu_info``) and the repository is a throwaway git repo, so no timing ru
 
 import datetime
 import json
+import shlex
 import subprocess
 
 import pytest
@@ -28,6 +29,8 @@ def repo(tmp_path, monkeypatch):
     _git(root, "add", ".")
     _git(root, "commit", "-q", "-m", "one")
     monkeypatch.setattr(harness, "REPO_ROOT", root)
+    monkeypatch.delenv("TRITRT_COMMIT", raising=False)
+    monkeypatch.delenv("TRITRT_DIRTY", raising=False)
     monkeypatch.setenv("TRITRT_RESULTS_DIR", str(root / "benchmarks" / "results"))
     monkeypatch.setattr(harness, "gpu_info", lambda: dict(FAKE_H100))
     return root
@@ -81,18 +84,29 @@ def test_state_taken_once_per_run(repo):
     assert harness.git_state() == before and before["dirty"] is False
 
 
-def test_copy_without_git_reads_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setattr(harness, "REPO_ROOT", tmp_path)  # no .git: what a lent GPU machine gets
-    monkeypatch.delenv("TRITRT_COMMIT", raising=False)
-    monkeypatch.delenv("TRITRT_DIRTY", raising=False)
+def test_no_git_no_environment_is_unknown(repo, tmp_path):
     assert harness.git_state(tmp_path) == dict(commit="unknown", dirty=None, dirty_paths=[], commit_source=None)
 
+
+def test_environment_wins_over_the_copy_s_git(repo, tmp_path, monkeypatch):
+    """On a lent GPU machine the tree is a copy whose .git is not the checkout's: the command's variables count."""
+    (repo / "kernels" / "op.py").write_text("x = 2\n")
+    (repo / "kernels" / "new.py").write_text("")
+    assignments = harness.provenance_env()  # printed here, pasted in front of the command there
+    expected = harness._from_git(repo)
+    for word in shlex.split(assignments):
+        key, value = word.split("=", 1)
+        monkeypatch.setenv(key, value)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    _git(copy, "init", "-q")  # a stale .git of its own
+    state = harness.git_state(copy)
+    assert state == dict(expected, commit_source="TRITRT_COMMIT")
+    assert state["dirty_paths"] == ["M kernels/op.py", "?? kernels/new.py"]
+
     harness._git_state.cache_clear()
-    monkeypatch.setenv("TRITRT_COMMIT", "0123456789abcdef")
-    monkeypatch.setenv("TRITRT_DIRTY", "M kernels/op.py, ?? kernels/new.py")
-    state = harness.git_state(tmp_path)
-    assert state == dict(commit="0123456789abcdef", dirty=True, dirty_paths=["M kernels/op.py", "?? kernels/new.py"],
-                         commit_source="TRITRT_COMMIT")
+    monkeypatch.delenv("TRITRT_DIRTY")  # commit given, changes not: unknown, not clean
+    assert harness.git_state(copy)["dirty"] is None
 
 
 def test_many_dirty_paths_are_cut_short(repo):
