@@ -3,32 +3,66 @@
 ``--backend torch`` (default) runs ``LlamaModel`` on our kernels (CUDA graphs on a GPU; the ops' torch references on
 CPU, so the tiny model runs anywhere); ``--backend trt`` runs ``OUT/model.engine`` (needs TensorRT >= 10.9 and a GPU).
 The generated text is printed per prompt (streamed for a single prompt), then prefill and decode tokens/s.
+``--prompt-ids 1,2,3`` gives the prompt as token ids (an OUT without a tokenizer); the generated ids are printed, and
+their text too when OUT has a tokenizer. Every mistake (bad option, missing OUT, a prompt longer than the build's
+``max_seq_len``, no GPU for ``--device cuda``) is one ``error:`` line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
+from .cli import ArgumentParser, print_error
+
+BUILD_HINT = "python -m export.build --out {out} [--checkpoint DIR]"
+
+
+def _token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (argparse ``type``)."""
+    parts = [t.strip() for t in text.split(",")]
+    if not text.strip() or not all(re.fullmatch(r"\d+", t) for t in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids such as 1,2,3")
+    return [int(t) for t in parts]
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m export.run", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m export.run", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="output directory of `python -m export.build`")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--backend", choices=("torch", "trt"), default="torch")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    prompt.add_argument("--prompt-ids", action="append", type=_token_ids, metavar="IDS",
+                        help="prompt as comma-separated token ids, e.g. 1,2,3 (needs no tokenizer); repeat for a batch")
+    p.add_argument("--backend", choices=("torch", "trt"), default="torch",
+                   help="torch: our kernels in PyTorch; trt: OUT/model.engine")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument("--device", default=None, help="torch backend: cuda or cpu (default: cuda when available)")
+    p.add_argument("--device", default=None, help="torch backend: cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from free memory)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: build.json, else 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="torch backend: tokens per KV block, a power of two <= 128 (default: build.json's, else 16)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: run decode eagerly")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompt is not None and any(t == "" for t in args.prompt):
+        p.error("--prompt is empty; give some text, or token ids with --prompt-ids 1,2,3")
+    if args.block_size is not None and not (1 <= args.block_size <= 128 and args.block_size & (args.block_size - 1)
+                                            == 0):
+        p.error(f"--block-size {args.block_size}: choose a power of two in 1..128")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        p.error(f"--num-blocks {args.num_blocks}: must be >= 1")
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        p.error(f"--device {args.device}: choose cpu, cuda or cuda:N")
+    if args.backend == "trt" and (args.device or args.block_size):
+        p.error("--device and --block-size are torch-backend options: the engine runs on cuda with its build's block "
+                "size")
+    return args
 
 
 def _build_json(out: Path) -> dict:
@@ -36,54 +70,119 @@ def _build_json(out: Path) -> dict:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
-def make_backend(args):
-    out = args.out
+def _check_out(out: Path, args) -> None:
+    """What can be checked in OUT without loading anything: it exists, and holds what the options need."""
+    if not out.exists():
+        raise FileNotFoundError(f"{out} does not exist; build it with `{BUILD_HINT.format(out=out)}`")
     if not out.is_dir():
-        raise FileNotFoundError(f"{out} is not a directory; build one with `python -m export.build CHECKPOINT {out}`")
-    build = _build_json(out)
-    block_size = args.block_size or int(build.get("block_size", 16))
+        raise FileNotFoundError(f"{out} is not a directory; pass the OUT of `{BUILD_HINT.format(out='OUT')}`")
+    if args.backend == "trt" and not (out / "model.engine").is_file():
+        raise FileNotFoundError(f"{out / 'model.engine'} is missing; build it with `python -m export.build --from-onnx "
+                                f"{out}` on a machine with TensorRT >= 10.9, or use --backend torch")
+    if args.prompt is not None and not (out / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{out} has no tokenizer.json (its checkpoint had none; see 'tokenizer' in "
+                                f"build.json); give the prompt as token ids: --prompt-ids 1,2,3")
+
+
+def _device(requested) -> str:
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {requested}: there is no CUDA device here (torch.cuda.is_available() is "
+                             f"False); use --device cpu")
+        index = int(requested.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return requested
+
+
+def make_backend(args, build: dict, device: str):
+    out = args.out
     if args.backend == "trt":
         from export.runtime.trt_backend import TrtBackend
 
-        return TrtBackend(out, num_blocks=args.num_blocks)
-    import torch
-
+        try:
+            return TrtBackend(out, num_blocks=args.num_blocks)
+        except RuntimeError as e:  # no CUDA device, or an engine TensorRT cannot load
+            raise ValueError(f"{e}; or use --backend torch") from e
     from export.model import LlamaModel
     from export.runtime.backends import TorchBackend
     from export.runtime.tokenizer import eos_token_ids
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = LlamaModel.from_output_dir(out, device=device)
-    backend = TorchBackend(model, num_blocks=args.num_blocks, block_size=block_size,
-                           max_model_len=build.get("max_seq_len"), cuda_graphs=False if args.no_cuda_graphs else None)
+    backend = TorchBackend(model, num_blocks=args.num_blocks, block_size=args.block_size or
+                           int(build.get("block_size", 16)), max_model_len=build.get("max_seq_len"),
+                           cuda_graphs=False if args.no_cuda_graphs else None)
     backend.eos_token_ids = eos_token_ids(out)
     return backend
 
 
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, max_len, vocab_size, out: Path) -> None:
+    """Refuse token ids outside the vocabulary, and a prompt that cannot fit the build's longest sequence (saying how
+    many tokens do). ``max_len`` / ``vocab_size`` None: not known yet, not checked."""
+    for ids in prompts:
+        n = len(ids)
+        if vocab_size and any(t >= vocab_size for t in ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size})")
+        if max_len is None:
+            continue
+        if n >= max_len:
+            raise ValueError(f"the prompt is {n} tokens, but {out} was built for sequences of at most {max_len} "
+                             f"(max_seq_len in build.json), so at most {max_len - 1} prompt tokens fit; shorten it "
+                             f"or rebuild with a larger --max-seq-len")
+        if n + max_new_tokens > max_len:
+            raise ValueError(f"the prompt ({n} tokens) + --max-new-tokens {max_new_tokens} exceeds {out}'s "
+                             f"max_seq_len {max_len}; pass --max-new-tokens {max_len - n} or less")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from export.runtime import Generator, SamplingParams
-    from export.runtime.tokenizer import load_tokenizer
-
     try:
+        # The cheap checks first: a mistake costs no torch import, no model load.
+        _check_out(args.out, args)
+        build = _build_json(args.out)
+        max_len = build.get("max_seq_len") or build.get("config", {}).get("max_position_embeddings")
+        vocab_size = build.get("config", {}).get("vocab_size")
+        if args.prompt_ids is not None:
+            check_prompts(args.prompt_ids, args.max_new_tokens, max_len, vocab_size, args.out)
+        from export.runtime import Generator, SamplingParams
+        from export.runtime.tokenizer import load_tokenizer
+
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-        backend = make_backend(args)
-        tokenizer = load_tokenizer(args.out)
+        device = _device(args.device) if args.backend == "torch" else "cuda"
+        tokenizer = load_tokenizer(args.out) if (args.out / "tokenizer.json").is_file() else None
+        prompts = args.prompt_ids or [list(tokenizer.encode(p)) for p in args.prompt]
+        if args.prompt is not None:
+            check_prompts(prompts, args.max_new_tokens, max_len, vocab_size, args.out)  # before loading the model
+        backend = make_backend(args, build, device)
+        if backend.max_model_len != max_len:  # an engine's profile can be tighter than build.json says
+            check_prompts(prompts, args.max_new_tokens, backend.max_model_len, backend.vocab_size, args.out)
+        gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(prompts)))
+        stream = args.prompt is not None and len(prompts) == 1
+        if stream:
+            print(args.prompt[0], end="", flush=True)
+        results = gen.generate(prompts, params,
+                               on_token=(lambda i, t, d: print(d, end="", flush=True)) if stream else None)
     except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
-    gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(args.prompt)))
-    stream = len(args.prompt) == 1
-    if stream:
-        print(args.prompt[0], end="", flush=True)
-    results = gen.generate(args.prompt, params,
-                           on_token=(lambda i, t, d: print(d, end="", flush=True)) if stream else None)
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return 130
     if stream:
         print()
-    else:
+    elif args.prompt is not None:
         for prompt, r in zip(args.prompt, results):
             print(f"--- {prompt!r}\n{prompt}{r.text}")
+    else:
+        for ids, r in zip(prompts, results):
+            print(f"--- ids {','.join(map(str, ids))}\nids: {','.join(map(str, r.token_ids))}")
+            if r.text is not None:
+                print(f"text: {r.text}")
     s = gen.stats
     n_out = sum(len(r.token_ids) for r in results)
     print(f"[{args.backend} on {backend.device}] {n_out} tokens; prefill {s.prefill_tokens} tok in "

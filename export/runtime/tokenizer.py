@@ -16,7 +16,8 @@ def load_tokenizer(path):
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path} has no tokenizer.json; copy the checkpoint's tokenizer files there "
-                                "(python -m export.build does this) or pass token ids instead of text")
+                                "(python -m export.build does this), or give token ids instead of text "
+                                "(python -m export.run --prompt-ids 1,2,3)")
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError as e:  # pragma: no cover - transformers is part of the 'export' extra
