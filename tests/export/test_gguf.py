@@ -52,7 +52,7 @@ def test_config_matches_the_original(tiny_dirs, tmp_path):
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
 
 
-@pytest.mark.parametrize("matrix_type", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("matrix_type", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_weights_are_the_dequantized_file(tiny_dirs, hf_state, tmp_path, matrix_type):
     """Every tensor equals gguf's own dequantization of what was written, back in HF row order; quantized types stay
     within their rounding step of the original weights."""
@@ -64,9 +64,9 @@ def test_weights_are_the_dequantized_file(tiny_dirs, hf_state, tmp_path, matrix_
     assert cfg["torch_dtype"] == {"F16": "float16", "BF16": "bfloat16"}.get(matrix_type, "float32")
     assert set(got) == set(hf_state)
     qtype = gguf.GGMLQuantizationType[matrix_type]
-    # Largest error per unit of max |w|: half a step (Q8_0: max/127; Q4_1: (max - min)/15); Q4_0 maps -max to -8 and
-    # clamps +max to 7, a whole step of max/8.
-    bound_frac = {"Q8_0": 0.5 / 127, "Q4_0": 1 / 8, "Q4_1": 1 / 15}.get(matrix_type)
+    # Largest error per unit of max |w|: half a step (Q8_0: max/127; Q4_1, Q5_1: (max - min)/15, /31); Q4_0 and Q5_0
+    # map -max to -8 (-16) and clamp +max to 7 (15), a whole step of max/8 (max/16).
+    bound_frac = {"Q8_0": 0.5 / 127, "Q4_0": 1 / 8, "Q4_1": 1 / 15, "Q5_0": 1 / 16, "Q5_1": 1 / 31}.get(matrix_type)
     store = {"F16": torch.float16, "BF16": torch.bfloat16}.get(matrix_type, torch.float32)
     for name, w in hf_state.items():
         if w.dim() == 1 or matrix_type == "F32":
