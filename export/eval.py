@@ -285,7 +285,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        result = run(args)
+        result = run(args, log=lambda m: print(m, flush=True))  # progress shows up in a redirected log too
     except (EvalError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
