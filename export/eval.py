@@ -159,7 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--against", type=Path, required=True, metavar="CHECKPOINT",
                    help="the unquantized model: an HF checkpoint directory or a .gguf file")
     p.add_argument("--text", default="alice", help="a shipped text (alice, as-you-like-it) or a UTF-8 file path "
-                   "(default: alice, ~37k tokens)")
+                   "(default: alice, 39k SmolLM2 tokens)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     p.add_argument("--batch", type=int, default=1, help="windows per forward (default 1)")
