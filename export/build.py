@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from .cli import ArgumentParser, Progress, print_error
-from .outdir import OutDirError, WorkDir, check_out, our_output
+from .outdir import WorkDir, check_out, our_output
 
 if TYPE_CHECKING:
     from .checkpoint import LlamaConfig
@@ -144,10 +144,12 @@ def _limits(args, config) -> dict:
 
 
 def plan_build(args) -> Plan:
-    """Check everything cheap, in the order a user fixes it, before anything is created; raises ``CheckpointError``,
-    ``OutDirError`` or ``BuildError`` with the message to show."""
+    """Check everything cheap before anything is created, OUT first (it needs no torch import, so a refused OUT costs
+    nothing); raises ``OutDirError``, ``CheckpointError`` or ``BuildError`` with the message to show."""
     from kernels.aot.compile import interpreter_enabled
 
+    out = (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
+    check_out(out, args.checkpoint)
     from .checkpoint import LlamaConfig, check_weight_files, read_hf_config
 
     notes = []
@@ -158,8 +160,6 @@ def plan_build(args) -> Plan:
     else:
         hf = None
         config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **TINY_BUILD))
-    out = (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
-    check_out(out, args.checkpoint)
     dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=args.checkpoint is None)
     notes += [note] if note else []
     if args.quant != "int4" and args.group_size is not None:
@@ -351,8 +351,6 @@ def summarize(result: BuildResult) -> str:
 
 
 def main(argv=None) -> int:
-    from .checkpoint import CheckpointError
-
     args = parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -361,7 +359,7 @@ def main(argv=None) -> int:
             result = BuildResult(args.from_onnx.resolve(), skipped, [], time.perf_counter() - t0)
         else:
             result = run_build(args, progress=Progress())
-    except (CheckpointError, OutDirError, BuildError, ValueError) as e:
+    except (BuildError, ValueError) as e:  # ValueError: also CheckpointError and OutDirError
         print_error(e)
         return 2
     except OSError as e:  # e.g. a disk that filled up or turned read-only mid-build: the temp dir is gone, OUT as it was
