@@ -186,15 +186,13 @@ def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             and all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors))
 
 
-def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device, **variant):
-    """``(plan, None)`` if this GEMM takes the call on ``device``, else ``(None, why not)``: the shape checks first
-    (the plan search needs a shape it can tile), then the plan's block width against N."""
-    from kernels._utils import device_sm
-
-    sm = device_sm(device)
+def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, sm: int, sm_count: int, **variant):
+    """``(plan, None)`` if this GEMM takes the call on a GPU of compute capability ``sm`` with ``sm_count`` SMs, else
+    ``(None, why not)``: the shape checks first (the plan search needs a shape it can tile), then the plan's block
+    width against N. A pure function (``kernels.gemm.routing`` asks it for a ``Card``)."""
     reason = unsupported_reason(M, N, K, group_size, dtype, sm)
     if reason is None:
-        plan = gemm_plan(M, N, K, device_sm_count(device), **variant)
+        plan = gemm_plan(M, N, K, sm_count, **variant)
         reason = unsupported_reason(M, N, K, group_size, dtype, sm, plan["bn"])
     return (None, reason) if reason else (plan, None)
 
@@ -235,7 +233,9 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     M = x.shape[0]
     if not x.is_cuda:
         raise ValueError("wgmma W4A16 GEMM needs CUDA tensors")
-    plan, reason = plan_for(M, N, K, group_size, x.dtype, x.device, **variant)
+    from kernels._utils import device_sm
+
+    plan, reason = plan_for(M, N, K, group_size, x.dtype, device_sm(x.device), device_sm_count(x.device), **variant)
     if reason:
         raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
     if bias is not None and tuple(bias.shape) != (N,):

@@ -68,12 +68,15 @@ CUDA_W8_GEMV_MAX_M = 4
 def _wgmma_plan(x2: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
                 bias: Optional[Tensor]) -> Optional[dict]:
     """The wgmma GEMM's plan for this call, or None where it does not take it (not Hopper, shape, operands)."""
-    from ..csrc import w4a16_gemm_wgmma as wg
+    from ..csrc import device_sm_count, w4a16_gemm_wgmma as wg
 
     if not wg.operands_ok(x2, qweight, scales, zeros, bias):
         return None
     M, K = x2.shape
-    return wg.plan_for(M, qweight.shape[1], K, group_size, x2.dtype, x2.device)[0]
+    from kernels._utils import device_sm
+
+    return wg.plan_for(M, qweight.shape[1], K, group_size, x2.dtype, device_sm(x2.device),
+                       device_sm_count(x2.device))[0]
 
 
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:

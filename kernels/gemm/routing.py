@@ -1,0 +1,185 @@
+"""Which weight-only GEMM kernel runs for a call: ``route_w4a16`` / ``route_w8a16``, pure functions of the shape, the
+activation dtype, the GPU (a ``Card``) and the few flags that change the choice. The torch ops
+(``kernels.ops.gemm``) dispatch on the ``Route`` they return; a TensorRT plugin asks the same function (with
+``Card`` constants or ``card_of`` at build time) to select the same kernel and its plan.
+
+W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEMV_MMA_MAX_M`` rows (M > 8 tiled in
+M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
+``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
+``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``DEQUANT_MIN_M_W4`` - 1.
+W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``. Everything else below
+``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
+and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into the W4A16 tensor-core
+GEMV's, wgmma GEMM's and Triton kernel's epilogues; after the GEMM, as ``kernels.activation.swiglu`` on the pairs
+(then the residual), for dequantize + cuBLAS and every W8A16 route. No CUDA device: the fp32 torch reference.
+
+The thresholds below are measured; each comment names the result file that holds the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from kernels.csrc import w4a16_gemm_wgmma as _wg
+from kernels.csrc import w4a16_gemv as _gemv
+from kernels.csrc import w4a16_gemv_mma as _gemv_mma
+from kernels.csrc import w8a16_gemv_mma as _w8_gemv_mma
+
+# M up to which fp16 W4A16 goes to the CUDA GEMV (0 disables it). Measured (H200, benchmarks/results/
+# h200/bench_gemm*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton
+# tensor-core path wins (0.9-1.1x vs 0.6-0.85x), so only M=1 goes to CUDA.
+CUDA_GEMV_MAX_M = 1
+# M up to which fp16 W4A16 goes to the tensor-core kernel first (0 disables it; shapes it does not take fall through
+# to the scalar GEMV / Triton). H200 run 2 (dev-logs/h200/bench_gemm_gemv_run2.md), speed-up over cuBLAS on the five
+# Llama shapes: M=1 2.16-3.00x (scalar GEMV 1.49-1.81x), M=4 and 8 2.06-2.86x (Triton 0.86-1.07x); tiled in M
+# (h200/bench_gemm_gemv.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
+# 0.60-0.79x); at M=64 Triton is ahead on 4 of 5 shapes (0.66-0.84x against 0.66-0.81x), so M > 32 stays on Triton.
+CUDA_GEMV_MMA_MAX_M = 32
+# M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound sizes,
+# where the fused kernels lose. H100 (benchmarks/results/h100/bench_gemm_routed.md), speed-up over cuBLAS: W4A16 at
+# M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton ahead on 4 of 5; W8A16 at
+# M=256 Triton still ahead on 4 of 5 (0.52-0.63x vs 0.47-0.62x); at M=512 dequant+cuBLAS ahead on all 5 (0.58-0.66x
+# vs 0.42-0.59x).
+DEQUANT_MIN_M_W4 = 256
+DEQUANT_MIN_M_W8 = 512
+# fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
+# (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
+# variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
+# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on
+# dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
+# 0.44-0.73x at M=256).
+WGMMA_W4 = True
+# ... and, for GEMV_ONLY_MAX_M < M <= CUDA_GEMV_MMA_MAX_M, instead of the tiled tensor-core GEMV where the wgmma plan
+# keeps at least WGMMA_MIN_WARPS warps per SM resident (``warps_per_sm`` of its plan). H100
+# (benchmarks/results/dev-logs/h100/bench_gemm_gemv_vs_wgmma.log), speed-up over cuBLAS at M = 17..32, GEMV vs wgmma:
+# qkv 1.64-1.67 vs 1.73-1.76 (11.6 warps), gate_up 1.52-1.62 vs 1.85-1.89 (13.6), down 1.68-1.75 vs 1.83-1.88 (15.5), 8k
+# 1.72-1.77 vs 2.01-2.05 (15.5); o 1.62-1.63 vs 1.43-1.44 (7.8 warps). At M <= 16 the GEMV won on all five
+# (2.07-2.63 vs 1.58-2.05).
+GEMV_ONLY_MAX_M = 16
+WGMMA_MIN_WARPS = 10
+# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
+# it; shapes it does not take fall through to Triton). H100 (h100/bench_gemm_w8gemv.md,
+# dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
+# vs 1.72), M=4 ahead on 4 of 5, M=8 on 3 of 5 (first run).
+CUDA_W8_GEMV_MAX_M = 4
+
+# The backends a route can name. "reference": no CUDA device (the fp32 torch reference on the dequantized weight).
+W4_BACKENDS = ("w4_gemv_mma", "w4_gemm_wgmma", "w4_gemv", "triton_w4_gemm", "dequant_cublas", "reference")
+W8_BACKENDS = ("w8_gemv_mma", "triton_w8_gemm", "dequant_cublas", "reference")
+# SwiGLU of a route: "none" (swiglu=False), "fused" (the backend's epilogue; a residual goes to the backend too),
+# "after" (the backend runs without SwiGLU and without the residual, then kernels.activation.swiglu, then + residual).
+SWIGLU_MODES = ("none", "fused", "after")
+
+
+@dataclass(frozen=True)
+class Card:
+    """What routing knows of a GPU: its name, compute capability as one int (90 for sm_90) and SM count."""
+
+    name: str
+    sm: int
+    sm_count: int
+
+
+H100 = Card("NVIDIA H100 80GB HBM3", 90, 132)  # SXM5, the lent card
+H200 = Card("NVIDIA H200", 90, 132)
+
+
+def card_of(device=None) -> Card:
+    """The ``Card`` of a CUDA ``device`` (default: the current one). Queries the GPU on first use of each device (so
+    call it when launching or building, never at import); cached after that."""
+    index = torch.device(device).index if device is not None else None
+    return _card_of_index(torch.cuda.current_device() if index is None else index)
+
+
+@lru_cache(maxsize=None)
+def _card_of_index(index: int) -> Card:
+    p = torch.cuda.get_device_properties(index)
+    return Card(p.name, 10 * p.major + p.minor, p.multi_processor_count)
+
+
+@dataclass(frozen=True)
+class Route:
+    """The kernel a call runs: ``backend`` (one of ``W4_BACKENDS`` / ``W8_BACKENDS``), how SwiGLU is applied
+    (``SWIGLU_MODES``) and, for the CUDA kernels, the launch plan its launcher computes for this shape and card, as
+    sorted ``(key, value)`` pairs (``params`` gives the dict): what a plugin needs to pick the AOT variant."""
+
+    backend: str
+    swiglu: str = "none"
+    plan: tuple = ()
+
+    @property
+    def params(self) -> dict:
+        return dict(self.plan)
+
+
+def _route(backend: str, swiglu: str = "none", plan: Optional[dict] = None) -> Route:
+    return Route(backend, swiglu, tuple(sorted((plan or {}).items())))
+
+
+def wgmma_plan(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, card: Card) -> Optional[dict]:
+    """The wgmma GEMM's plan for this call on ``card``, or None where it does not take it (not Hopper, shape)."""
+    return _wg.plan_for(M, N, K, group_size, dtype, card.sm, card.sm_count)[0]
+
+
+def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
+    """Whether an fp16 W4A16 call with M <= CUDA_GEMV_MMA_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
+    the tensor-core GEMV (see GEMV_ONLY_MAX_M)."""
+    return M > GEMV_ONLY_MAX_M and wg_plan["warps_per_sm"] >= WGMMA_MIN_WARPS
+
+
+@lru_cache(maxsize=4096)
+def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card], *, group_size: int,
+                residual: bool = False, swiglu: bool = False, aligned: bool = True) -> Route:
+    """The kernel ``w4a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT4 ``[K, N]`` weight with
+    ``group_size`` on ``card`` (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
+
+    ``aligned``: the operands are what the wgmma GEMM needs beyond shapes (``w4a16_gemm_wgmma.operands_ok``: fp16
+    scales and bias, contiguous 16-byte aligned operands and x rows); the op checks the tensors only when a route
+    names that kernel, and asks again with ``aligned=False`` where they fail. Zero points and bias do not change the
+    route. Cached: an eager call pays one lookup."""
+    if card is None:
+        return _route("reference", "fused" if swiglu else "none")
+    if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
+        # SwiGLU after the matmul: at M = 512 on gate/up (H100, benchmarks/results/h100/bench_gemm_swiglu.md) 0.74x
+        # of cuBLAS + F.silu * up, where the Triton kernel's fused epilogue ran at 0.38x.
+        return _route("dequant_cublas", "after" if swiglu else "none")
+    fused = "fused" if swiglu else "none"
+    wg = (wgmma_plan(M, N, K, group_size, dtype, card)
+          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M < DEQUANT_MIN_M_W4 else None)
+    if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
+            and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
+        return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count))
+    if wg is not None:
+        return _route("w4_gemm_wgmma", fused, wg)
+    if (not residual and M <= CUDA_GEMV_MAX_M and not swiglu
+            and _gemv.unsupported_reason(M, N, K, group_size, dtype) is None):
+        return _route("w4_gemv", "none", _gemv.gemv_plan(M, N))
+    return _route("triton_w4_gemm", fused)
+
+
+@lru_cache(maxsize=4096)
+def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card], *, residual: bool = False,
+                swiglu: bool = False, aligned: bool = True) -> Route:
+    """The kernel ``w8a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT8 ``[K, N]`` weight on ``card``
+    (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
+
+    No W8A16 kernel fuses SwiGLU better than running it after: Triton's epilogue (a split of the MMA accumulator into
+    column pairs) ran at 1.33x / 0.81x of cuBLAS + F.silu * up on gate/up at M = 64 / 128 against 1.53x / 1.00x for
+    the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
+    benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` the GEMM routes as without SwiGLU and without
+    the residual (added after the activation).
+    ``aligned``: the operands are what the W8A16 GEMV needs beyond shapes (``w8a16_gemv_mma.operands_ok``); the op
+    checks them only when a route names that kernel, as ``route_w4a16``."""
+    if card is None:
+        return _route("reference", "fused" if swiglu else "none")
+    after = "after" if swiglu else "none"
+    if M >= DEQUANT_MIN_M_W8:
+        return _route("dequant_cublas", after)
+    if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
+            and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
+        return _route("w8_gemv_mma", after, _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
+    return _route("triton_w8_gemm", after)

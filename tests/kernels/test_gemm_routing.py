@@ -1,0 +1,390 @@
+"""Weight-only GEMM routing (``kernels.gemm.routing``): the route is the cascade the ops ran before it, on every M up
+to 1024 and the Llama-family shapes (``tests/kernels/gemm_routing_legacy.py``, a frozen copy, driven here with
+stand-ins for every kernel); the routes of the measured shapes on an H100 as a readable table; plans and cards."""
+
+import importlib
+import inspect
+from functools import lru_cache
+
+import pytest
+import torch
+
+from kernels.gemm import routing
+from kernels.gemm.routing import H100, H200, Card, route_w4a16, route_w8a16
+from tests.kernels import gemm_routing_legacy as legacy
+
+A100 = Card("NVIDIA A100-SXM4-80GB", 80, 108)
+L40S = Card("NVIDIA L40S", 89, 142)
+H100_PCIE = Card("NVIDIA H100 PCIe", 90, 114)
+
+# (name, N, K, INT4 group size): Llama-3-8B, Llama-2-7B, Llama-3.2-1B, Llama-3-70B per GPU of 8, SmolLM2-135M, the
+# tiny odd_dims checkpoint, and shapes that each miss one kernel's divisibility rule.
+SHAPES = [
+    ("l3-8b qkv", 6144, 4096, 128), ("l3-8b o", 4096, 4096, 128), ("l3-8b gate_up", 28672, 4096, 128),
+    ("l3-8b down", 4096, 14336, 128), ("8k", 8192, 8192, 128),
+    ("l2-7b qkv", 12288, 4096, 128), ("l2-7b gate_up", 22016, 4096, 128), ("l2-7b down", 4096, 11008, 128),
+    ("l3-1b qkv", 3072, 2048, 128), ("l3-1b gate_up", 16384, 2048, 128), ("l3-1b down", 2048, 8192, 128),
+    ("l3-70b/8 qkv", 1280, 8192, 128), ("l3-70b/8 o", 8192, 1024, 128), ("l3-70b/8 gate_up", 7168, 8192, 128),
+    ("l3-70b/8 down", 8192, 3584, 128),
+    ("smollm2 qkv", 960, 576, 64), ("smollm2 gate_up", 3072, 576, 64), ("smollm2 down", 576, 1536, 128),
+    ("odd_dims qkv", 448, 320, 64), ("odd_dims down", 320, 608, 32),
+    ("o g32", 4096, 4096, 32), ("o g64", 4096, 4096, 64), ("g96", 4096, 4608, 96), ("g16", 256, 512, 16),
+    ("g4", 64, 64, 4), ("N 1000", 1000, 512, 128), ("N 36", 36, 256, 64), ("N 4098", 4098, 1024, 128),
+    ("K 4112", 4096, 4112, 16),
+]
+M_ALL = range(0, 1025)
+# Every M at which some rule changes, and its neighbours.
+M_EDGES = (0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257,
+           300, 511, 512, 513, 1000, 1024)
+# x as the op may get it: contiguous; 2 bytes off 16-byte alignment; rows padded to K + 8 (aligned) or K + 1 (not);
+# 3-D. ``aligned``: what the route's ``aligned`` is for it (the wgmma GEMM needs aligned rows; the W8 GEMV copies a
+# strided x to contiguous first).
+LAYOUTS = ("contiguous", "misaligned", "strided", "strided_odd", "3d")
+W4_ALIGNED = {"contiguous": True, "misaligned": False, "strided": True, "strided_odd": False, "3d": True}
+W8_ALIGNED = {"contiguous": True, "misaligned": False, "strided": True, "strided_odd": True, "3d": True}
+MAX_M = 1024
+
+# Every kernel the ops may call, by module and attribute, and the name its calls are recorded under.
+KERNELS = {
+    ("kernels.csrc.w4a16_gemv_mma", "w4a16_gemv_mma"): "w4_gemv_mma",
+    ("kernels.csrc.w4a16_gemm_wgmma", "w4a16_gemm_wgmma"): "w4_gemm_wgmma",
+    ("kernels.csrc.w4a16_gemv", "w4a16_gemv"): "w4_gemv",
+    ("kernels.gemm_w4a16", "w4a16_gemm"): "triton_w4_gemm",
+    ("kernels.gemm_w4a16", "w4a16_reference"): "reference",
+    ("kernels.csrc.w8a16_gemv_mma", "w8a16_gemv_mma"): "w8_gemv_mma",
+    ("kernels.gemm_w8a16", "w8a16_gemm"): "triton_w8_gemm",
+    ("kernels.gemm_w8a16", "w8a16_reference"): "reference",
+    ("kernels.gemm_dequant", "dequant_matmul"): "dequant_cublas",
+    ("kernels.gemm_dequant", "dequantize_w4_kn"): "dequantize",
+    ("kernels.gemm_dequant", "dequantize_w8_kn"): "dequantize",
+    ("kernels.activation", "swiglu"): "swiglu",
+}
+BACKENDS = set(routing.W4_BACKENDS) | set(routing.W8_BACKENDS)
+
+
+def _key(t):
+    """What tells a tensor argument apart: its address, or (meta tensors) its storage offset, and shape and strides."""
+    return (t.storage_offset() if t.is_meta else t.data_ptr(), t.shape, t.stride())
+
+
+class Kernels:
+    """Stands in for every kernel of ``KERNELS``: records each call as (name, its arguments by parameter name,
+    defaults filled in, tensors described by which input they are or as a new tensor of some shape and strides) and
+    returns an output of the shape the kernel would."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.inputs = {}
+        for (module, attr), name in KERNELS.items():
+            mod = importlib.import_module(module)
+            monkeypatch.setattr(mod, attr, self._stub(name, getattr(mod, attr)))
+
+    def _describe(self, v):
+        if isinstance(v, torch.Tensor):
+            return self.inputs.get(_key(v)) or ("new", tuple(v.shape), v.stride())
+        return tuple(sorted(v.items())) if isinstance(v, dict) else v
+
+    def _stub(self, name, fn):
+        params = inspect.signature(fn).parameters
+        names = list(params)
+        defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+
+        def stub(*args, **kwargs):
+            a = {**defaults, **dict(zip(names, args)), **kwargs}
+            self.calls.append((name, tuple((k, self._describe(v)) for k, v in sorted(a.items()))))
+            if name == "dequantize":
+                qw = a["qweight"]
+                return torch.empty((qw.shape[0] * (8 if qw.dtype == torch.int32 else 1), qw.shape[1]), device="meta")
+            # Outputs (and the residual) are meta tensors: the op's residual add after SwiGLU costs nothing.
+            x = a["x"]
+            if name == "swiglu":
+                shape = (*x.shape[:-1], x.shape[-1] // 2)
+            elif name == "dequant_cublas":
+                shape = (x.shape[0], a["w_kn"].shape[1])
+            else:
+                n = a["qweight"].shape[1]
+                shape = (x.shape[0], n // 2 if a.get("swiglu") else n)
+            return torch.empty(shape, dtype=x.dtype, device="meta")
+
+        return stub
+
+    def run(self, op, *args):
+        """The calls ``op(*args)`` makes; its tensor arguments (and their 2-D views) are the inputs calls may name."""
+        self.calls, self.inputs = [], {}
+        for i, t in enumerate(args):
+            if isinstance(t, torch.Tensor):
+                self.inputs[_key(t)] = f"arg{i}"
+                if t.dim() > 2:
+                    self.inputs[_key(t.reshape(-1, t.shape[-1]))] = f"arg{i}"
+        op(*args)
+        return self.calls
+
+    @staticmethod
+    def route_of(calls):
+        """(backend, SwiGLU mode) of a recorded call sequence."""
+        main = next(c for c in calls if c[0] in BACKENDS)
+        if any(name == "swiglu" for name, _ in calls):
+            return main[0], "after"
+        return main[0], "fused" if dict(main[1]).get("swiglu") else "none"
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    return Kernels(monkeypatch)
+
+
+@pytest.fixture
+def on_card(monkeypatch):
+    """``on_card(card)``: the legacy cascade sees CPU tensors as on a GPU ``card`` (None: no GPU)."""
+
+    def point(card):
+        monkeypatch.setattr(legacy, "is_cuda", lambda x: card is not None)
+        monkeypatch.setattr(legacy, "device_sm", lambda device: card.sm)
+        monkeypatch.setattr(legacy, "device_sm_count", lambda device: card.sm_count)
+
+    return point
+
+
+@lru_cache(maxsize=2)
+def _x_buffer(K, dtype):
+    return torch.empty(MAX_M * (K + 8) + 8, dtype=dtype)
+
+
+def _x(M, K, dtype, layout):
+    buf = _x_buffer(K, dtype)
+    if layout == "misaligned":
+        return buf[1:1 + M * K].view(M, K)
+    if layout in ("strided", "strided_odd"):
+        pad = 8 if layout == "strided" else 1
+        return buf[:M * (K + pad)].view(M, K + pad)[:, :K]
+    x = buf[:M * K].view(M, K)
+    return x.view(1, M, K) if layout == "3d" else x
+
+
+@lru_cache(maxsize=2)
+def _w4_weight(N, K, group_size, dtype):
+    return (torch.empty((K // 8, N), dtype=torch.int32), torch.empty((K // group_size, N), dtype=dtype),
+            torch.empty((K // group_size, N), dtype=torch.int8), torch.empty(N + 1, dtype=dtype))
+
+
+@lru_cache(maxsize=2)
+def _w8_weight(N, K, dtype):
+    return torch.empty((K, N), dtype=torch.int8), torch.empty(N, dtype=dtype), torch.empty(N + 1, dtype=dtype)
+
+
+def _residual(x, n, dtype):
+    """A meta tensor (no data: the op adds it after SwiGLU at no cost), told apart from the stand-ins' outputs by its
+    storage offset."""
+    rows = x.shape[:-1].numel()
+    return torch.empty(rows * n + 7, dtype=dtype, device="meta")[7:].view(*x.shape[:-1], n)
+
+
+def _bias(b, kind):
+    """None, an aligned bias, or one 2 bytes off 16-byte alignment (``kind``: None / "aligned" / "misaligned")."""
+    return None if kind is None else b[:-1] if kind == "aligned" else b[1:]
+
+
+def w4_args(M, N, K, group_size, dtype, layout="contiguous", residual=False, swiglu=False, bias=None):
+    """The op's arguments; with a bias the weight is symmetric (no zero points)."""
+    qweight, scales, zeros, b = _w4_weight(N, K, group_size, dtype)
+    x = _x(M, K, dtype, layout)
+    r = _residual(x, N // 2 if swiglu else N, dtype) if residual else None
+    return (x, qweight, scales, None if bias else zeros, group_size, _bias(b, bias), r, swiglu)
+
+
+def w8_args(M, N, K, dtype, layout="contiguous", residual=False, swiglu=False, bias=None):
+    qweight, scales, b = _w8_weight(N, K, dtype)
+    x = _x(M, K, dtype, layout)
+    r = _residual(x, N // 2 if swiglu else N, dtype) if residual else None
+    return (x, qweight, scales, _bias(b, bias), r, swiglu)
+
+
+# --------------------------------------------------------------------------------------- equivalence with the cascade
+FLAGS = [(False, False), (True, False), (False, True), (True, True)]  # (residual, swiglu)
+LLAMA = SHAPES[:20]
+CARDS = {"h100-pcie": H100_PCIE, "a100": A100, "l40s": L40S, "none": None}
+
+
+def _every_m(shapes):
+    """Every (shape, M, residual, swiglu) with M = 0..1024."""
+    for shape in shapes:
+        for residual, swiglu in FLAGS:
+            for M in M_ALL:
+                yield shape, M, residual, swiglu
+
+
+def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None):
+    """The route of ``route_w4a16`` is the kernel (and SwiGLU mode) the legacy cascade called."""
+    name, N, K, gs = shape
+    args = w4_args(M, N, K, gs, dtype, layout, residual, swiglu, bias=bias)
+    want = kernels.route_of(kernels.run(legacy.w4a16_linear, *args))
+    got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu,
+                      aligned=W4_ALIGNED[layout] and bias != "misaligned")
+    assert (got.backend, got.swiglu) == want, (card, name, M, dtype, layout, residual, swiglu, bias)
+
+
+def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None):
+    name, N, K, _ = shape
+    args = w8_args(M, N, K, dtype, layout, residual, swiglu, bias=bias)
+    want = kernels.route_of(kernels.run(legacy.w8a16_linear, *args))
+    got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=W8_ALIGNED[layout])
+    assert (got.backend, got.swiglu) == want, (card, name, M, dtype, layout, residual, swiglu, bias)
+
+
+AGREES = {"w4": _w4_agrees, "w8": _w8_agrees}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", ["w4", "w8"])
+def test_route_is_the_old_cascade_for_every_m_on_h100(kernels, on_card, family, dtype):
+    on_card(H100)
+    for shape, M, residual, swiglu in _every_m(LLAMA):
+        AGREES[family](kernels, H100, dtype, shape, M, residual=residual, swiglu=swiglu)
+
+
+@pytest.mark.parametrize("family", ["w4", "w8"])
+def test_route_is_the_old_cascade_for_odd_shapes_and_operand_layouts(kernels, on_card, family):
+    """Shapes that miss a kernel's divisibility rule, x misaligned / strided / 3-D, a misaligned bias: H100, M at
+    every threshold's edge."""
+    on_card(H100)
+    for shape in SHAPES:
+        for residual, swiglu in FLAGS:
+            for M in M_EDGES:
+                for dtype in (torch.float16, torch.bfloat16):
+                    AGREES[family](kernels, H100, dtype, shape, M, residual=residual, swiglu=swiglu)
+                for layout in LAYOUTS[1:]:
+                    AGREES[family](kernels, H100, torch.float16, shape, M, layout, residual, swiglu)
+                for bias in ("aligned", "misaligned"):
+                    AGREES[family](kernels, H100, torch.float16, shape, M, residual=residual, swiglu=swiglu,
+                                   bias=bias)
+
+
+@pytest.mark.parametrize("card", CARDS.values(), ids=CARDS.keys())
+@pytest.mark.parametrize("family", ["w4", "w8"])
+def test_route_is_the_old_cascade_on_other_cards(kernels, on_card, family, card):
+    """Another SM count (H100 PCIe: other wgmma plans), not Hopper (A100, L40S: no wgmma), no GPU (the reference)."""
+    on_card(card)
+    for shape in SHAPES:
+        for residual, swiglu in FLAGS:
+            for M in M_EDGES:
+                for dtype in (torch.float16, torch.bfloat16):
+                    AGREES[family](kernels, card, dtype, shape, M, residual=residual, swiglu=swiglu)
+
+
+# ------------------------------------------------------------------------------------------------ the routes, as data
+def _ranges(route, shape, ms=range(1, 1025)):
+    """[(first M, last M, backend)] of ``route(M, shape)`` over ``ms``."""
+    out = []
+    for M in ms:
+        backend = route(M, shape).backend
+        if out and out[-1][2] == backend:
+            out[-1][1] = M
+        else:
+            out.append([M, M, backend])
+    return [tuple(r) for r in out]
+
+
+GEMV, WGMMA, DEQUANT = "w4_gemv_mma", "w4_gemm_wgmma", "dequant_cublas"
+# fp16, no residual, no SwiGLU, H100. The wgmma GEMM takes M = 17..32 from the tensor-core GEMV where its plan keeps
+# >= 10 warps per SM resident (qkv, gate_up, down, 8k: 11.6-15.5), not at o (7.8). SmolLM2's K = 576 is no multiple
+# of 128, which the tensor-core GEMV needs (the scalar GEMV takes M = 1, Triton up to 16); odd_dims' down has 32-wide
+# groups, which the wgmma GEMM does not take (64), and K = 608 (Triton up to 255).
+W4_H100 = {
+    "l3-8b qkv": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
+    "l3-8b o": [(1, 32, GEMV), (33, 255, WGMMA), (256, 1024, DEQUANT)],
+    "l3-8b gate_up": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
+    "l3-8b down": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
+    "8k": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
+    "l3-70b/8 o": [(1, 32, GEMV), (33, 255, WGMMA), (256, 1024, DEQUANT)],
+    "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 255, WGMMA), (256, 1024, DEQUANT)],
+    "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
+}
+W8_H100 = {
+    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
+    "odd_dims down": [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],  # K = 608: no multiple of 64
+}
+
+
+def test_h100_routes_of_the_measured_shapes():
+    shapes = {name: (N, K, gs) for name, N, K, gs in SHAPES}
+
+    def w4(M, shape, **kw):
+        N, K, gs = shape
+        return route_w4a16(M, N, K, torch.float16, H100, group_size=gs, **kw)
+
+    def w8(M, shape, **kw):
+        N, K, _ = shape
+        return route_w8a16(M, N, K, torch.float16, H100, **kw)
+
+    for name, want in W4_H100.items():
+        assert _ranges(w4, shapes[name]) == want, name
+    for name, want in W8_H100.items():
+        assert _ranges(w8, shapes[name]) == want, name
+    qkv = shapes["l3-8b qkv"]
+    # bf16: no CUDA kernel takes it (fp16 only); a residual: only Triton and dequantize + cuBLAS add one.
+    assert _ranges(lambda M, s: route_w4a16(M, *s[:2], torch.bfloat16, H100, group_size=128), qkv) == [
+        (1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
+    assert _ranges(lambda M, s: w4(M, s, residual=True), qkv) == [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
+    assert _ranges(lambda M, s: w8(M, s, residual=True), qkv) == [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
+    # SwiGLU: fused where the kernel has the epilogue, after the GEMM otherwise; W8A16 always after.
+    assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
+    assert w4(256, qkv, swiglu=True).swiglu == "after" and w4(1, qkv).swiglu == "none"
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 5, 512)} == {"after"}
+    # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.
+    assert _ranges(lambda M, s: route_w4a16(M, *s[:2], torch.float16, A100, group_size=128), qkv) == [
+        (1, 32, GEMV), (33, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
+    assert route_w4a16(1, 4096, 4096, torch.float16, None, group_size=128).backend == "reference"
+
+
+def test_wgmma_takes_over_from_the_gemv_above_16_rows_where_it_keeps_enough_warps():
+    """The M = 17..32 rule on the five Llama shapes (plans only, no GPU): the wgmma GEMM for qkv, gate_up, down and
+    8k (11.6-15.5 warps per SM), the GEMV for o (7.8) and for every shape at M <= 16."""
+    from kernels.csrc import w4a16_gemm_wgmma as wg
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "8k": (8192, 8192)}
+    for M, expect in ((16, set()), (17, {"qkv", "gate_up", "down", "8k"}), (32, {"qkv", "gate_up", "down", "8k"})):
+        assert {name for name, (N, K) in shapes.items()
+                if routing.wgmma_over_gemv(M, wg.gemm_plan(M, N, K))} == expect, M
+
+
+def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
+    from kernels.csrc import w4a16_gemm_wgmma as wg
+    from kernels.csrc import w4a16_gemv as gemv
+    from kernels.csrc import w4a16_gemv_mma as mma
+    from kernels.csrc import w8a16_gemv_mma as mma8
+
+    for card in (H100, H100_PCIE):
+        for M in (1, 8, 16, 24, 32, 64, 128, 255):
+            for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+                r = route_w4a16(M, N, K, torch.float16, card, group_size=128)
+                want = {GEMV: lambda: mma.gemv_plan(M, N, K, 128, sm_count=card.sm_count),
+                        WGMMA: lambda: wg.gemm_plan(M, N, K, card.sm_count)}[r.backend]()
+                assert r.params == want and r == route_w4a16(M, N, K, torch.float16, card, group_size=128)
+                if M <= 4:
+                    r8 = route_w8a16(M, N, K, torch.float16, card)
+                    assert r8.backend == "w8_gemv_mma" and r8.params == mma8.gemv_plan(M, N, K,
+                                                                                       sm_count=card.sm_count)
+    assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=64).params == gemv.gemv_plan(1, 960)
+    # The SM count counts: down at M = 24 keeps 15.5 warps per SM resident on 132 SMs, 9.0 (< 10) on 114.
+    assert route_w4a16(24, 4096, 14336, torch.float16, H100, group_size=128).backend == WGMMA
+    assert route_w4a16(24, 4096, 14336, torch.float16, H100_PCIE, group_size=128).backend == GEMV
+    assert route_w4a16(300, 4096, 4096, torch.float16, H100, group_size=128).plan == ()
+    assert route_w4a16(8, 4096, 4096, torch.float16, H200, group_size=128) == \
+        route_w4a16(8, 4096, 4096, torch.float16, H100, group_size=128)
+
+
+def test_card_of_reads_the_device_when_asked(monkeypatch):
+    class Props:
+        name, major, minor, multi_processor_count = "NVIDIA H100 PCIe", 9, 0, 114
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: asked.append(i) or Props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    routing._card_of_index.cache_clear()
+    try:
+        assert routing.card_of() == H100_PCIE and routing.card_of("cuda:1") == H100_PCIE
+        assert routing.card_of(torch.device("cuda", 0)) == H100_PCIE
+        assert asked == [1, 0]  # once per device
+    finally:
+        routing._card_of_index.cache_clear()
