@@ -1,10 +1,11 @@
-"""The LLaMA forward in torch on our kernels (``torch.ops.tritrt.*``), over packed tokens and a paged KV cache.
+"""The LLaMA-family model in torch on our kernels (``torch.ops.tritrt.*``), over packed tokens and a paged KV cache.
 
-One ``forward`` serves prefill, chunked prefill and decode (see ``export.batch.Batch``): each layer writes the new
-tokens' K/V into the cache (``write_kv_cache_``) and attends to the cache (``paged_attention``). CUDA tensors run the
-Triton kernels, CPU tensors the ops' torch references; the same module is what ``export.onnx_export`` traces and what
-the runtime's torch backend runs. Weights use the internal names of ``export.checkpoint``; quantized linears are
-``kernels.quant.QuantizedWeight`` and go through ``kernels.quant.linear``.
+What a layer computes is ``export.decoder.decoder_forward`` (defined once, shared with the ONNX exporter); this module
+runs it on ``TorchOps``, which maps each decoder op to a ``torch.ops.tritrt`` op. One ``forward`` serves prefill,
+chunked prefill and decode (see ``export.batch.Batch``): each layer writes the new tokens' K/V into the cache
+(``write_kv_cache_``) and attends to the cache (``paged_attention``). CUDA tensors run the Triton kernels, CPU tensors
+the ops' torch references; the runtime's torch backend runs this module. Weights use the internal names of
+``export.checkpoint``; quantized linears are ``kernels.quant.QuantizedWeight`` and go through ``kernels.quant.linear``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from .batch import Batch
 from .checkpoint import LlamaConfig, load_checkpoint
+from .decoder import decoder_forward, missing_weights, required_names  # noqa: F401  (required_names: public here)
 
 QUANT_MODES = ("none", "int8", "int4")
 
@@ -59,7 +61,7 @@ class LlamaModel(torch.nn.Module):
         super().__init__()
         if quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
-        missing = [n for n in required_names(config) if n not in weights]
+        missing = missing_weights(config, weights)
         if missing:
             raise ValueError(f"weights lack {len(missing)} tensor(s), e.g. {missing[:3]}; load them with "
                              f"export.checkpoint.load_checkpoint")
@@ -133,46 +135,65 @@ class LlamaModel(torch.nn.Module):
 
     def forward_tensors(self, input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q,
                         max_seqlen_q: int, kv_cache, all_logits: bool = False) -> torch.Tensor:
-        """``forward`` on the graph's inputs (the exporter traces this signature)."""
-        ops, c, w = _ops(), self.config, self.weights
-        if len(kv_cache) != c.num_layers:
-            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {c.num_layers}")
-        t = input_ids.shape[0]
-        scale = c.head_dim ** -0.5
-        x = F.embedding(input_ids, w["embed"])
-        residual = None
-        for i, (k_cache, v_cache) in enumerate(kv_cache):
-            p = f"layers.{i}."
-            # The first norm has nothing to add; every later one fuses the residual add into the norm.
-            if residual is None:
-                h, residual = ops.rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps), x
-            else:
-                h, residual = ops.fused_add_rms_norm(x, residual, w[p + "attn_norm"], c.rms_norm_eps)
-            qkv = linear(h, w[p + "wqkv"], w.get(p + "bqkv"))
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = q.reshape(t, c.num_heads, c.head_dim)
-            k = k.reshape(t, c.num_kv_heads, c.head_dim)
-            v = v.reshape(t, c.num_kv_heads, c.head_dim)
-            q, k = ops.rotary_embedding(q, k, positions, self.cos_sin_cache, False)
-            ops.write_kv_cache_(k, v, k_cache, v_cache, slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
-                                       scale)
-            x = linear(attn.reshape(t, c.q_size), w[p + "wo"])
-            h, residual = ops.fused_add_rms_norm(x, residual, w[p + "mlp_norm"], c.rms_norm_eps)
-            x = linear(ops.swiglu(linear(h, w[p + "w13"]), None), w[p + "w2"])
-        h, _ = ops.fused_add_rms_norm(x, residual, w["norm"], c.rms_norm_eps)
-        if not all_logits:
-            h = h[(cu_seqlens_q[1:] - 1).long()]  # only the last new token of each sequence samples
-        return F.linear(h, w["lm_head"])
+        """``forward`` on the graph's inputs: ``export.decoder.decoder_forward`` on ``TorchOps``."""
+        if len(kv_cache) != self.config.num_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {self.config.num_layers}")
+        return decoder_forward(TorchOps(self.weights, self.cos_sin_cache), self.config, input_ids, positions,
+                               slot_mapping, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, kv_cache,
+                               all_logits=all_logits)
 
 
-def required_names(config: LlamaConfig) -> list[str]:
-    names = ["embed", "norm", "lm_head"]
-    for i in range(config.num_layers):
-        names += [f"layers.{i}.{n}" for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")]
-        if config.attention_bias:
-            names.append(f"layers.{i}.bqkv")
-    return names
+class TorchOps:
+    """``export.decoder.DecoderOps`` on torch tensors: ``torch.ops.tritrt`` (CUDA: our kernels; CPU: their fp32
+    references); weights resolved by internal name from ``weights``."""
+
+    def __init__(self, weights: dict, cos_sin_cache: torch.Tensor):
+        self.w, self.cos_sin_cache, self.ops = weights, cos_sin_cache, _ops()
+
+    def has_weight(self, name):
+        return name in self.w
+
+    def embedding(self, input_ids, weight):
+        return F.embedding(input_ids, self.w[weight])
+
+    def rms_norm(self, x, weight, eps):
+        return self.ops.rms_norm(x, self.w[weight], eps)
+
+    def head_rms_norm(self, x, weight, eps):
+        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.w[weight], eps).reshape(x.shape)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps, name):
+        return self.ops.fused_add_rms_norm(x, residual, self.w[weight], eps)
+
+    def linear(self, x, weight, bias=None):
+        return linear(x, self.w[weight], None if bias is None else self.w[bias])
+
+    def split_heads(self, x, heads, head_dim, name):
+        parts = x.split([h * head_dim for h in heads], dim=-1)
+        return [part.reshape(x.shape[0], h, head_dim) for part, h in zip(parts, heads)]
+
+    def merge_heads(self, x, size):
+        return x.reshape(x.shape[0], size)
+
+    def rope(self, q, k, positions, name):
+        return self.ops.rotary_embedding(q, k, positions, self.cos_sin_cache, False)
+
+    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
+        self.ops.write_kv_cache_(k, v, caches[0], caches[1], slot_mapping)
+        return caches
+
+    def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
+        return self.ops.paged_attention(q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
+                                        scale)
+
+    def swiglu(self, gate_up, intermediate, name):
+        return self.ops.swiglu(gate_up, None)
+
+    def last_tokens(self, h, cu_seqlens_q):
+        return h[(cu_seqlens_q[1:] - 1).long()]
+
+    def lm_head(self, h, weight):
+        return F.linear(h, self.w[weight])
 
 
 def make_batch(prompt_lens, cached_lens=None, block_size: int = 16, device="cpu", input_ids=None,

@@ -1,4 +1,7 @@
-"""Export the LLaMA model to ONNX in two flavours from one walk over its layers.
+"""Export the LLaMA-family model to ONNX in two flavours, from the one decoder definition (``export.decoder``).
+
+``build_graph`` declares the graph's I/O and runs ``export.decoder.decoder_forward`` on ``OnnxOps``, which maps each
+decoder op to an ``export.onnx_ops.OpEmitter`` call (and weight names to initializers). The flavour is the emitter's:
 
 - ``plugin``: the hot ops are ``tritrt`` plugin nodes (``trt_plugins.specs``) that the TensorRT engine runs with our
   kernels; quantized linears are W8A16Linear/W4A16Linear nodes on the packed tensors the GEMM kernels read.
@@ -36,12 +39,12 @@ see the same values.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Mapping, Optional
 
 import torch
 from onnx import TensorProto
 
+from .decoder import decoder_forward, missing_weights
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import OpEmitter
@@ -63,9 +66,7 @@ def _weights_and_config(model_or_weights, config):
 
 
 def _check_weights(weights: Mapping[str, Any], config) -> None:
-    needed = ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(config.num_layers)
-                                  for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")]
-    missing = [n for n in needed if n not in weights]
+    missing = missing_weights(config, weights)
     if missing:
         raise KeyError(f"weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}: expected the internal names "
                        f"of export.checkpoint (embed, layers.{{i}}.wqkv, ...)")
@@ -90,7 +91,7 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
     _check_weights(weights, config)
     act = _act_dtype(weights, dtype)
     c = config
-    hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+    hk, d = c.num_kv_heads, c.head_dim
     g = GraphBuilder(f"tritrt_llama_{flavour}", data)
     em = OpEmitter(g, flavour, act)
     act_t = onnx_dtype(act)
@@ -106,49 +107,9 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
     caches = [(g.input(f"k_cache_{i}", act_t, cache_shape), g.input(f"v_cache_{i}", act_t, cache_shape))
               for i in range(c.num_layers)]
 
-    rotary_dim = d  # LLaMA rotates whole heads
-    cos_sin = g.initializer("rope.cos_sin_cache", rope_cache(c))  # the torch model's table, stored once
-    embed = g.initializer("embed", weights["embed"].to(act))
-    x = g.op1("Gather", [embed, input_ids], axis=0, name="embed_lookup")  # [T, hidden]
-    scale = 1.0 / math.sqrt(d)
-
-    residual = None
-    for i in range(c.num_layers):
-        p = f"layers.{i}"
-        attn_norm = g.initializer(f"{p}.attn_norm", weights[f"{p}.attn_norm"].to(act))
-        if residual is None:
-            h, residual = em.rms_norm(x, attn_norm, c.rms_norm_eps, f"{p}.attn_norm"), x
-        else:
-            h, residual = em.fused_add_rms_norm(x, residual, attn_norm, c.rms_norm_eps, f"{p}.attn_norm")
-        qkv = em.linear(h, weights[f"{p}.wqkv"], weights.get(f"{p}.bqkv"), f"{p}.wqkv")
-        q, k, v = g.op("Split", [qkv, g.const([hq * d, hk * d, hk * d])], 3, axis=1, name=f"{p}.qkv_split")
-        q = g.op1("Reshape", [q, g.const([-1, hq, d])])
-        k = g.op1("Reshape", [k, g.const([-1, hk, d])])
-        v = g.op1("Reshape", [v, g.const([-1, hk, d])])
-        q, k = em.rope(q, k, positions, cos_sin, rotary_dim, d, f"{p}.rope")
-        kc, vc = em.write_kv_cache(k, v, caches[i][0], caches[i][1], slot_mapping,
-                                   (f"k_cache_out_{i}", f"v_cache_out_{i}"), hk, d, f"{p}.write_kv")
-        attn = em.paged_attention(q, kc, vc, block_table, seq_lens, cu_seqlens_q, hq, hk, d, block_size, scale,
-                                  f"{p}.attention")
-        attn = g.op1("Reshape", [attn, g.const([-1, hq * d])])
-        x = em.linear(attn, weights[f"{p}.wo"], None, f"{p}.wo")
-        mlp_norm = g.initializer(f"{p}.mlp_norm", weights[f"{p}.mlp_norm"].to(act))
-        h, residual = em.fused_add_rms_norm(x, residual, mlp_norm, c.rms_norm_eps, f"{p}.mlp_norm")
-        gate_up = em.linear(h, weights[f"{p}.w13"], None, f"{p}.w13")
-        x = em.linear(em.swiglu(gate_up, c.intermediate_size, f"{p}.swiglu"), weights[f"{p}.w2"], None, f"{p}.w2")
-
-    norm = g.initializer("norm", weights["norm"].to(act))
-    h, _ = em.fused_add_rms_norm(x, residual, norm, c.rms_norm_eps, "final_norm")
-    # only each sequence's last new token is sampled: gather those rows before the (large) lm_head
-    last = g.op1("Sub", [g.op1("Cast", [g.op1("Slice", [cu_seqlens_q, g.const([1]), g.const([2**62]), g.const([0])])],
-                               to=i64), g.const(1)], name="last_token_index")
-    h_last = g.op1("Gather", [h, last], axis=0)
-    lm_head = weights.get("lm_head", weights["embed"])
-    if lm_head is weights["embed"] and isinstance(lm_head, torch.Tensor):
-        # tied embeddings: reuse the embedding table instead of storing the vocab x hidden matrix twice
-        logits = g.op1("Gemm", [h_last, embed], transB=1, name="lm_head")
-    else:
-        logits = em.linear(h_last, lm_head, None, "lm_head")
+    ops = OnnxOps(em, weights, config, block_size, g.initializer("rope.cos_sin_cache", rope_cache(c)))
+    logits = decoder_forward(ops, c, input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q, None,
+                             caches)
     g.op1("Cast", [logits], to=TensorProto.FLOAT, outputs=["logits"])
 
     g.output("logits", TensorProto.FLOAT, ["num_seqs", c.vocab_size])
@@ -156,6 +117,83 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
         g.output(f"k_cache_out_{i}", act_t, cache_shape)
         g.output(f"v_cache_out_{i}", act_t, cache_shape)
     return g
+
+
+class OnnxOps:
+    """``export.decoder.DecoderOps`` as ONNX nodes: each op through ``OpEmitter`` (a plugin node or its standard-op
+    decomposition, by the emitter's flavour); weight names resolved to initializers (each stored once) or, for
+    linears, handed to the emitter with the tensor, which stores it in the flavour's layout."""
+
+    def __init__(self, em: OpEmitter, weights: Mapping[str, Any], config, block_size: int, cos_sin: str):
+        self.em, self.g, self.w, self.c = em, em.g, weights, config
+        self.block_size, self.cos_sin = block_size, cos_sin  # the torch model's RoPE table, stored once
+        self._inits: dict[str, str] = {}
+
+    def _init(self, name: str) -> str:
+        if name not in self._inits:
+            self._inits[name] = self.g.initializer(name, self.w[name].to(self.em.act_dtype))
+        return self._inits[name]
+
+    def has_weight(self, name):
+        return name in self.w
+
+    def embedding(self, input_ids, weight):
+        return self.g.op1("Gather", [self._init(weight), input_ids], axis=0, name="embed_lookup")  # [T, hidden]
+
+    def rms_norm(self, x, weight, eps):
+        return self.em.rms_norm(x, self._init(weight), eps, weight)
+
+    def head_rms_norm(self, x, weight, eps):
+        # [T, H, D] -> [T * H, D]: RmsNorm (plugin or decomposition) with the [D] weight, D static, then back
+        g, d = self.g, self.c.head_dim
+        shape = g.op1("Shape", [x])
+        y = self.em.rms_norm(g.op1("Reshape", [x, g.const([-1, d])]), self._init(weight), eps, weight)
+        return g.op1("Reshape", [y, shape])
+
+    def fused_add_rms_norm(self, x, residual, weight, eps, name):
+        return self.em.fused_add_rms_norm(x, residual, self._init(weight), eps, name)
+
+    def linear(self, x, weight, bias=None):
+        return self.em.linear(x, self.w[weight], None if bias is None else self.w[bias], weight)
+
+    def split_heads(self, x, heads, head_dim, name):
+        g = self.g
+        parts = g.op("Split", [x, g.const([h * head_dim for h in heads])], len(heads), axis=1, name=name)
+        return [g.op1("Reshape", [part, g.const([-1, h, head_dim])]) for part, h in zip(parts, heads)]
+
+    def merge_heads(self, x, size):
+        return self.g.op1("Reshape", [x, self.g.const([-1, size])])
+
+    def rope(self, q, k, positions, name):
+        d = self.c.head_dim
+        return self.em.rope(q, k, positions, self.cos_sin, d, d, name)  # LLaMA rotates whole heads
+
+    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
+        return self.em.write_kv_cache(k, v, caches[0], caches[1], slot_mapping,
+                                      (f"k_cache_out_{layer}", f"v_cache_out_{layer}"), self.c.num_kv_heads,
+                                      self.c.head_dim, name)
+
+    def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
+        c = self.c
+        return self.em.paged_attention(q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q, c.num_heads,
+                                       c.num_kv_heads, c.head_dim, self.block_size, scale, name)
+
+    def swiglu(self, gate_up, intermediate, name):
+        return self.em.swiglu(gate_up, intermediate, name)
+
+    def last_tokens(self, h, cu_seqlens_q):
+        # gathered before the (large) lm_head
+        g = self.g
+        ends = g.op1("Slice", [cu_seqlens_q, g.const([1]), g.const([2**62]), g.const([0])])
+        last = g.op1("Sub", [g.op1("Cast", [ends], to=TensorProto.INT64), g.const(1)], name="last_token_index")
+        return g.op1("Gather", [h, last], axis=0)
+
+    def lm_head(self, h, weight):
+        w = self.w[weight]
+        if weight == "embed" or (w is self.w["embed"] and isinstance(w, torch.Tensor)):
+            # tied embeddings: reuse the embedding table instead of storing the vocab x hidden matrix twice
+            return self.g.op1("Gemm", [h, self._init("embed")], transB=1, name="lm_head")
+        return self.em.linear(h, w, None, "lm_head")
 
 
 def export_onnx(model_or_weights, config=None, path=None, flavour: str = "plugin", *, block_size: int = 16,

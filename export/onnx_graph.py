@@ -1,7 +1,7 @@
 """A small ONNX graph builder: unique names, initializers from torch tensors, constants, and an atomic save.
 
-``export.onnx_export`` walks the LLaMA layers once and asks ``export.onnx_ops`` to emit each op, either as one plugin
-node (domain ``tritrt``) or as its decomposition into standard ONNX ops; both go through this builder. It is a thin
+``export.onnx_export`` runs the decoder (``export.decoder``) and asks ``export.onnx_ops`` to emit each op, either as
+one plugin node (domain ``tritrt``) or as its decomposition into standard ONNX ops; both go through this builder. A thin
 layer over ``onnx.helper`` so the produced graph is plain ONNX that any tool (ORT, Polygraphy, TensorRT) reads.
 
 Weights are written as external data (``<name>.onnx.data`` beside ``<name>.onnx``): TensorProtos are limited to 2 GB

@@ -1,8 +1,9 @@
 """Per-op ONNX emitters, in two flavours: one ``tritrt`` plugin node, or the same math in standard ONNX ops.
 
 ``OpEmitter(builder, flavour)`` has one method per model op (``rms_norm``, ``fused_add_rms_norm``, ``swiglu``, ``rope``,
-``write_kv_cache``, ``paged_attention``, ``linear``); ``export.onnx_export`` calls them while walking the layers, so the
-two flavours come from one description of the model and cannot drift apart in structure.
+``write_kv_cache``, ``paged_attention``, ``linear``); ``export.onnx_export.OnnxOps`` calls them for the ops of the one
+decoder definition (``export.decoder``), so both flavours and the torch model come from one description of the model
+and cannot drift apart in structure.
 
 Plugin nodes take their op type, input order and attributes from ``trt_plugins.specs.SPECS`` (the one place that
 defines a plugin's contract), so a spec change shows up here as a clear error rather than a silently wrong node.
