@@ -146,7 +146,8 @@ def _make_bad(tmp_path, tiny_dirs, kind):
 def test_bad_checkpoint_fails_and_keeps_existing_out(tmp_path, tiny_dirs, capsys, kind):
     ckpt, match = _make_bad(tmp_path, tiny_dirs, kind)
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir()  # an earlier OUT of ours (build.json lists its files), so that the checkpoint is what is refused
+    (out / "build.json").write_text(json.dumps({"tritrt_version": 1, "files": ["build.json", "keep.txt"]}))
     (out / "keep.txt").write_text("previous build")
     rc, _, err = _build(capsys, "--checkpoint", str(ckpt), "--out", str(out))
     assert rc != 0
