@@ -3,7 +3,8 @@
 Reads ``config.json`` and the safetensors shards lazily (``safe_open``: one tensor at a time, no transformers) and maps
 HF names to the gpt-fast style names the model runs on (``layers.{i}.wqkv`` = q|k|v rows, ``layers.{i}.w13`` = gate|up
 rows, see ``internal_names``). Llama 2/3/3.1 (GQA, llama3 rope scaling, tied or untied embeddings), TinyLlama, Mistral
-without a sliding window and Qwen2 (qkv bias) share this layout; anything else is refused with a ``CheckpointError``
+without a sliding window, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm, its own head_dim) share this layout; what
+the forward does with it is ``export.decoder``. Anything else is refused with a ``CheckpointError``
 that says what to do. GPTQ/AWQ checkpoints keep their packed tensors per projection (``Checkpoint.quantized_parts``) for
 ``export.quantize`` to repack. ``make_tiny_llama`` (in ``export.tiny``) is re-exported here.
 """
@@ -19,7 +20,11 @@ import torch
 
 from .tiny import make_tiny_llama  # noqa: F401  (re-exported: the fixture writer beside the reader)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# model_type -> (transformers config class, model class): the HF model each type is checked against (tiny fixtures,
+# baselines); transformers is imported only by those users
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 # Packed tensors of one GPTQ/AWQ linear (g_idx only in GPTQ act-order checkpoints).
@@ -47,6 +52,7 @@ class LlamaConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
     model_type: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3); weights layers.{i}.q_norm / k_norm
 
     @property
     def q_size(self) -> int:
@@ -85,7 +91,8 @@ class LlamaConfig:
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 # Qwen2's q/k/v always have a bias and its config has no flag for it.
                 attention_bias=bool(hf.get("attention_bias", False)) or model_type == "qwen2",
-                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), model_type=model_type)
+                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), model_type=model_type,
+                qk_norm=model_type == "qwen3")
         except KeyError as e:
             raise CheckpointError(f"{where} lacks the field {e}; is this a complete Hugging Face LLaMA config?") from e
         except (TypeError, ValueError) as e:
@@ -152,6 +159,9 @@ def internal_names(config: LlamaConfig) -> dict[str, list[str]]:
         m[f"layers.{i}.wqkv"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         if config.attention_bias:
             m[f"layers.{i}.bqkv"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.qk_norm:
+            m[f"layers.{i}.q_norm"] = [p + "self_attn.q_norm.weight"]
+            m[f"layers.{i}.k_norm"] = [p + "self_attn.k_norm.weight"]
         m[f"layers.{i}.wo"] = [p + "self_attn.o_proj.weight"]
         m[f"layers.{i}.mlp_norm"] = [p + "post_attention_layernorm.weight"]
         m[f"layers.{i}.w13"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
@@ -173,6 +183,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             leaf = n.split(".")[-2]
             if n.endswith("layernorm.weight"):
                 shapes[n] = (h,)
+            elif n.endswith(("q_norm.weight", "k_norm.weight")):
+                shapes[n] = (c.head_dim,)
             elif n.endswith(".bias"):
                 shapes[n] = (per_proj[leaf][0],)
             else:

@@ -50,22 +50,22 @@ def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", max_shard_si
     """Write a random tiny checkpoint to ``path`` and return it.
 
     ``overrides`` are HF config fields (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...llama3...}``,
-    ``num_hidden_layers=1``); ``model_type`` "llama" or "qwen2" (q/k/v biases); ``max_shard_size`` (e.g. "40KB")
+    ``num_hidden_layers=1``); ``model_type`` "llama", "qwen2" (q/k/v biases) or "qwen3" (q/k norms; pass ``head_dim``
+    to untie it from hidden / heads); ``max_shard_size`` (e.g. "40KB")
     writes several shards plus ``model.safetensors.index.json``.
     """
     import transformers
 
+    from .checkpoint import HF_CLASSES  # here: export.checkpoint imports this module
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     fields = {**TINY_DEFAULTS, **overrides}
-    if model_type == "llama":
-        cfg = transformers.LlamaConfig(**fields)
-        cls = transformers.LlamaForCausalLM
-    elif model_type == "qwen2":
-        cfg = transformers.Qwen2Config(**fields)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        raise ValueError(f"make_tiny_llama makes 'llama' or 'qwen2' checkpoints, not '{model_type}'")
+    if model_type not in HF_CLASSES:
+        raise ValueError(f"make_tiny_llama makes {', '.join(map(repr, HF_CLASSES))} checkpoints, not '{model_type}'")
+    config_cls, model_cls = HF_CLASSES[model_type]
+    cfg = getattr(transformers, config_cls)(**fields)
+    cls = getattr(transformers, model_cls)
     # Seed, and fork the RNG so that making a fixture does not perturb the random stream of the caller's test.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

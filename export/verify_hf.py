@@ -1,4 +1,5 @@
-"""The ``hf`` runner of ``export.verify``: transformers' own LlamaForCausalLM (fp32) on OUT's weights.
+"""The ``hf`` runner of ``export.verify``: transformers' own model (fp32) on OUT's weights, of the class OUT's
+config.json names (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ...; see ``load_hf_model``).
 
 It gives, per feed, the logits of each sequence's last token and the K/V caches in the graph's paged layout and
 names (``k_cache_out_i``, ``v_cache_out_i``): HF runs each sequence's full tokens with its own cache (post-RoPE keys,
@@ -41,7 +42,8 @@ def hf_state_dict(weights: dict, config) -> dict:
 
 
 def load_hf_model(out: Path, config, device: str = "cpu"):
-    """transformers' LlamaForCausalLM (fp32) on ``device`` from OUT's config.json and weights.safetensors.
+    """transformers' model (fp32) on ``device`` from OUT's config.json and weights.safetensors: AutoModelForCausalLM
+    picks the class of its ``model_type`` (qwen3: Qwen3ForCausalLM, with its per-head q/k norms).
 
     The model is made on the meta device and given our fp32 tensors (``assign``): no random initialisation, and on
     cuda the weights are read straight to the GPU and dequantized there, never as an fp32 copy in host memory.

@@ -1,4 +1,5 @@
-"""A ``transformers.LlamaForCausalLM`` that runs on our internal weights: the PyTorch baseline and the reference.
+"""A transformers model (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ... by model type) that runs on our internal
+weights: the PyTorch baseline and the reference.
 
 ``hf_model(weights, config)`` builds the HF model on the meta device and assigns *views* of our tensors (rows of
 ``wqkv`` / ``w13`` split back into q/k/v and gate/up), so an 8B baseline costs no second copy of the weights.
@@ -29,28 +30,35 @@ def hf_state_dict(weights: dict, config) -> dict[str, torch.Tensor]:
 
 
 def hf_config(config):
-    """Our ``LlamaConfig`` as a ``transformers.LlamaConfig`` (LLaMA only: Qwen2's bias layout differs)."""
+    """Our ``LlamaConfig`` as the transformers config of its model type (``export.checkpoint.HF_CLASSES``)."""
     import transformers
 
-    if config.attention_bias:
-        raise ValueError("hf_model builds LLaMA baselines only; this config has q/k/v biases (Qwen2)")
-    return transformers.LlamaConfig(
+    from export.checkpoint import HF_CLASSES
+
+    config_cls, _ = HF_CLASSES[config.model_type]
+    if config.attention_bias and config.model_type != "qwen2":
+        raise ValueError(f"hf_model: a {config.model_type} config with q/k/v biases has no transformers model here")
+    return getattr(transformers, config_cls)(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
-        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings)
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
+        sliding_window=None)  # MistralConfig defaults to a window; the checkpoints we accept have none
 
 
 def hf_model(weights: dict, config, attn_implementation: str = "sdpa"):
-    """``LlamaForCausalLM`` on views of ``weights`` (their device and dtype), in eval mode."""
+    """The transformers model of ``config.model_type`` (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ...) on views of
+    ``weights`` (their device and dtype), in eval mode."""
     import transformers
+
+    from export.checkpoint import HF_CLASSES
 
     cfg = hf_config(config)
     cfg._attn_implementation = attn_implementation
     embed = weights["embed"]
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = getattr(transformers, HF_CLASSES[config.model_type][1])(cfg)
     sd = hf_state_dict(weights, config)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
