@@ -28,7 +28,9 @@ def test_weights_match_hf_model(tiny_dirs, variant):
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
             cfg.num_kv_heads) == (hc.vocab_size, hc.hidden_size, hc.intermediate_size, hc.num_hidden_layers,
                                   hc.num_attention_heads, hc.num_key_value_heads)
-    assert cfg.head_dim == hc.hidden_size // hc.num_attention_heads
+    # Qwen3's head_dim is its own config field (the tiny one: 32, not hidden / heads = 16)
+    assert cfg.head_dim == (getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads)
+    assert cfg.qk_norm == (variant == "qwen3")
     assert cfg.rms_norm_eps == hc.rms_norm_eps
     assert cfg.tie_word_embeddings == bool(TINY_VARIANTS[variant].get("tie_word_embeddings", False))
     assert cfg.attention_bias == (variant == "qwen2")

@@ -74,7 +74,7 @@ def _copy(batch):
     return batch.to("cpu")
 
 
-@pytest.mark.parametrize("variant", ["llama", "tied", "llama3", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "tied", "llama3", "qwen2", "qwen3"])
 def test_prefill_decode_chunked_vs_hf(tiny_dirs, variant):
     path = tiny_dirs(variant)
     model = LlamaModel.from_checkpoint(path)
@@ -142,9 +142,11 @@ def test_bad_inputs(tiny_llama_dir):
 
 # --- GPU: the Triton kernels in half precision ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant, group_size", [("none", 128), ("int8", 128), ("int4", 32)])
+@pytest.mark.parametrize("variant, quant, group_size", [("qwen2", "none", 128), ("llama", "int8", 128),
+                                                         ("llama", "int4", 32), ("qwen3", "none", 128),
+                                                         ("qwen3", "int4", 32)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_half_model_vs_hf(tiny_dirs, quant, group_size, dtype):
+def test_gpu_half_model_vs_hf(tiny_dirs, variant, quant, group_size, dtype):
     """Our kernels in fp16/bf16 on CUDA vs HF in fp32 on the same (dequantized) weights, over prefill, decode and
     chunked prefill. Bound: 3x HF's own error when it runs in the same half dtype, + 1e-2 abs (logits are O(1)): fused
     kernels round at different points than eager PyTorch, which is of the same size as HF's own rounding error; a
@@ -152,7 +154,7 @@ def test_gpu_half_model_vs_hf(tiny_dirs, quant, group_size, dtype):
     import kernels.quant as kq
     from tests.helpers import assert_close_to_ref
 
-    path = tiny_dirs("qwen2" if quant == "none" else "llama")
+    path = tiny_dirs(variant)
     model = LlamaModel.from_checkpoint(path, quant=quant, group_size=group_size, dtype=dtype, device="cuda")
     c = model.config
     hf32 = _hf(path).cuda()

@@ -81,6 +81,7 @@ def exported(tiny_dirs, tmp_path_factory):
 @pytest.mark.parametrize("variant,quant,group_size", [
     ("llama", "none", None), ("tied", "none", None), ("llama3", "none", None), ("qwen2", "none", None),
     ("llama", "int8", None), ("llama", "int4", 32), ("qwen2", "int4", 32),
+    ("qwen3", "none", None), ("qwen3", "int4", 32),  # q/k norms per head (RmsNorm on [T * H, D]); head_dim 32
     ("odd_dims", "int4", 128),  # group sizes chosen per weight: 64 (K = 320) and 32 (K = 608)
 ])
 def test_flavours_match_hf_and_each_other(exported, tiny_dirs, variant, quant, group_size):

@@ -395,6 +395,29 @@ def test_odd_dims_int4_default_group_size_verifies(tiny_dirs, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("export.verify: PASSED")
 
 
+@pytest.mark.parametrize("quant, dtype", [("none", "float32"), ("int4", "float16")])
+def test_qwen3_builds_and_verifies(tiny_dirs, tmp_path, capsys, quant, dtype):
+    """A tiny Qwen3 (q/k norms per head, head_dim 32 != hidden / heads) through ``python -m export.build`` and
+    ``python -m export.verify``: both graphs against transformers' Qwen3ForCausalLM; in the plugin graph each q/k norm
+    is an RmsNorm node on [T * H, D] with the [head_dim] weight."""
+    from export.build import main as build_main
+    from export.model import LlamaModel
+
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(tiny_dirs("qwen3")), "--quant", quant, "--dtype", dtype, "--out", str(out),
+            "--no-engine"] + (["--group-size", "32"] if quant == "int4" else [])
+    assert build_main(argv) == 0
+    config = LlamaModel.from_output_dir(out).config
+    assert config.model_type == "qwen3" and config.qk_norm and config.head_dim == 32
+    model = onnx.load(str(out / "model.plugin.onnx"), load_external_data=False)
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    head_norms = [n for n in model.graph.node if n.op_type == "RmsNorm" and shapes.get(n.input[1]) == [32]]
+    assert len(head_norms) == 2 * config.num_layers
+    capsys.readouterr()
+    assert _verify(out) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("export.verify: PASSED")
+
+
 def test_hf_state_dict_is_the_dequantized_weights_in_fp32(built_out, built_half_out):
     """The HF model's fp32 tensors: each quantized weight dequantized exactly in fp32 (what the GEMM kernels compute
     with); built one weight at a time; the tied lm_head is the embed tensor itself, one copy."""

@@ -53,10 +53,12 @@ def check_tokens(ours, want, want_logits, tol, what):
     return len(ours)
 
 
-@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
-def test_greedy_matches_hf_fp32(tiny_dir, quant):
+@pytest.mark.parametrize("variant, quant", [("llama", "none"), ("llama", "int8"), ("llama", "int4"),
+                                           ("qwen3", "none"), ("qwen3", "int4")])
+def test_greedy_matches_hf_fp32(tiny_dirs, variant, quant):
     from export.model import LlamaModel
 
+    tiny_dir = tiny_dirs(variant, seed=3)  # llama: the runtime tests' tiny_dir
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda", quant=quant, group_size=32)
     hf32 = hf_model(_fp32_weights(model.weights), model.config)
     hf16 = hf_model({k: v.half() for k, v in _fp32_weights(model.weights).items()}, model.config)
@@ -67,7 +69,7 @@ def test_greedy_matches_hf_fp32(tiny_dir, quant):
     for p, r in zip(PROMPTS, res):
         want, want_logits = hf_greedy(hf32, p, MAX_NEW)
         tol = 4 * fp16_error(hf32, hf16, p, want)
-        exact += check_tokens(r.token_ids, want, want_logits, tol, f"{quant} prompt {p[:3]}") == MAX_NEW
+        exact += check_tokens(r.token_ids, want, want_logits, tol, f"{variant} {quant} prompt {p[:3]}") == MAX_NEW
     # A near-tie may end one prompt's comparison early; most must match all 40 tokens or the test proves little.
     assert exact >= len(PROMPTS) - 1, f"only {exact} of {len(PROMPTS)} prompts matched all {MAX_NEW} tokens"
 

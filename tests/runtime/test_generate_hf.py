@@ -1,4 +1,4 @@
-"""Greedy generation of the tiny LLaMA through the runtime (torch backend, paged cache, batched prompts of
+"""Greedy generation of the tiny LLaMA (and Qwen3) through the runtime (torch backend, paged cache, batched prompts of
 different lengths) equals Hugging Face ``generate`` token for token; the CLI prints what the API generates."""
 
 import subprocess
@@ -62,6 +62,26 @@ def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block
         assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
     if num_blocks == 24:
         assert any(r.num_preemptions for r in res), "the small cache should have forced a preemption"
+
+
+def test_greedy_qwen3_equals_hf_generate(tiny_dirs):
+    """Qwen3 (q/k norms per head, head_dim 32 != hidden / heads) through the same loop: transformers'
+    Qwen3ForCausalLM generates the same tokens."""
+    import transformers
+
+    from export.model import LlamaModel
+
+    path = tiny_dirs("qwen3", seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    tok = load_tokenizer(path)
+    model = LlamaModel.from_checkpoint(path, dtype=torch.float32)
+    assert model.config.qk_norm and model.config.q_size != model.config.hidden_size
+    res = Generator(TorchBackend(model, block_size=4), tok, max_num_seqs=4).generate(
+        PROMPTS, SamplingParams(max_new_tokens=16))
+    for p, r in zip(PROMPTS, res):
+        ids = tok.encode(p)
+        assert_same_tokens(hf, ids, r.token_ids, hf_greedy(hf, ids, 16, tok.eos_token_id))
 
 
 def test_seeded_sampling_is_reproducible_through_the_loop(tiny_dir):

@@ -52,14 +52,15 @@ def test_a_spec_advertising_a_dtype_the_builder_rejects_fails_the_tier(trt_build
     assert "UInt8 datatype formats are not supported" in result["error"]  # TensorRT's own reason
 
 
-def _export(tmp_path, quant, dtype):
-    """The plugin-flavour ONNX of the built-in tiny model (as export.build makes it) and its build.json limits."""
+def _export(tmp_path, quant, dtype, **model):
+    """The plugin-flavour ONNX of the built-in tiny model (as export.build makes it; ``model``: make_tiny_llama
+    overrides, e.g. another model_type) and its build.json limits."""
     from export.build import TINY_BUILD
     from export.checkpoint import make_tiny_llama
     from export.model import LlamaModel
     from export.onnx_export import export_onnx
 
-    ckpt = make_tiny_llama(tmp_path / "ckpt", seed=0, **TINY_BUILD)
+    ckpt = make_tiny_llama(tmp_path / "ckpt", seed=0, **{**TINY_BUILD, **model})
     model = LlamaModel.from_checkpoint(ckpt, quant=quant, dtype=getattr(torch, dtype), group_size=128)
     path = tmp_path / "model.plugin.onnx"
     export_onnx(model, model.config, path, "plugin", block_size=16, dtype=model.dtype, quant=model.quant,
@@ -79,6 +80,19 @@ def test_the_model_builds(quant, dtype, trt_builder, tmp_path, record_engines):
                           progress=False, log=lambda m: None)
     record_engines(f"model {quant} {dtype}", [engine.stat().st_size])
     assert not list(tmp_path.glob(".model.engine.*"))  # written under a temp name, then renamed
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_qwen3_builds(quant, trt_builder, tmp_path, record_engines):
+    """Qwen3's per-head q/k norms (Reshape [T * H, D] -> RmsNorm with a [head_dim] weight -> Reshape) parse, infer
+    shapes and build, with head_dim 64 != hidden / heads (32)."""
+    from export.engine import build_engine
+
+    builder, cc = trt_builder
+    onnx_path = _export(tmp_path, quant, "float16", model_type="qwen3", head_dim=64)
+    engine = build_engine(onnx_path, tmp_path / "model.engine", LIMITS, builder=builder, compute_capability=cc,
+                          progress=False, log=lambda m: None)
+    record_engines(f"qwen3 {quant} float16", [engine.stat().st_size])
 
 
 def test_the_readme_main_job_builds(trt_builder, tmp_path, record_engines):
