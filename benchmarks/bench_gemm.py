@@ -112,7 +112,7 @@ def main():
     routed = os.environ.get("BENCH_GEMM_KERNELS") == "routed"
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
     from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
-    from kernels.ops import gemm as ops_gemm
+    from kernels.gemm import routing as ops_gemm
     ms_list = [int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS") else MS
     shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [
         s for s in SHAPES if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]

@@ -64,6 +64,13 @@ def unsupported_reason(M: int, N: int, K: int, dtype: torch.dtype, vec: Optional
     return None
 
 
+def operands_ok(qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """What the GEMV needs of the weight beyond shapes (the op runs the Triton kernel otherwise): fp16 scales / bias,
+    contiguous operands, a 16-byte aligned qweight (its 16-byte row loads). x: contiguous rows, 8-byte aligned."""
+    return (scales.dtype == torch.float16 and (bias is None or (bias.dtype == torch.float16 and bias.is_contiguous()))
+            and qweight.is_contiguous() and scales.is_contiguous() and qweight.data_ptr() % 16 == 0)
+
+
 def _blocks_per_sm(warps: int, vec: int) -> int:
     smem = warps * 8 * 8 * vec * 4 + 1024  # the reduction buffer, plus the per-block reservation
     return min(65536 // (REGS_BOUND * 32 * warps), 2048 // (32 * warps), 32, SMEM_PER_SM // smem)

@@ -172,8 +172,8 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
     benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` the GEMM routes as without SwiGLU and without
     the residual (added after the activation).
-    ``aligned``: the operands are what the W8A16 GEMV needs beyond shapes (``w8a16_gemv_mma.operands_ok``); the op
-    checks them only when a route names that kernel, as ``route_w4a16``."""
+    ``aligned``: the operands are what the W8A16 GEMV needs beyond shapes (``w8a16_gemv_mma.operands_ok``, and x
+    8-byte aligned once contiguous); the op checks them only when a route names that kernel, as ``route_w4a16``."""
     if card is None:
         return _route("reference", "fused" if swiglu else "none")
     after = "after" if swiglu else "none"

@@ -149,28 +149,6 @@ def test_wgmma_gemm_matches_reference(M, N, K, group_size, symmetric):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [33, 64, 128, 255])
-def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
-    import kernels.ops  # noqa: F401
-    from kernels._utils import device_sm
-    from kernels.gemm_w4a16 import w4a16_gemm
-    from kernels.ops import gemm as ops_gemm
-
-    x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
-    qw = quantize_int4(torch.randn(2048, 1024, dtype=torch.float16), 128).to("cuda")
-    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
-    y_op = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 128, None, None)
-    if device_sm() == 90 and ops_gemm.WGMMA_W4 and ops_gemm.CUDA_GEMV_MMA_MAX_M < M < ops_gemm.DEQUANT_MIN_M_W4:
-        assert torch.equal(y_op, wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128))  # routed here
-    # With a residual the op takes the Triton kernel (the wgmma GEMM has no residual epilogue).
-    y_res = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 128, None, r)
-    assert torch.equal(y_res, w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 128, residual=r))
-    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 128)
-    assert_close_to_ref(y_op, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
-                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("M", [33, 100, 128, 200])
 def test_wgmma_gemm_swiglu_epilogue(M):
     """WG_SWIGLU builds: W's columns as interleaved (gate, up) pairs, out [M, N / 2], unsplit and split-K (both
@@ -192,43 +170,3 @@ def test_wgmma_gemm_swiglu_epilogue(M):
         # output before the activation) plus half an ulp of the largest output.
         assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
                             float(ref.abs().max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 64, 128, 300])
-def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
-    """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
-    below DEQUANT_MIN_M_W4, from there dequantize + cuBLAS + the SwiGLU kernel on interleaved pairs; with a residual
-    the Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
-    import kernels.ops  # noqa: F401
-    from kernels._utils import device_sm
-    from kernels.activation import swiglu
-    from kernels.csrc import w4a16_gemv_mma as mma
-    from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn
-    from kernels.gemm_w4a16 import w4a16_gemm
-    from kernels.ops import gemm as ops_gemm
-    from tests.helpers import dequant_baseline
-
-    N, K = 2048, 1024
-    x, qw, bias, _, _ = w4_gpu_case(M, N, K, 128, False, seed=M + 3)
-    r = torch.randn(M, N // 2, device="cuda", dtype=torch.float16)
-    args = (x, qw.qweight, qw.scales, qw.zeros, 128, bias)
-
-    def dequant_route(residual):
-        y = swiglu(dequant_matmul(x, dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128), bias), interleaved=True)
-        return y if residual is None else y + residual
-
-    y = torch.ops.tritrt.w4a16_linear(*args, None, True)
-    y_res = torch.ops.tritrt.w4a16_linear(*args, r, True)
-    if M >= ops_gemm.DEQUANT_MIN_M_W4:
-        assert torch.equal(y, dequant_route(None)) and torch.equal(y_res, dequant_route(r))
-    else:
-        assert torch.equal(y_res, w4a16_gemm(*args, r, swiglu=True))  # a residual: the Triton epilogue
-        if M <= ops_gemm.CUDA_GEMV_MMA_MAX_M:
-            assert torch.equal(y, mma.w4a16_gemv_mma(*args, swiglu=True))
-        elif device_sm() == 90 and ops_gemm.WGMMA_W4:
-            assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
-    for out, res in ((y, None), (y_res, r)):
-        ref = w4a16_reference(*args, res, True)
-        assert_close_to_ref(out, ref, baseline=dequant_baseline(x, qw, bias, res, swiglu=True), factor=2.0,
-                            atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))

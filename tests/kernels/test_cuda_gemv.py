@@ -1,7 +1,7 @@
 """The CUDA C++ W4A16 GEMVs (kernels/csrc/w4a16_gemv.cu, scalar; w4a16_gemv_mma.cu, tensor cores): they compile to
 PTX/cubin for sm_90 here (nvcc, no GPU), and on the GPU they match the fp32 reference on the dequantized weight (same
-tolerance argument as test_gemm_w4a16.py: exact weights, fp32 sums, one output rounding) and the torch op routes
-small fp16 M to them."""
+tolerance argument as test_gemm_w4a16.py: exact weights, fp32 sums, one output rounding). Which calls the torch op
+sends them: test_gemm_routing.py."""
 
 import shutil
 
@@ -63,49 +63,6 @@ def test_gemv_matches_reference(M, N, K, group_size, symmetric):
         assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
                             float(ref.abs().max()))
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-3
-
-
-def test_wgmma_takes_over_from_the_gemv_above_16_rows_where_it_keeps_enough_warps():
-    """The M = 17..32 rule on the five Llama shapes (plans only, no GPU): the wgmma GEMM for qkv, gate_up, down and
-    8k (11.6-15.5 warps per SM), the GEMV for o (7.8) and for every shape at M <= 16."""
-    from kernels.csrc import w4a16_gemm_wgmma as wg
-    from kernels.ops import gemm as ops_gemm
-
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-              "8k": (8192, 8192)}
-    for M, expect in ((16, set()), (17, {"qkv", "gate_up", "down", "8k"}), (32, {"qkv", "gate_up", "down", "8k"})):
-        assert {name for name, (N, K) in shapes.items()
-                if ops_gemm.wgmma_over_gemv(M, wg.gemm_plan(M, N, K))} == expect, M
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 8, 16, 24, 32])
-@pytest.mark.parametrize("N", [2048, 8192])
-def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M, N):
-    import kernels.ops  # noqa: F401
-    from kernels._utils import device_sm
-    from kernels.csrc import w4a16_gemm_wgmma as wg
-    from kernels.gemm_w4a16 import w4a16_gemm
-    from kernels.ops import gemm as ops_gemm
-
-    x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
-    qw = quantize_int4(torch.randn(N, 4096, dtype=torch.float16), 128).to("cuda")
-    y_op = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 128, None, None)
-    y_mma = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, 128)
-    y_tr = w4a16_gemm(x, qw.qweight, qw.scales, qw.zeros, 128)
-    if (device_sm() == 90 and ops_gemm.WGMMA_W4 and M <= ops_gemm.CUDA_GEMV_MMA_MAX_M
-            and ops_gemm.wgmma_over_gemv(M, wg.gemm_plan(M, N, 4096))):
-        assert torch.equal(y_op, wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128))
-    elif ops_gemm.CUDA_GEMV_MMA_MAX_M >= M:
-        assert torch.equal(y_op, y_mma)  # routed to the tensor-core GEMV
-    elif ops_gemm.CUDA_GEMV_MAX_M >= M:
-        assert torch.equal(y_op, cu.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, 128))
-    else:
-        assert torch.equal(y_op, y_tr)
-    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 128)
-    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())  # two independent roundings: one ulp apart at most
-    for y in (y_mma, cu.w4a16_gemv(x, qw.qweight, qw.scales, qw.zeros, 128)) if M <= cu.MAX_M else (y_mma,):
-        assert float((y.float() - y_tr.float()).abs().max()) <= tol
 
 
 # ------------------------------------------------------------------------------------------ tensor-core GEMV (mma)

@@ -1,7 +1,7 @@
 """The tensor-core W8A16 GEMV (kernels/csrc/w8a16_gemv_mma.cu): it compiles to PTX/cubin for sm_90 and sm_80 here
 (nvcc, no GPU), its plan and input checks hold on CPU, and on the GPU it matches the fp32 reference on the dequantized
-weight (exact q in fp16, fp32 tensor-core sums, one fp32 scale, one fp16 rounding) and the torch op routes small fp16
-M to it."""
+weight (exact q in fp16, fp32 tensor-core sums, one fp32 scale, one fp16 rounding). Which calls the torch op sends it:
+test_gemm_routing.py."""
 
 import shutil
 import subprocess
@@ -191,26 +191,3 @@ def test_w8_gemv_extreme_codes_and_deterministic():
         y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales, out=poisoned((8, 264), torch.float16, "cuda"), **ov)
         assert_gemm_close(y, ref, x @ dequantize(q).t())
         assert torch.equal(y, mma8.w8a16_gemv_mma(x, q.qweight, q.scales, **ov)), ov  # fixed-order reduction
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 8, 9])
-def test_op_routes_small_fp16_w8_to_gemv_and_agrees_with_triton(M):
-    import kernels.ops  # noqa: F401
-    from kernels.gemm_w8a16 import w8a16_gemm
-    from kernels.ops import gemm as ops_gemm
-
-    x, q, bias = _case(M, 2048, 4096, 100 + M)
-    y_op = torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, None)
-    y_tr = w8a16_gemm(x, q.qweight, q.scales, bias)
-    if M <= ops_gemm.CUDA_W8_GEMV_MAX_M:
-        assert torch.equal(y_op, mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias))  # routed to the GEMV
-    else:
-        assert torch.equal(y_op, y_tr)
-    ref = w8a16_reference(x, q.qweight, q.scales, bias)
-    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())  # two independent roundings: one ulp apart at most
-    assert float((y_op.float() - y_tr.float()).abs().max()) <= tol
-    # With a residual the op keeps the Triton kernel (the GEMV has no residual input).
-    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
-    assert torch.equal(torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, r),
-                       w8a16_gemm(x, q.qweight, q.scales, bias, r))

@@ -1,6 +1,10 @@
-"""Weight-only GEMM routing (``kernels.gemm.routing``): the route is the cascade the ops ran before it, on every M up
-to 1024 and the Llama-family shapes (``tests/kernels/gemm_routing_legacy.py``, a frozen copy, driven here with
-stand-ins for every kernel); the routes of the measured shapes on an H100 as a readable table; plans and cards."""
+"""Weight-only GEMM routing (``kernels.gemm.routing``) and the ops that dispatch on it (``kernels.ops.gemm``).
+
+Equivalence: on every M up to 1024 and the Llama-family shapes, the route is the kernel the ops' cascade called before
+the routing existed (``gemm_routing_legacy.py``, a frozen copy), and the ops now make exactly the calls it made (same
+kernels, same arguments), both run with stand-ins for every kernel on CPU tensors. Then the routes of the measured
+shapes on an H100 as a readable table, plans and cards; on the GPU, the op's result is the routed kernel's, bit for
+bit."""
 
 import importlib
 import inspect
@@ -9,8 +13,18 @@ from functools import lru_cache
 import pytest
 import torch
 
+from kernels.csrc import w4a16_gemm_wgmma as wg
+from kernels.csrc import w4a16_gemv as cu
+from kernels.csrc import w4a16_gemv_mma as mma
+from kernels.csrc import w8a16_gemv_mma as mma8
 from kernels.gemm import routing
+from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
+from kernels.gemm_w4a16 import w4a16_gemm, w4a16_reference
+from kernels.gemm_w8a16 import w8a16_gemm, w8a16_reference
+from kernels.ops import gemm as ops_gemm
+from kernels.quant import dequantize, quantize_int4, quantize_int8
 from kernels.gemm.routing import H100, H200, Card, route_w4a16, route_w8a16
+from tests.helpers import assert_close_to_ref, assert_gemm_close, dequant_baseline, w4_gpu_case
 from tests.kernels import gemm_routing_legacy as legacy
 
 A100 = Card("NVIDIA A100-SXM4-80GB", 80, 108)
@@ -114,8 +128,8 @@ class Kernels:
         for i, t in enumerate(args):
             if isinstance(t, torch.Tensor):
                 self.inputs[_key(t)] = f"arg{i}"
-                if t.dim() > 2:
-                    self.inputs[_key(t.reshape(-1, t.shape[-1]))] = f"arg{i}"
+                if t.dim() >= 2:  # the view the op flattens it to (its strides may differ, e.g. for one row)
+                    self.inputs.setdefault(_key(t.reshape(-1, t.shape[-1])), f"arg{i}")
         op(*args)
         return self.calls
 
@@ -135,9 +149,10 @@ def kernels(monkeypatch):
 
 @pytest.fixture
 def on_card(monkeypatch):
-    """``on_card(card)``: the legacy cascade sees CPU tensors as on a GPU ``card`` (None: no GPU)."""
+    """``on_card(card)``: the ops and the legacy cascade see CPU tensors as on a GPU ``card`` (None: no GPU)."""
 
     def point(card):
+        monkeypatch.setattr(ops_gemm, "_card", lambda x: card)
         monkeypatch.setattr(legacy, "is_cuda", lambda x: card is not None)
         monkeypatch.setattr(legacy, "device_sm", lambda device: card.sm)
         monkeypatch.setattr(legacy, "device_sm_count", lambda device: card.sm_count)
@@ -213,22 +228,35 @@ def _every_m(shapes):
                 yield shape, M, residual, swiglu
 
 
-def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None):
-    """The route of ``route_w4a16`` is the kernel (and SwiGLU mode) the legacy cascade called."""
+def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None,
+               op=True):
+    """``route_w4a16`` names the kernel (and SwiGLU mode) the legacy cascade called; with ``op``, the op makes
+    exactly the calls the cascade made."""
     name, N, K, gs = shape
     args = w4_args(M, N, K, gs, dtype, layout, residual, swiglu, bias=bias)
-    want = kernels.route_of(kernels.run(legacy.w4a16_linear, *args))
+    calls = kernels.run(legacy.w4a16_linear, *args)
+    where = (card, name, M, dtype, layout, residual, swiglu, bias)
+    assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
     got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu,
                       aligned=W4_ALIGNED[layout] and bias != "misaligned")
-    assert (got.backend, got.swiglu) == want, (card, name, M, dtype, layout, residual, swiglu, bias)
+    assert (got.backend, got.swiglu) == kernels.route_of(calls), where
 
 
-def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None):
+def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None,
+               op=True):
     name, N, K, _ = shape
     args = w8_args(M, N, K, dtype, layout, residual, swiglu, bias=bias)
-    want = kernels.route_of(kernels.run(legacy.w8a16_linear, *args))
+    calls = kernels.run(legacy.w8a16_linear, *args)
+    if layout.startswith("strided") and calls[0][0] == "triton_w8_gemm":
+        # The one intended difference: the cascade made x contiguous before asking whether the GEMV takes the
+        # shape, so at M <= 4 a strided x reached the Triton kernel as a copy where the GEMV did not take it (K =
+        # 608 here); the op copies it for the GEMV only. Same result: the Triton kernel reads x by its row stride.
+        triton = calls[0][0], tuple((k, "arg0" if k == "x" else v) for k, v in calls[0][1])
+        calls = [triton, *calls[1:]]
+    where = (card, name, M, dtype, layout, residual, swiglu, bias)
+    assert not op or kernels.run(ops_gemm._w8a16_linear, *args) == calls, where
     got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=W8_ALIGNED[layout])
-    assert (got.backend, got.swiglu) == want, (card, name, M, dtype, layout, residual, swiglu, bias)
+    assert (got.backend, got.swiglu) == kernels.route_of(calls), where
 
 
 AGREES = {"w4": _w4_agrees, "w8": _w8_agrees}
@@ -236,14 +264,15 @@ AGREES = {"w4": _w4_agrees, "w8": _w8_agrees}
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("family", ["w4", "w8"])
-def test_route_is_the_old_cascade_for_every_m_on_h100(kernels, on_card, family, dtype):
+def test_route_is_the_old_cascades_choice_for_every_m_on_h100(kernels, on_card, family, dtype):
+    """The route on every M (the op's own calls: at the edges, below, which keeps this test's time down)."""
     on_card(H100)
     for shape, M, residual, swiglu in _every_m(LLAMA):
-        AGREES[family](kernels, H100, dtype, shape, M, residual=residual, swiglu=swiglu)
+        AGREES[family](kernels, H100, dtype, shape, M, residual=residual, swiglu=swiglu, op=M in M_EDGES)
 
 
 @pytest.mark.parametrize("family", ["w4", "w8"])
-def test_route_is_the_old_cascade_for_odd_shapes_and_operand_layouts(kernels, on_card, family):
+def test_routes_and_calls_are_the_old_cascades_for_odd_shapes_and_operand_layouts(kernels, on_card, family):
     """Shapes that miss a kernel's divisibility rule, x misaligned / strided / 3-D, a misaligned bias: H100, M at
     every threshold's edge."""
     on_card(H100)
@@ -261,7 +290,7 @@ def test_route_is_the_old_cascade_for_odd_shapes_and_operand_layouts(kernels, on
 
 @pytest.mark.parametrize("card", CARDS.values(), ids=CARDS.keys())
 @pytest.mark.parametrize("family", ["w4", "w8"])
-def test_route_is_the_old_cascade_on_other_cards(kernels, on_card, family, card):
+def test_routes_and_calls_are_the_old_cascades_on_other_cards(kernels, on_card, family, card):
     """Another SM count (H100 PCIe: other wgmma plans), not Hopper (A100, L40S: no wgmma), no GPU (the reference)."""
     on_card(card)
     for shape in SHAPES:
@@ -339,8 +368,6 @@ def test_h100_routes_of_the_measured_shapes():
 def test_wgmma_takes_over_from_the_gemv_above_16_rows_where_it_keeps_enough_warps():
     """The M = 17..32 rule on the five Llama shapes (plans only, no GPU): the wgmma GEMM for qkv, gate_up, down and
     8k (11.6-15.5 warps per SM), the GEMV for o (7.8) and for every shape at M <= 16."""
-    from kernels.csrc import w4a16_gemm_wgmma as wg
-
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
               "8k": (8192, 8192)}
     for M, expect in ((16, set()), (17, {"qkv", "gate_up", "down", "8k"}), (32, {"qkv", "gate_up", "down", "8k"})):
@@ -349,11 +376,6 @@ def test_wgmma_takes_over_from_the_gemv_above_16_rows_where_it_keeps_enough_warp
 
 
 def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
-    from kernels.csrc import w4a16_gemm_wgmma as wg
-    from kernels.csrc import w4a16_gemv as gemv
-    from kernels.csrc import w4a16_gemv_mma as mma
-    from kernels.csrc import w8a16_gemv_mma as mma8
-
     for card in (H100, H100_PCIE):
         for M in (1, 8, 16, 24, 32, 64, 128, 255):
             for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
@@ -365,7 +387,7 @@ def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
                     r8 = route_w8a16(M, N, K, torch.float16, card)
                     assert r8.backend == "w8_gemv_mma" and r8.params == mma8.gemv_plan(M, N, K,
                                                                                        sm_count=card.sm_count)
-    assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=64).params == gemv.gemv_plan(1, 960)
+    assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=64).params == cu.gemv_plan(1, 960)
     # The SM count counts: down at M = 24 keeps 15.5 warps per SM resident on 132 SMs, 9.0 (< 10) on 114.
     assert route_w4a16(24, 4096, 14336, torch.float16, H100, group_size=128).backend == WGMMA
     assert route_w4a16(24, 4096, 14336, torch.float16, H100_PCIE, group_size=128).backend == GEMV
@@ -388,3 +410,146 @@ def test_card_of_reads_the_device_when_asked(monkeypatch):
         assert asked == [1, 0]  # once per device
     finally:
         routing._card_of_index.cache_clear()
+
+
+# -------------------------------------------------------------------- on the GPU: the op runs the kernel it routes to
+def _gpu_route(family, M, N, K, **kw):
+    route = route_w4a16 if family == "w4" else route_w8a16
+    return route(M, N, K, torch.float16, routing.card_of(), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 8, 16, 24, 32])
+@pytest.mark.parametrize("N", [2048, 8192])
+def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M, N):
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.float16)
+    qw = quantize_int4(torch.randn(N, 4096, dtype=torch.float16), 128).to("cuda")
+    args = (x, qw.qweight, qw.scales, qw.zeros, 128)
+    y_op = torch.ops.tritrt.w4a16_linear(*args, None, None)
+    y_mma = mma.w4a16_gemv_mma(*args)
+    y_tr = w4a16_gemm(*args)
+    route = _gpu_route("w4", M, N, 4096, group_size=128)
+    assert route.backend in (GEMV, WGMMA)
+    assert torch.equal(y_op, y_mma if route.backend == GEMV else wg.w4a16_gemm_wgmma(*args))
+    ref = w4a16_reference(*args)
+    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())  # two independent roundings: one ulp apart at most
+    for y in (y_mma, cu.w4a16_gemv(*args)) if M <= cu.MAX_M else (y_mma,):
+        assert float((y.float() - y_tr.float()).abs().max()) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [33, 64, 128, 255])
+def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
+    x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
+    qw = quantize_int4(torch.randn(2048, 1024, dtype=torch.float16), 128).to("cuda")
+    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
+    args = (x, qw.qweight, qw.scales, qw.zeros, 128)
+    y_op = torch.ops.tritrt.w4a16_linear(*args, None, None)
+    if routing.card_of().sm == 90:
+        assert _gpu_route("w4", M, 2048, 1024, group_size=128).backend == WGMMA
+        assert torch.equal(y_op, wg.w4a16_gemm_wgmma(*args))
+    # With a residual the op takes the Triton kernel (the wgmma GEMM has no residual epilogue).
+    assert _gpu_route("w4", M, 2048, 1024, group_size=128, residual=True).backend == "triton_w4_gemm"
+    y_res = torch.ops.tritrt.w4a16_linear(*args, None, r)
+    assert torch.equal(y_res, w4a16_gemm(*args, residual=r))
+    ref = w4a16_reference(*args)
+    assert_close_to_ref(y_op, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
+                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 128, 300])
+def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
+    """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
+    below DEQUANT_MIN_M_W4, from there dequantize + cuBLAS + the SwiGLU kernel on interleaved pairs; with a residual
+    the Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
+    from kernels.activation import swiglu
+
+    N, K = 2048, 1024
+    x, qw, bias, _, _ = w4_gpu_case(M, N, K, 128, False, seed=M + 3)
+    r = torch.randn(M, N // 2, device="cuda", dtype=torch.float16)
+    args = (x, qw.qweight, qw.scales, qw.zeros, 128, bias)
+
+    def dequant_route(residual):
+        y = swiglu(dequant_matmul(x, dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 128), bias), interleaved=True)
+        return y if residual is None else y + residual
+
+    y = torch.ops.tritrt.w4a16_linear(*args, None, True)
+    y_res = torch.ops.tritrt.w4a16_linear(*args, r, True)
+    route, route_res = (_gpu_route("w4", M, N, K, group_size=128, swiglu=True, residual=res) for res in (False, True))
+    if M >= routing.DEQUANT_MIN_M_W4:
+        assert (route.backend, route.swiglu) == (route_res.backend, route_res.swiglu) == (DEQUANT, "after")
+        assert torch.equal(y, dequant_route(None)) and torch.equal(y_res, dequant_route(r))
+    else:
+        assert (route_res.backend, route_res.swiglu) == ("triton_w4_gemm", "fused")
+        assert torch.equal(y_res, w4a16_gemm(*args, r, swiglu=True))  # a residual: the Triton epilogue
+        assert route.swiglu == "fused"
+        if route.backend == GEMV:
+            assert M <= routing.CUDA_GEMV_MMA_MAX_M
+            assert torch.equal(y, mma.w4a16_gemv_mma(*args, swiglu=True))
+        elif route.backend == WGMMA:
+            assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
+    for out, res in ((y, None), (y_res, r)):
+        ref = w4a16_reference(*args, res, True)
+        assert_close_to_ref(out, ref, baseline=dequant_baseline(x, qw, bias, res, swiglu=True), factor=2.0,
+                            atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 8, 9])
+def test_op_routes_small_fp16_w8_to_gemv_and_agrees_with_triton(M):
+    g = torch.Generator().manual_seed(100 + M)
+    w = torch.randn(2048, 4096, generator=g).half()
+    x = torch.randn(M, 4096, generator=g).half().cuda()
+    q = quantize_int8(w).to("cuda")
+    bias = torch.randn(2048, generator=g).half().cuda()
+    y_op = torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, None)
+    y_tr = w8a16_gemm(x, q.qweight, q.scales, bias)
+    backend = _gpu_route("w8", M, 2048, 4096).backend
+    assert backend == ("w8_gemv_mma" if M <= routing.CUDA_W8_GEMV_MAX_M else "triton_w8_gemm")
+    assert torch.equal(y_op, mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias) if backend == "w8_gemv_mma" else y_tr)
+    ref = w8a16_reference(x, q.qweight, q.scales, bias)
+    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())  # two independent roundings: one ulp apart at most
+    assert float((y_op.float() - y_tr.float()).abs().max()) <= tol
+    # With a residual the op keeps the Triton kernel (the GEMV has no residual input).
+    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
+    assert torch.equal(torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, r),
+                       w8a16_gemm(x, q.qweight, q.scales, bias, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ops_route_large_m_through_dequantize_and_cublas(bits, dtype):
+    from kernels.activation import swiglu
+
+    M, N, K = (routing.DEQUANT_MIN_M_W4 if bits == 4 else routing.DEQUANT_MIN_M_W8) + 37, 1000, 512
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(M, K, generator=g).to(dtype).cuda()
+    bias = torch.randn(N, generator=g).to(dtype).cuda()
+    res = torch.randn(M, N, generator=g).to(dtype).cuda()
+    if bits == 4:
+        qw = quantize_int4(w, 64).to("cuda")
+        y = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 64, bias, res)
+        w_kn = dequantize_w4_kn(qw.qweight, qw.scales, qw.zeros, 64)
+        ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 64, bias, res)
+    else:
+        qw = quantize_int8(w).to("cuda")
+        y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, res)
+        w_kn = dequantize_w8_kn(qw.qweight, qw.scales)
+        ref = w8a16_reference(x, qw.qweight, qw.scales, bias, res)
+    assert torch.equal(w_kn, dequantize(qw).t())
+    assert torch.equal(y, dequant_matmul(x, w_kn, bias, res))  # routed here
+    assert_gemm_close(y, ref, x @ dequantize(qw).t() + bias + res)
+    # swiglu=True (N even: interleaved gate/up pairs): the same matmul, then the SwiGLU kernel on the interleaved
+    # pairs, then the residual.
+    res2 = res[:, : N // 2].contiguous()
+    if bits == 4:
+        y2 = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 64, bias, res2, True)
+        ref2 = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, 64, bias, res2, True)
+    else:
+        y2 = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, res2, True)
+        ref2 = w8a16_reference(x, qw.qweight, qw.scales, bias, res2, True)
+    assert torch.equal(y2, swiglu(dequant_matmul(x, w_kn, bias), interleaved=True) + res2)
+    assert_gemm_close(y2, ref2, dequant_baseline(x, qw, bias, res2, swiglu=True))
