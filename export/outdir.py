@@ -124,12 +124,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _lock(path: Path, blocking: bool = False) -> Optional[int]:
+def _lock(path: Path) -> Optional[int]:
     """An ``flock``-ed fd on the directory ``path``; None if another process holds the lock. File systems without
     flock count as unlocked (the pid check still guards them)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             os.close(fd)

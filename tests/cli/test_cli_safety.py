@@ -189,3 +189,38 @@ def test_an_out_moved_aside_by_a_killed_build_is_put_back(tmp_path, tiny_llama_d
     r = cli("build", "--checkpoint", ckpt, "--out", out, "--quant", "int4")
     assert r.returncode == 2 and f"restored {out}" in r.stdout
     assert tree(out) == want and stray(tmp_path) == []
+
+
+def test_non_atomic_swap_replaces_out_too(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """Where renameat2(RENAME_EXCHANGE) is unavailable (other OS, some network file systems), OUT is moved aside, the
+    temp dir renamed in, the old one deleted: same result, nothing left beside OUT. In-process, the exchange
+    disabled."""
+    from export import build as B
+
+    out = build_out(tiny_llama_dir, tmp_path / "out")
+    monkeypatch.setattr("export.outdir._exchange", lambda a, b: False)
+    assert B.main(["--checkpoint", str(tiny_llama_dir), "--out", str(out), "--quant", "int8", "--no-engine"]) == 0
+    assert json.loads((out / "build.json").read_text())["quant"] == "int8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_file_put_into_out_during_the_build_stops_the_swap(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """OUT is checked again right before it is replaced (a real build takes hours): a file the user added meanwhile
+    makes the build stop with one line, leaving OUT (and the new file) as they are and no temp dir."""
+    from export import build as B
+    from export import quantize
+
+    out = build_out(tiny_llama_dir, tmp_path / "out")
+    save = quantize.save_weights
+
+    def save_and_meanwhile(state, path):
+        save(state, path)
+        (out / "results.csv").write_text("added while the build ran")
+
+    monkeypatch.setattr("export.quantize.save_weights", save_and_meanwhile)
+    before = tree(out)
+    rc = B.main(["--checkpoint", str(tiny_llama_dir), "--out", str(out), "--no-engine"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.splitlines()) == 1 and "did not write (results.csv)" in err, err
+    after = tree(out)
+    assert after.pop("results.csv") and after == before and stray(tmp_path) == []
