@@ -95,13 +95,13 @@ def rel_err(y, ref):
 
 
 def main():
-    from kernels.csrc import w4a16_gemv as cu
-    from kernels.gemm_w4a16 import w4a16_gemm
-    from kernels.gemm_w8a16 import w8a16_gemm
+    from kernels.gemm.w4a16 import gemv as cu
+    from kernels.gemm.w4a16.triton_gemm import w4a16_gemm
+    from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
     from kernels.quant import dequantize, quantize_int4, quantize_int8
 
-    from kernels.csrc import w4a16_gemv_mma as mma
-    from kernels.csrc import w8a16_gemv_mma as mma8
+    from kernels.gemm.w4a16 import gemv_mma as mma
+    from kernels.gemm.w8a16 import gemv_mma as mma8
 
     out_name = result_name()  # checks BENCH_GEMM_KERNELS before the run, not after it
     sweep = os.environ.get("BENCH_GEMM_SWEEP") == "1"
@@ -111,7 +111,7 @@ def main():
     # dequantize-then-cuBLAS path (kernels.gemm_dequant) that the ops take from DEQUANT_MIN_M_W4 / _W8 on.
     routed = os.environ.get("BENCH_GEMM_KERNELS") == "routed"
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
-    from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
+    from kernels.gemm.dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
     from kernels.gemm import routing as ops_gemm
     ms_list = [int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS") else MS
     shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [

@@ -30,7 +30,7 @@ GROUP = 128
 
 
 def variants(M: int) -> list[dict]:
-    from kernels.csrc import w4a16_gemm_wgmma as wg
+    from kernels.gemm.w4a16 import gemm_wgmma as wg
 
     bm = 64 if M <= 64 else 128
 
@@ -59,7 +59,7 @@ def variants(M: int) -> list[dict]:
 
 def main():
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
-    from kernels.csrc import w4a16_gemm_wgmma as wg
+    from kernels.gemm.w4a16 import gemm_wgmma as wg
     from kernels.quant import dequantize, quantize_int4
 
     ms = [int(m) for m in os.environ.get("BENCH_MS", "64,128").split(",")]

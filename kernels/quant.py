@@ -4,7 +4,7 @@ This is the stable API the exporter uses: ``quantize_int8(w)``, ``quantize_int4(
 ``dequantize(qw) -> w`` and ``linear(x, qw, bias=None)``; GPTQ/AWQ checkpoints are repacked (not re-quantized) by
 ``kernels.quant_import``. ``w`` is an ``nn.Linear`` weight ``[N, K]`` (out_features, in_features).
 
-Layout (what ``kernels.gemm_w8a16`` / ``kernels.gemm_w4a16`` / ``kernels.csrc`` read):
+Layout (what the GEMM kernels of ``kernels.gemm.w8a16`` / ``kernels.gemm.w4a16`` read):
 
 - INT8: ``qweight`` int8 ``[K, N]`` (K-major: a kernel tile ``[BLOCK_K, BLOCK_N]`` is contiguous along N, so loads
   vectorise along the output channels), ``scales`` ``[N]`` in the weight's dtype; ``w[n, k] = q[k, n] * s[n]``,

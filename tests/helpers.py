@@ -130,7 +130,7 @@ def w4_gpu_case(M, N, K, group_size, symmetric, seed):
     """A W4A16 case on the GPU: fp16 x [M, K], an INT4 weight for a random [N, K] (with the largest zero point, 16 from
     GPTQ v1 imports, in every third column of the first group), an fp16 bias, the fp32 reference on the dequantized
     weight and PyTorch's fp16 result on it (the tolerance baseline). Returns (x, qw, bias, ref, baseline)."""
-    from kernels.gemm_w4a16 import w4a16_reference
+    from kernels.gemm.w4a16.triton_gemm import w4a16_reference
     from kernels.quant import quantize_int4
 
     g = torch.Generator().manual_seed(seed)

@@ -24,10 +24,10 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import w4a16_gemm_wgmma as _wg
-from kernels.csrc import w4a16_gemv as _gemv
-from kernels.csrc import w4a16_gemv_mma as _gemv_mma
-from kernels.csrc import w8a16_gemv_mma as _w8_gemv_mma
+from kernels.gemm.w4a16 import gemm_wgmma as _wg
+from kernels.gemm.w4a16 import gemv as _gemv
+from kernels.gemm.w4a16 import gemv_mma as _gemv_mma
+from kernels.gemm.w8a16 import gemv_mma as _w8_gemv_mma
 
 # M up to which fp16 W4A16 goes to the CUDA GEMV (0 disables it). Measured (H200, benchmarks/results/
 # h200/bench_gemm*.md): at M=1 it beats the Triton GEMV (1.5-1.8x vs 0.9-1.2x over cuBLAS); at M=4 the Triton
@@ -39,7 +39,7 @@ CUDA_GEMV_MAX_M = 1
 # (h200/bench_gemm_gemv.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
 # 0.60-0.79x); at M=64 Triton is ahead on 4 of 5 shapes (0.66-0.84x against 0.66-0.81x), so M > 32 stays on Triton.
 CUDA_GEMV_MMA_MAX_M = 32
-# M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm_dequant): compute-bound sizes,
+# M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm.dequant): compute-bound sizes,
 # where the fused kernels lose. H100 (benchmarks/results/h100/bench_gemm_routed.md), speed-up over cuBLAS: W4A16 at
 # M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton ahead on 4 of 5; W8A16 at
 # M=256 Triton still ahead on 4 of 5 (0.52-0.63x vs 0.47-0.62x); at M=512 dequant+cuBLAS ahead on all 5 (0.58-0.66x
@@ -47,7 +47,7 @@ CUDA_GEMV_MMA_MAX_M = 32
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
-# (kernels.csrc.w4a16_gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
+# (kernels.gemm.w4a16.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
 # 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on
 # dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
@@ -61,7 +61,7 @@ WGMMA_W4 = True
 # (2.07-2.63 vs 1.58-2.05).
 GEMV_ONLY_MAX_M = 16
 WGMMA_MIN_WARPS = 10
-# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.csrc.w8a16_gemv_mma; 0 disables
+# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). H100 (h100/bench_gemm_w8gemv.md,
 # dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
 # vs 1.72), M=4 ahead on 4 of 5, M=8 on 3 of 5 (first run).
@@ -137,7 +137,7 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     """The kernel ``w4a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT4 ``[K, N]`` weight with
     ``group_size`` on ``card`` (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
 
-    ``aligned``: the operands are what the wgmma GEMM needs beyond shapes (``w4a16_gemm_wgmma.operands_ok``: fp16
+    ``aligned``: the operands are what the wgmma GEMM needs beyond shapes (``w4a16.gemm_wgmma.operands_ok``: fp16
     scales and bias, contiguous 16-byte aligned operands and x rows); the op checks the tensors only when a route
     names that kernel, and asks again with ``aligned=False`` where they fail. Zero points and bias do not change the
     route. Cached: an eager call pays one lookup."""
@@ -172,7 +172,7 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
     benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` the GEMM routes as without SwiGLU and without
     the residual (added after the activation).
-    ``aligned``: the operands are what the W8A16 GEMV needs beyond shapes (``w8a16_gemv_mma.operands_ok``, and x
+    ``aligned``: the operands are what the W8A16 GEMV needs beyond shapes (``w8a16.gemv_mma.operands_ok``, and x
     8-byte aligned once contiguous); the op checks them only when a route names that kernel, as ``route_w4a16``."""
     if card is None:
         return _route("reference", "fused" if swiglu else "none")

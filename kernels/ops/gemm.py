@@ -64,8 +64,8 @@ def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
 # --------------------------------------------------------------------------------------------------- w8a16_linear
 def _w8_shapes(x, qweight, scales, bias, swiglu, op="w8a16_linear"):
     """(N, output width) of a w8a16_linear call, after its shape checks."""
-    from ..gemm_w8a16 import check_w8_weight
-    from ..gemm_wq_common import epilogue_width
+    from ..gemm.w8a16.triton_gemm import check_w8_weight
+    from ..gemm.common import epilogue_width
 
     _, N = check_w8_weight(qweight, scales, x.shape[-1])
     _check_bias(bias, N, op)
@@ -73,25 +73,25 @@ def _w8_shapes(x, qweight, scales, bias, swiglu, op="w8a16_linear"):
 
 
 def _w8_gemv_mma(x2, qweight, scales, bias, r2, swiglu):
-    from ..csrc import w8a16_gemv_mma as mma8
+    from ..gemm.w8a16 import gemv_mma as mma8
 
     return mma8.w8a16_gemv_mma(x2, qweight, scales, bias)
 
 
 def _w8_triton(x2, qweight, scales, bias, r2, swiglu):
-    from .. import gemm_w8a16 as k
+    from ..gemm.w8a16 import triton_gemm as k
 
     return k.w8a16_gemm(x2, qweight, scales, bias, r2)
 
 
 def _w8_dequant_cublas(x2, qweight, scales, bias, r2, swiglu):
-    from ..gemm_dequant import dequant_matmul, dequantize_w8_kn
+    from ..gemm.dequant import dequant_matmul, dequantize_w8_kn
 
     return dequant_matmul(x2, dequantize_w8_kn(qweight, scales), bias, r2)
 
 
 def _w8_reference(x2, qweight, scales, bias, r2, swiglu):
-    from .. import gemm_w8a16 as k
+    from ..gemm.w8a16 import triton_gemm as k
 
     return k.w8a16_reference(x2, qweight, scales, bias, r2, swiglu).to(x2.dtype)
 
@@ -109,7 +109,7 @@ def _w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Ten
     card = _card(x)
     route = routing.route_w8a16(M, N, K, x2.dtype, card, residual=r2 is not None, swiglu=swiglu)
     if route.backend == "w8_gemv_mma":
-        from ..csrc import w8a16_gemv_mma as mma8
+        from ..gemm.w8a16 import gemv_mma as mma8
 
         weights_ok = mma8.operands_ok(qweight, scales, bias)
         if weights_ok:
@@ -134,8 +134,8 @@ def _(x, qweight, scales, bias=None, residual=None, swiglu=False):
 # --------------------------------------------------------------------------------------------------- w4a16_linear
 def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_linear"):
     """(N, output width) of a w4a16_linear call, after its shape checks."""
-    from ..gemm_w4a16 import check_w4_weight
-    from ..gemm_wq_common import epilogue_width
+    from ..gemm.w4a16.triton_gemm import check_w4_weight
+    from ..gemm.common import epilogue_width
 
     _, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     _check_bias(bias, N, op)
@@ -143,37 +143,37 @@ def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_li
 
 
 def _w4_gemv_mma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from ..csrc import w4a16_gemv_mma as mma
+    from ..gemm.w4a16 import gemv_mma as mma
 
     return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias, swiglu=swiglu)
 
 
 def _w4_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from ..csrc import w4a16_gemm_wgmma as wg
+    from ..gemm.w4a16 import gemm_wgmma as wg
 
     return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, swiglu=swiglu)
 
 
 def _w4_gemv(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from ..csrc import w4a16_gemv as cu
+    from ..gemm.w4a16 import gemv as cu
 
     return cu.w4a16_gemv(x2.contiguous(), qweight, scales, zeros, group_size, bias)
 
 
 def _w4_triton(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from .. import gemm_w4a16 as k
+    from ..gemm.w4a16 import triton_gemm as k
 
     return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2, swiglu=swiglu)
 
 
 def _w4_dequant_cublas(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from ..gemm_dequant import dequant_matmul, dequantize_w4_kn
+    from ..gemm.dequant import dequant_matmul, dequantize_w4_kn
 
     return dequant_matmul(x2, dequantize_w4_kn(qweight, scales, zeros, group_size), bias, r2)
 
 
 def _w4_reference(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from .. import gemm_w4a16 as k
+    from ..gemm.w4a16 import triton_gemm as k
 
     return k.w4a16_reference(x2, qweight, scales, zeros, group_size, bias, r2, swiglu).to(x2.dtype)
 
@@ -192,7 +192,7 @@ def _w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Te
     route = routing.route_w4a16(M, N, K, x2.dtype, card, group_size=group_size, residual=r2 is not None,
                                 swiglu=swiglu)
     if route.backend == "w4_gemm_wgmma":
-        from ..csrc import w4a16_gemm_wgmma as wg
+        from ..gemm.w4a16 import gemm_wgmma as wg
 
         if not wg.operands_ok(x2, qweight, scales, zeros, bias):
             route = routing.route_w4a16(M, N, K, x2.dtype, card, group_size=group_size, residual=r2 is not None,

@@ -57,7 +57,7 @@ def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
 
 def _wgmma_plan(x2: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
                 bias: Optional[Tensor]) -> Optional[dict]:
-    from kernels.csrc import w4a16_gemm_wgmma as wg
+    from kernels.gemm.w4a16 import gemm_wgmma as wg
 
     if not wg.operands_ok(x2, qweight, scales, zeros, bias):
         return None
@@ -78,8 +78,8 @@ def _swiglu_after(y: Tensor, residual: Optional[Tensor]) -> Tensor:
 
 
 def _w8_shapes(x, qweight, scales, bias, swiglu, op="w8a16_linear"):
-    from kernels.gemm_w8a16 import check_w8_weight
-    from kernels.gemm_wq_common import epilogue_width
+    from kernels.gemm.w8a16.triton_gemm import check_w8_weight
+    from kernels.gemm.common import epilogue_width
 
     _, N = check_w8_weight(qweight, scales, x.shape[-1])
     _check_bias(bias, N, op)
@@ -93,16 +93,16 @@ def _w8_gemv_operands_ok(qweight, scales, bias) -> bool:
 
 def _w8_linear(x2: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor], r2: Optional[Tensor] = None
                ) -> Tensor:
-    from kernels import gemm_w8a16 as k
+    from kernels.gemm.w8a16 import triton_gemm as k
 
     M, K = x2.shape
     N = qweight.shape[1]
     if M >= DEQUANT_MIN_M_W8:
-        from kernels import gemm_dequant as d
+        from kernels.gemm import dequant as d
 
         return d.dequant_matmul(x2, d.dequantize_w8_kn(qweight, scales), bias, r2)
     if r2 is None and M <= CUDA_W8_GEMV_MAX_M and _w8_gemv_operands_ok(qweight, scales, bias):
-        from kernels.csrc import w8a16_gemv_mma as mma8
+        from kernels.gemm.w8a16 import gemv_mma as mma8
 
         x2 = x2.contiguous()
         if mma8.unsupported_reason(M, N, K, x2.dtype) is None and x2.data_ptr() % 8 == 0:
@@ -112,7 +112,7 @@ def _w8_linear(x2: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tenso
 
 def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor] = None,
                  residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
-    from kernels import gemm_w8a16 as k
+    from kernels.gemm.w8a16 import triton_gemm as k
 
     N, n_out = _w8_shapes(x, qweight, scales, bias, swiglu)
     lead, x2, r2 = _flatten(x, residual, n_out)
@@ -124,8 +124,8 @@ def w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tens
 
 
 def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_linear"):
-    from kernels.gemm_w4a16 import check_w4_weight
-    from kernels.gemm_wq_common import epilogue_width
+    from kernels.gemm.w4a16.triton_gemm import check_w4_weight
+    from kernels.gemm.common import epilogue_width
 
     _, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     _check_bias(bias, N, op)
@@ -134,7 +134,7 @@ def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_li
 
 def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
                  bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
-    from kernels import gemm_w4a16 as k
+    from kernels.gemm.w4a16 import triton_gemm as k
 
     N, n_out = _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu)
     lead, x2, r2 = _flatten(x, residual, n_out)
@@ -143,24 +143,24 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         return y.reshape(*lead, n_out)
     M, K = x2.shape
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
-        from kernels import gemm_dequant as d
+        from kernels.gemm import dequant as d
 
         y = d.dequant_matmul(x2, d.dequantize_w4_kn(qweight, scales, zeros, group_size), bias, None if swiglu else r2)
         return (_swiglu_after(y, r2) if swiglu else y).reshape(*lead, n_out)
     wg_plan = (_wgmma_plan(x2, qweight, scales, zeros, group_size, bias)
                if r2 is None and WGMMA_W4 and GEMV_ONLY_MAX_M < M < DEQUANT_MIN_M_W4 else None)
     if r2 is None and M <= CUDA_GEMV_MMA_MAX_M and not (wg_plan and wgmma_over_gemv(M, wg_plan)):
-        from kernels.csrc import w4a16_gemv_mma as mma
+        from kernels.gemm.w4a16 import gemv_mma as mma
 
         if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
             return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias,
                                       swiglu=swiglu).reshape(*lead, n_out)
     if wg_plan is not None:
-        from kernels.csrc import w4a16_gemm_wgmma as wg
+        from kernels.gemm.w4a16 import gemm_wgmma as wg
 
         return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, swiglu=swiglu).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_GEMV_MAX_M and not swiglu:
-        from kernels.csrc import w4a16_gemv as cu
+        from kernels.gemm.w4a16 import gemv as cu
 
         if cu.unsupported_reason(M, N, K, group_size, x.dtype) is None:
             return cu.w4a16_gemv(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)

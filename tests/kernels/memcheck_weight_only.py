@@ -8,8 +8,9 @@ API errors are not reported: cuda.bindings' driver-function lookup trips cuGetPr
 that are not memory errors. Last run: 0 errors (H100, 2026-11-26).
 """
 import torch
-from kernels.csrc import w4a16_gemv_mma as mma, w8a16_gemv_mma as mma8, w4a16_gemm_wgmma as wg
-from kernels.gemm_dequant import dequantize_w4_kn, dequantize_w8_kn
+from kernels.gemm.w4a16 import gemm_wgmma as wg, gemv_mma as mma
+from kernels.gemm.w8a16 import gemv_mma as mma8
+from kernels.gemm.dequant import dequantize_w4_kn, dequantize_w8_kn
 from kernels.quant import quantize_int4, quantize_int8
 torch.manual_seed(0)
 for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (100, 48, 256)]:

@@ -1,4 +1,4 @@
-"""The Hopper W4A16 GEMM (kernels/csrc/w4a16_gemm_wgmma.cu): compiles to sm_90a PTX/cubin here (nvcc, no GPU) with
+"""The Hopper W4A16 GEMM (kernels/gemm/w4a16/gemm_wgmma.cu): compiles to sm_90a PTX/cubin here (nvcc, no GPU) with
 warpgroup MMAs and no local memory in its SASS; its plan and input checks; on an sm_90 GPU it matches the fp32
 reference on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups, 1 to 4 tiles per
 warpgroup, no split and split-K (the plan's and forced ones, 2 to 8 blocks, summed through the workspace or over a
@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from kernels.csrc import w4a16_gemm_wgmma as wg
-from kernels.gemm_w4a16 import w4a16_reference
+from kernels.gemm.w4a16 import gemm_wgmma as wg
+from kernels.gemm.w4a16.triton_gemm import w4a16_reference
 from kernels.quant import dequantize, quantize_int4
 from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 

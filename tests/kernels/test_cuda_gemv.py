@@ -1,4 +1,4 @@
-"""The CUDA C++ W4A16 GEMVs (kernels/csrc/w4a16_gemv.cu, scalar; w4a16_gemv_mma.cu, tensor cores): they compile to
+"""The CUDA C++ W4A16 GEMVs (kernels/gemm/w4a16/gemv.cu, scalar; gemv_mma.cu, tensor cores): they compile to
 PTX/cubin for sm_90 here (nvcc, no GPU), and on the GPU they match the fp32 reference on the dequantized weight (same
 tolerance argument as test_gemm_w4a16.py: exact weights, fp32 sums, one output rounding). Which calls the torch op
 sends them: test_gemm_routing.py."""
@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from kernels.csrc import w4a16_gemv as cu
-from kernels.csrc import w4a16_gemv_mma as mma
-from kernels.gemm_w4a16 import w4a16_reference
+from kernels.gemm.w4a16 import gemv as cu
+from kernels.gemm.w4a16 import gemv_mma as mma
+from kernels.gemm.w4a16.triton_gemm import w4a16_reference
 from kernels.quant import dequantize, quantize_int4
 from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 
@@ -274,9 +274,9 @@ def test_mma_gemm_tiled_variants_compile_without_local_memory(mt, wscale, warps,
 
 
 def test_launch_operand_checks_say_what_is_wrong():
-    """kernels.csrc.check_operands, shared by the four CUDA launchers (the GPU-side cases need CUDA tensors; here the
-    first check and, through a stand-in for a CUDA tensor, the later ones)."""
-    from kernels.csrc import check_operands
+    """kernels.gemm.cuda.check_operands, shared by the four CUDA launchers (the GPU-side cases need CUDA tensors;
+    here the first check and, through a stand-in for a CUDA tensor, the later ones)."""
+    from kernels.gemm.cuda import check_operands
 
     x = torch.zeros(2, 64, dtype=torch.float16)
     s = torch.zeros(4, dtype=torch.float16)

@@ -1,4 +1,4 @@
-"""The tensor-core W8A16 GEMV (kernels/csrc/w8a16_gemv_mma.cu): it compiles to PTX/cubin for sm_90 and sm_80 here
+"""The tensor-core W8A16 GEMV (kernels/gemm/w8a16/gemv_mma.cu): it compiles to PTX/cubin for sm_90 and sm_80 here
 (nvcc, no GPU), its plan and input checks hold on CPU, and on the GPU it matches the fp32 reference on the dequantized
 weight (exact q in fp16, fp32 tensor-core sums, one fp32 scale, one fp16 rounding). Which calls the torch op sends it:
 test_gemm_routing.py."""
@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from kernels.csrc import w8a16_gemv_mma as mma8
-from kernels.gemm_w8a16 import w8a16_reference
+from kernels.gemm.w8a16 import gemv_mma as mma8
+from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 from kernels.quant import dequantize, quantize_int8
 from tests.helpers import assert_gemm_close, cuobjdump, poisoned
 

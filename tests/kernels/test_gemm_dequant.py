@@ -1,11 +1,11 @@
-"""The large-M path (kernels/gemm_dequant.py): the dequantize kernels give exactly ``kernels.quant.dequantize``'s
+"""The large-M path (kernels/gemm/dequant.py): the dequantize kernels give exactly ``kernels.quant.dequantize``'s
 16-bit weight (same fp32 math, one rounding: compared bit for bit, in the interpreter here and on the GPU). The torch
 ops' prefill-M path through it (then cuBLAS on that weight) is tested in test_gemm_routing.py."""
 
 import pytest
 import torch
 
-from kernels.gemm_dequant import dequantize_w4_kn, dequantize_w8_kn
+from kernels.gemm.dequant import dequantize_w4_kn, dequantize_w8_kn
 from kernels.quant import dequantize, quantize_int4, quantize_int8
 from tests.helpers import DEVICES
 

@@ -13,14 +13,14 @@ from functools import lru_cache
 import pytest
 import torch
 
-from kernels.csrc import w4a16_gemm_wgmma as wg
-from kernels.csrc import w4a16_gemv as cu
-from kernels.csrc import w4a16_gemv_mma as mma
-from kernels.csrc import w8a16_gemv_mma as mma8
+from kernels.gemm.w4a16 import gemm_wgmma as wg
+from kernels.gemm.w4a16 import gemv as cu
+from kernels.gemm.w4a16 import gemv_mma as mma
+from kernels.gemm.w8a16 import gemv_mma as mma8
 from kernels.gemm import routing
-from kernels.gemm_dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
-from kernels.gemm_w4a16 import w4a16_gemm, w4a16_reference
-from kernels.gemm_w8a16 import w8a16_gemm, w8a16_reference
+from kernels.gemm.dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
+from kernels.gemm.w4a16.triton_gemm import w4a16_gemm, w4a16_reference
+from kernels.gemm.w8a16.triton_gemm import w8a16_gemm, w8a16_reference
 from kernels.ops import gemm as ops_gemm
 from kernels.quant import dequantize, quantize_int4, quantize_int8
 from kernels.gemm.routing import H100, H200, Card, route_w4a16, route_w8a16
@@ -60,17 +60,17 @@ MAX_M = 1024
 
 # Every kernel the ops may call, by module and attribute, and the name its calls are recorded under.
 KERNELS = {
-    ("kernels.csrc.w4a16_gemv_mma", "w4a16_gemv_mma"): "w4_gemv_mma",
-    ("kernels.csrc.w4a16_gemm_wgmma", "w4a16_gemm_wgmma"): "w4_gemm_wgmma",
-    ("kernels.csrc.w4a16_gemv", "w4a16_gemv"): "w4_gemv",
-    ("kernels.gemm_w4a16", "w4a16_gemm"): "triton_w4_gemm",
-    ("kernels.gemm_w4a16", "w4a16_reference"): "reference",
-    ("kernels.csrc.w8a16_gemv_mma", "w8a16_gemv_mma"): "w8_gemv_mma",
-    ("kernels.gemm_w8a16", "w8a16_gemm"): "triton_w8_gemm",
-    ("kernels.gemm_w8a16", "w8a16_reference"): "reference",
-    ("kernels.gemm_dequant", "dequant_matmul"): "dequant_cublas",
-    ("kernels.gemm_dequant", "dequantize_w4_kn"): "dequantize",
-    ("kernels.gemm_dequant", "dequantize_w8_kn"): "dequantize",
+    ("kernels.gemm.w4a16.gemv_mma", "w4a16_gemv_mma"): "w4_gemv_mma",
+    ("kernels.gemm.w4a16.gemm_wgmma", "w4a16_gemm_wgmma"): "w4_gemm_wgmma",
+    ("kernels.gemm.w4a16.gemv", "w4a16_gemv"): "w4_gemv",
+    ("kernels.gemm.w4a16.triton_gemm", "w4a16_gemm"): "triton_w4_gemm",
+    ("kernels.gemm.w4a16.triton_gemm", "w4a16_reference"): "reference",
+    ("kernels.gemm.w8a16.gemv_mma", "w8a16_gemv_mma"): "w8_gemv_mma",
+    ("kernels.gemm.w8a16.triton_gemm", "w8a16_gemm"): "triton_w8_gemm",
+    ("kernels.gemm.w8a16.triton_gemm", "w8a16_reference"): "reference",
+    ("kernels.gemm.dequant", "dequant_matmul"): "dequant_cublas",
+    ("kernels.gemm.dequant", "dequantize_w4_kn"): "dequantize",
+    ("kernels.gemm.dequant", "dequantize_w8_kn"): "dequantize",
     ("kernels.activation", "swiglu"): "swiglu",
 }
 BACKENDS = set(routing.W4_BACKENDS) | set(routing.W8_BACKENDS)

@@ -10,7 +10,7 @@ group or split-K partial produces (errors of order |x| * |w| ~ 1).
 import pytest
 import torch
 
-from kernels.gemm_w4a16 import w4a16_gemm, w4a16_launch_config, w4a16_reference
+from kernels.gemm.w4a16.triton_gemm import w4a16_gemm, w4a16_launch_config, w4a16_reference
 from kernels.quant import quantize_int4
 from tests.helpers import assert_gemm_close as check, dequant_baseline, poisoned
 
@@ -117,8 +117,8 @@ AOT_SCRIPT = """
 import sys
 from kernels.aot.cache import AotCache
 from kernels.aot.compile import compile_triton
-from kernels.gemm_w4a16 import w4a16_aot_signature, w4a16_launch_config
-from kernels.gemm_w8a16 import w8a16_aot_signature, w8a16_launch_config
+from kernels.gemm.w4a16.triton_gemm import w4a16_aot_signature, w4a16_launch_config
+from kernels.gemm.w8a16.triton_gemm import w8a16_aot_signature, w8a16_launch_config
 cache = AotCache(sys.argv[1])
 for M in (1, 16):
     for cfg, (sig, div16) in ((w4a16_launch_config(M, 4096, 4096, 128, True, True, False), w4a16_aot_signature("bf16")),

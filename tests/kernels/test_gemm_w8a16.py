@@ -10,7 +10,7 @@ produces (errors of order |x| * |w| ~ 1).
 import pytest
 import torch
 
-from kernels.gemm_w8a16 import w8a16_gemm, w8a16_launch_config, w8a16_reference
+from kernels.gemm.w8a16.triton_gemm import w8a16_gemm, w8a16_launch_config, w8a16_reference
 from kernels.quant import quantize_int8
 from tests.helpers import assert_gemm_close as check, dequant_baseline, poisoned
 

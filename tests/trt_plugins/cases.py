@@ -112,7 +112,7 @@ def fp32_reference(op, ins, attrs):
         max_q = int((cu[1:] - cu[:-1]).max())
         return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, q.shape[2] ** -0.5)]
     if op == "W8A16Linear":
-        from kernels.gemm_w8a16 import w8a16_reference
+        from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 
         return [w8a16_reference(*ins)]
     if op == "W4A16Linear":
@@ -158,11 +158,11 @@ def jit_run(op, ins, attrs):
         return [decode_attention(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
                                  num_splits=attrs["num_splits"])]
     if op == "W8A16Linear":
-        from kernels.gemm_w8a16 import w8a16_gemm
+        from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
 
         return [w8a16_gemm(*ins)]
     if op == "W4A16Linear":
-        from kernels.gemm_w4a16 import w4a16_gemm
+        from kernels.gemm.w4a16.triton_gemm import w4a16_gemm
 
         return [w4a16_gemm(*ins, attrs["group_size"])]
     raise KeyError(op)

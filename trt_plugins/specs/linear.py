@@ -21,13 +21,13 @@ _M_HINT = Attr(int, 16, f"M the tiles are chosen for (one of {TACTICS}); also th
 
 
 def _w8_kernel():
-    from kernels.gemm_w8a16 import _w8a16_gemm_kernel
+    from kernels.gemm.w8a16.triton_gemm import _w8a16_gemm_kernel
 
     return _w8a16_gemm_kernel
 
 
 def _w8_launch(shapes, dtypes, attrs):
-    from kernels.gemm_w8a16 import w8a16_launch_config
+    from kernels.gemm.w8a16.triton_gemm import w8a16_launch_config
 
     k, n = shapes["qweight"]
     return w8a16_launch_config(attrs["m_hint"], n, k, False, False, split_k=1, use_dot=attrs["m_hint"] > 1)
@@ -45,7 +45,7 @@ def _w8_check(shapes, dtypes, attrs):
 
 
 def _w8_ref(inputs, attrs):
-    from kernels.gemm_w8a16 import w8a16_reference
+    from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 
     x, qw, s = inputs
     return [w8a16_reference(x, qw, s).to(x.dtype)]
@@ -87,13 +87,13 @@ W8A16_LINEAR = PluginSpec(
 
 
 def _w4_kernel():
-    from kernels.gemm_w4a16 import _w4a16_gemm_kernel
+    from kernels.gemm.w4a16.triton_gemm import _w4a16_gemm_kernel
 
     return _w4a16_gemm_kernel
 
 
 def _w4_launch(shapes, dtypes, attrs):
-    from kernels.gemm_w4a16 import w4a16_launch_config
+    from kernels.gemm.w4a16.triton_gemm import w4a16_launch_config
 
     k, n = shapes["x"][1], shapes["qweight"][1]
     return w4a16_launch_config(attrs["m_hint"], n, k, attrs["group_size"], True, False, False, split_k=1,
@@ -114,7 +114,7 @@ def _w4_check(shapes, dtypes, attrs):
 
 
 def _w4_ref(inputs, attrs):
-    from kernels.gemm_w4a16 import w4a16_reference
+    from kernels.gemm.w4a16.triton_gemm import w4a16_reference
 
     x, qw, s, z = inputs
     return [w4a16_reference(x, qw, s, z, attrs["group_size"]).to(x.dtype)]

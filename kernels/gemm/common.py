@@ -1,5 +1,5 @@
-"""Pieces shared by the weight-only GEMM kernels (``gemm_w8a16``, ``gemm_w4a16``): tile/split-K planning, the
-split-K finish (last-program reduction, no memset) and the fused epilogue (bias, SwiGLU, residual).
+"""Pieces shared by the Triton weight-only GEMM kernels (``w8a16.triton_gemm``, ``w4a16.triton_gemm``): tile/split-K
+planning, the split-K finish (last-program reduction, no memset) and the fused epilogue (bias, SwiGLU, residual).
 
 SwiGLU epilogue (``SWIGLU``): the weight's output columns are gate/up pairs interleaved (column 2j is gate j, 2j + 1
 is up j; ``kernels.quant.interleave_columns``), so a tile holds both halves of its outputs: ``y[:, j] = silu(g_j) *

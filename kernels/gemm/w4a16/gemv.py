@@ -1,4 +1,4 @@
-"""Launcher for the CUDA C++ W4A16 GEMV (``w4a16_gemv.cu``): small M (<= 8), fp16 activations.
+"""Launcher for the CUDA C++ W4A16 GEMV (``gemv.cu``): small M (<= 8), fp16 activations.
 
 The .cu file is compiled once per (SM, max-M variant, threads-across-N) with nvcc by ``kernels.aot.compile_cuda``
 (content-addressed on-disk cache, so a second process or run pays nothing) and launched on torch's current stream
@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, check_operands
+from kernels.gemm.cuda import cached_kernel, check_operands
 
-SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
+SOURCE = Path(__file__).with_name("gemv.cu")
 KERNEL = "w4a16_gemv"
 THREADS = 256
 ROWS_PER_STEP = 8  # kRows in the .cu: K must be a multiple of 8 * ROWS_PER_STEP
@@ -63,13 +63,13 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                tn: Optional[int] = None, prefetch: Optional[bool] = None) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, with the CUDA GEMV. ``tn``/``prefetch`` override the plan
     (benchmarks)."""
-    from kernels.gemm_w4a16 import check_w4_weight
+    from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     M = x.shape[0]
     reason = unsupported_reason(M, N, K, group_size, x.dtype)
     if reason:
-        raise ValueError(f"CUDA W4A16 GEMV: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
+        raise ValueError(f"CUDA W4A16 GEMV: {reason}; use kernels.gemm.w4a16.triton_gemm.w4a16_gemm")
     # Vector loads: 16 B of x and qweight, 8 B of scales, 4 B of zeros per thread (N % 4 == 0 keeps rows aligned).
     check_operands("CUDA W4A16 GEMV", x, 16,
                    (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)),

@@ -2,7 +2,7 @@
 // INT4 layout (qweight int32 [K/8, N], nibble j of row r is k = 8r + j; scales fp16 [K/G, N]; zeros int8 [K/G, N],
 // 0..16 read as bytes, or none = 8). With `swiglu` W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2].
 //
-// Why: the scalar GEMV (w4a16_gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
+// Why: the scalar GEMV (gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
 // 9/8 instructions of dequantisation and a 1/8 share of an mma (sm_90 SASS of the loop, 256 weights per lane: LOP3
 // 139, HADD2 72, HFMA2 64, SHF 43, PRMT 32, HMMA 32, ~510 in all with addressing: ~2.0 per weight, 93-117 registers,
 // no local memory):

@@ -3,7 +3,8 @@
 ``qweight`` is int8 ``[K, N]`` (a ``[BLOCK_K, BLOCK_N]`` tile is contiguous along N), ``scales[N]``. Every INT8 value
 is exact in fp16 and bf16 (|q| <= 127 needs 7 significant bits), so the kernel feeds ``q`` itself to ``tl.dot`` (M > 1)
 or to fp32 FMAs (M == 1, GEMV path) and applies the per-channel scale once per output in the epilogue: one convert per
-weight, no multiply. Split-K (small M) finishes in-kernel (``gemm_wq_common``). K must be a multiple of 16 (checked).
+weight, no multiply. Split-K (small M) finishes in-kernel (``kernels.gemm.common``). K must be a multiple of 16
+(checked).
 The reference is ``x @ dequantize(qw).T`` in fp32; the kernel does not round ``q * s`` to 16 bits, so it differs
 from that reference by at most half an fp16 ulp per weight (see the tests' tolerance).
 """
@@ -16,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LaunchConfig
-from ._utils import check_device, interpreting
-from .gemm_wq_common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
+from kernels._launch import LaunchConfig
+from kernels._utils import check_device, interpreting
+from kernels.gemm.common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
 
 
 @triton.jit
@@ -116,7 +117,8 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
 def w8a16_aot_signature(dtype: str = "fp16") -> tuple[dict, list]:
     """(signature, div16) of ``_w8a16_gemm_kernel`` for ``kernels.aot.compile_triton`` (``dtype``: fp16 | bf16).
 
-    Scratch inputs as in ``kernels.gemm_w4a16.w4a16_aot_signature`` (fp32 partials, once-zeroed int32 tickets).
+    Scratch inputs as in ``kernels.gemm.w4a16.triton_gemm.w4a16_aot_signature`` (fp32 partials, once-zeroed int32
+    tickets).
     """
     sig = dict(x_ptr=f"*{dtype}", qw_ptr="*i8", scales_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
                out_ptr=f"*{dtype}", partial_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32", K="i32",
@@ -141,7 +143,8 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bia
                residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, swiglu: bool = False,
                **overrides) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias[N]) (+ residual[M, N]) -> [M, N]`` in x's dtype, with the Triton kernel.
-    ``swiglu``: as in ``kernels.gemm_w4a16.w4a16_gemm`` (interleaved gate/up columns, ``[M, N / 2]`` out)."""
+    ``swiglu``: as in ``kernels.gemm.w4a16.triton_gemm.w4a16_gemm`` (interleaved gate/up columns, ``[M, N / 2]``
+    out)."""
     K, N = check_w8_weight(qweight, scales, x.shape[-1])
     check_activations(x, K, "W8A16")
     if scales.dtype != x.dtype:

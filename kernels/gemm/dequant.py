@@ -1,7 +1,7 @@
 """Large-M weight-only GEMM: dequantize the weight once into a 16-bit ``[K, N]`` buffer, then cuBLAS.
 
 At large M (prefill) a weight-only GEMM is compute-bound: the 4x fewer weight bytes no longer matter, and a fused
-kernel that dequantizes inside the tile loop (``kernels.gemm_w4a16``, ``kernels.csrc``) spends issue slots on
+kernel that dequantizes inside the tile loop (``kernels.gemm.w4a16``'s Triton and CUDA kernels) spends issue slots on
 dequantization that the tensor cores wait for (H200: 0.33-0.36x cuBLAS at M=512). Writing the 16-bit weight once
 costs about what cuBLAS itself spends reading it (2 bytes per weight), so for M in the hundreds and up this path runs
 at ~(1 - that share) of cuBLAS on the dequantized weight -- the weight cuBLAS would see, bit for bit: the kernel
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from kernels._utils import check_device
 
 BLOCK_R = 8  # packed rows (INT4: 64 values of k) or k rows (INT8) per program
 BLOCK_N = 128
@@ -60,7 +60,7 @@ def _dequant_w8_kernel(qw_ptr, scales_ptr, out_ptr, K, N, BLOCK_R: tl.constexpr,
 def dequantize_w4_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The INT4 weight as ``[K, N]`` in the scales' dtype (``kernels.quant.dequantize(qw).T``, bit for bit)."""
-    from .gemm_w4a16 import check_w4_weight
+    from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, qweight.shape[0] * 8)
     if group_size % 8:
@@ -76,7 +76,7 @@ def dequantize_w4_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optiona
 
 def dequantize_w8_kn(qweight: torch.Tensor, scales: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The INT8 weight as ``[K, N]`` in the scales' dtype (``kernels.quant.dequantize(qw).T``, bit for bit)."""
-    from .gemm_w8a16 import check_w8_weight
+    from kernels.gemm.w8a16.triton_gemm import check_w8_weight
 
     K, N = check_w8_weight(qweight, scales, qweight.shape[0])
     check_device(qweight, scales)

@@ -2,7 +2,7 @@
 // INT8 layout (qweight int8 [K, N], w[n, k] = q[k, n] * s[n], q in [-127, 127], scales fp16 [N]).
 //
 // Why: the Triton W8A16 GEMV reaches 1.39-1.73x cuBLAS fp16 at M = 1 (H200); bytes alone allow ~1.9x. As in
-// w4a16_gemv_mma.cu the weights are the mma's A operand (16 columns of W x 16 k) and x is B (16 k x 8 rows of x),
+// w4a16/gemv_mma.cu the weights are the mma's A operand (16 columns of W x 16 k) and x is B (16 k x 8 rows of x),
 // fp32 accumulation; here the per-column scale is constant over K, so it multiplies the fp32 sum once at the end.
 //
 // Dequantisation (exact): int8 -> fp16 by the magic number 1024. A byte b = q & 0xFF with its top bit flipped is
@@ -44,7 +44,7 @@
 // chunks of GEMV_U 16-row steps (register double buffer: the next chunk's loads are issued before this chunk's math),
 // reduced through shared memory (and DSMEM across the cluster) at the end with scale and bias. The launcher checks:
 // N % VEC == 0, K % (16 * GEMV_U * KSPLIT) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
-#include "mma_common.cuh"
+#include "../mma_common.cuh"
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8

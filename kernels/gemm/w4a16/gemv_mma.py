@@ -1,9 +1,9 @@
-"""Launcher for the tensor-core W4A16 kernel (``w4a16_gemv_mma.cu``), fp16 activations: the GEMV for M <= 8 and,
+"""Launcher for the tensor-core W4A16 kernel (``gemv_mma.cu``), fp16 activations: the GEMV for M <= 8 and,
 tiled in M (``mt`` tiles of 8 rows of x per block, row tiles of a column slice side by side in the grid), the
 small-batch GEMM for M > 8 that shares each dequantized weight fragment between ``8 * mt`` rows of x; optionally
 with SwiGLU of interleaved gate/up column pairs in the epilogue (``swiglu``, a runtime flag).
 
-Same contract as ``kernels.csrc.w4a16_gemv`` (the scalar CUDA GEMV, kept as the fallback for shapes this one does not
+Same contract as ``kernels.gemm.w4a16.gemv`` (the scalar CUDA GEMV, kept as the fallback for shapes this one does not
 take): compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
 torch's current stream by ``kernels.aot.launcher.AotKernel``. A variant is (warps per block, packed rows per lane
 per chunk ``u``, u-steps per scale group, max M 1 or 8 per tile, accumulator chains 1 or 2, L2 256-byte prefetch
@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 
-SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
+SOURCE = Path(__file__).with_name("gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
 MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
 # H200 runs 1-2 (benchmarks/results/dev-logs/h200/bench_gemm_gemv_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
@@ -150,14 +150,14 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``u``/``warps``/``mmax``/
     ``chains``/``l2_256``/``mt``/``wscale``/``sz_ahead``/``x_ahead``/``minb`` override the plan's variant
     (benchmarks, tests)."""
-    from kernels.gemm_w4a16 import check_w4_weight
+    from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     M = x.shape[0]
     reason = unsupported_reason(M, N, K, group_size, x.dtype, u)
     if reason:
-        raise ValueError(f"tensor-core W4A16 GEMV: {reason}; use kernels.csrc.w4a16_gemv or "
-                         f"kernels.gemm_w4a16.w4a16_gemm")
+        raise ValueError(f"tensor-core W4A16 GEMV: {reason}; use kernels.gemm.w4a16.gemv or "
+                         f"kernels.gemm.w4a16.triton_gemm.w4a16_gemm")
     # Vector loads: 16 B of x and qweight, 8 B of scales, 4 B of zeros per lane (N % 4 == 0 keeps every row aligned).
     check_operands("tensor-core W4A16 GEMV", x, 16,
                    (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)),

@@ -1,4 +1,4 @@
-// Device helpers shared by the tensor-core weight-only kernels (w4a16_gemv_mma.cu, w8a16_gemv_mma.cu): single PTX
+// Device helpers shared by the tensor-core weight-only kernels (w4a16/gemv_mma.cu, w8a16/gemv_mma.cu): single PTX
 // instructions that nvcc would otherwise not pick (lop3 with a chosen truth table, prmt byte permutes, half2 arithmetic
 // on raw registers) and the mma.sync.m16n8k16 fp16 -> fp32 tile product. Header-only; kernels.aot.compile_cuda
 // hashes local includes into its cache key.

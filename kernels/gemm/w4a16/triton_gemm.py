@@ -7,7 +7,7 @@ BLOCK_K never spans two groups (BLOCK_K <= group size), so the group's scale mul
 - tensor-core path (M > 1): ``acc += dot(x, q - z) * s`` -- ``q - z`` is an exact small integer in fp16/bf16, the
   scale is applied in fp32 once per ``[BLOCK_M, BLOCK_N]`` instead of once per weight;
 - GEMV path (M == 1): ``acc[BLOCK_K, BLOCK_N] += x * (q - z) * s`` in fp32, reduced over K once at the end.
-Split-K (small M) finishes in-kernel (``gemm_wq_common``). K must be a multiple of the group size (checked).
+Split-K (small M) finishes in-kernel (``kernels.gemm.common``). K must be a multiple of the group size (checked).
 The reference is ``x @ dequantize(qw).T`` in fp32; the kernel does not round the weight to 16 bits first, so it
 differs from that reference by at most half an fp16 ulp per weight (see the tests' tolerance).
 """
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LaunchConfig
-from ._utils import check_device, interpreting
-from .gemm_wq_common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
+from kernels._launch import LaunchConfig
+from kernels._utils import check_device, interpreting
+from kernels.gemm.common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
 
 
 @triton.jit
@@ -190,7 +190,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def w4a16_reference(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=False):
     """fp32 torch reference against the dequantized weight, exactly ``(q - z) * s`` in fp32 (what the kernel uses),
     with the kernel's epilogue."""
-    from .quant import QuantizedWeight, dequantize
+    from kernels.quant import QuantizedWeight, dequantize
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     w = dequantize(QuantizedWeight(4, qweight, scales, zeros, group_size, K, N), torch.float32)

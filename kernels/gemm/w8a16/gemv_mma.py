@@ -1,10 +1,10 @@
-"""Launcher for the tensor-core W8A16 GEMV (``w8a16_gemv_mma.cu``): M <= 8, fp16 activations.
+"""Launcher for the tensor-core W8A16 GEMV (``gemv_mma.cu``): M <= 8, fp16 activations.
 
 Compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
-torch's current stream by ``kernels.aot.launcher.AotKernel``, like ``kernels.csrc.w4a16_gemv_mma``. A variant is
+torch's current stream by ``kernels.aot.launcher.AotKernel``, like ``kernels.gemm.w4a16.gemv_mma``. A variant is
 (warps per block, bytes per lane load ``vec`` = columns per lane, 16-row steps per chunk ``u``, blocks per cluster
 splitting K ``ksplit`` (sm_90), L2 128-byte prefetch hint); the launch plan is a pure function of shapes, the SM
-count and whether clusters exist. Shapes it does not take go to the Triton kernel (``kernels.gemm_w8a16``).
+count and whether clusters exist. Shapes it does not take go to the Triton kernel (``kernels.gemm.w8a16.triton_gemm``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 
 from kernels._utils import device_sm
 
-SOURCE = Path(__file__).with_name("w8a16_gemv_mma.cu")
+SOURCE = Path(__file__).with_name("gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
 MAX_M = 8
 VECS = (16, 8, 4)  # tried in this order: the longest weight loads that divide N (with clusters), or that fill the SMs
@@ -147,7 +147,7 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores; W is ``kernels.quant.quantize_int8``'s
     ``qweight`` int8 ``[K, N]`` and ``scales`` fp16 ``[N]``. ``vec``/``warps``/``u``/``ksplit``/``l2_128`` override
     the plan's variant (benchmarks, tests)."""
-    from kernels.gemm_w8a16 import check_w8_weight
+    from kernels.gemm.w8a16.triton_gemm import check_w8_weight
 
     if x.dim() != 2:
         raise ValueError(f"tensor-core W8A16 GEMV: x must be 2-D [M, K], got shape {tuple(x.shape)}")
@@ -157,7 +157,7 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W8A16 GEMV: warps={warps} must be one of {WARPS} with warps * 8 * vec <= 1024")
     reason = unsupported_reason(M, N, K, x.dtype, vec, u, ksplit)
     if reason:
-        raise ValueError(f"tensor-core W8A16 GEMV: {reason}; use kernels.gemm_w8a16.w8a16_gemm")
+        raise ValueError(f"tensor-core W8A16 GEMV: {reason}; use kernels.gemm.w8a16.triton_gemm.w8a16_gemm")
     check_operands("tensor-core W8A16 GEMV", x, 8, (("qweight", qweight, 16), ("scales", scales, 2), ("bias", bias, 2)),
                    scales, bias, out, (M, N), dtype_hint=" (quantize_int8(w.half()))")
     if bias is not None and tuple(bias.shape) != (N,):

@@ -1,4 +1,4 @@
-"""Launcher for the Hopper W4A16 GEMM (``w4a16_gemm_wgmma.cu``): fp16 activations, M above the GEMV's range, sm_90.
+"""Launcher for the Hopper W4A16 GEMM (``gemm_wgmma.cu``): fp16 activations, M above the GEMV's range, sm_90.
 
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
 of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the packed weight, its scales
@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from kernels.csrc import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 
-SOURCE = Path(__file__).with_name("w4a16_gemm_wgmma.cu")
+SOURCE = Path(__file__).with_name("gemm_wgmma.cu")
 KERNEL = "w4a16_gemm_wgmma"
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*i8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("workspace", "*fp32"), ("counters", "*i32"), ("M", "i32"), ("N", "i32"), ("K", "i32"),
@@ -227,7 +227,7 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper); with ``swiglu`` (W's columns
     interleaved gate/up pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``variant``
     (``bm``, ``wt``, ``wgs``, ``stages``, ``splits``, ``dsmem``) overrides the plan (benchmarks, tests)."""
-    from kernels.gemm_w4a16 import check_w4_weight
+    from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     M = x.shape[0]
@@ -237,7 +237,7 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
     plan, reason = plan_for(M, N, K, group_size, x.dtype, device_sm(x.device), device_sm_count(x.device), **variant)
     if reason:
-        raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm_w4a16.w4a16_gemm")
+        raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm.w4a16.triton_gemm.w4a16_gemm")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"wgmma W4A16 GEMM: bias must have shape [{N}], got {tuple(bias.shape)}")
     check_operands("wgmma W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand; 8-byte output stores

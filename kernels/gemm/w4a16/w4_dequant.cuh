@@ -1,7 +1,7 @@
-// INT4 (kernels.quant layout) -> fp16 mma fragments for the W4A16 tensor-core GEMV (w4a16_gemv_mma.cu; the wgmma GEMM
-// uses hmul2_u). See w4a16_gemv_mma.cu's header for the k order of the fragments and why each step is exact.
+// INT4 (kernels.quant layout) -> fp16 mma fragments for the W4A16 tensor-core GEMV (gemv_mma.cu; the wgmma GEMM
+// uses hmul2_u). See gemv_mma.cu's header for the k order of the fragments and why each step is exact.
 #pragma once
-#include "mma_common.cuh"
+#include "../mma_common.cuh"
 
 namespace tritrt {
 __device__ __forceinline__ uint32_t hmul2_u(uint32_t a, uint32_t b) {
