@@ -53,8 +53,8 @@ def parse_args(argv=None):
     p = ArgumentParser(prog="python -m export.build", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=MODELS, default="llama",
                    help="model family. llama covers every checkpoint export.checkpoint reads: Llama 2/3/3.1, "
-                   "TinyLlama, Mistral without a sliding window and Qwen2; the architecture itself is read from the "
-                   "checkpoint's config.json")
+                   "TinyLlama, Mistral without a sliding window, Qwen2 and Qwen3 (config.json model_type in "
+                   "export.checkpoint.SUPPORTED_MODEL_TYPES); the architecture itself is read from config.json")
     p.add_argument("--quant", choices=QUANTS, default="none", help="weight-only quantization of the linear layers "
                    "(a GPTQ/AWQ checkpoint keeps its own int4)")
     p.add_argument("--checkpoint", type=Path, help="local HF model directory: config.json + *.safetensors "
