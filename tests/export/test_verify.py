@@ -29,7 +29,7 @@ def built_out(tmp_path_factory):
     from export.build import main as build_main
 
     out = tmp_path_factory.mktemp("verify") / "out"
-    assert build_main(["--quant", "int4", "--group-size", "32", "--dtype", "float32", "--out", str(out),
+    assert build_main(["--tiny", "--quant", "int4", "--group-size", "32", "--dtype", "float32", "--out", str(out),
                        "--no-engine"]) == 0
     return out
 
@@ -257,7 +257,7 @@ def test_engine_matches_onnxruntime(tmp_path, capsys):
     from export.build import main as build_main
 
     out = tmp_path / "out"
-    assert build_main(["--quant", "int4", "--group-size", "32", "--dtype", "float16", "--out", str(out)]) == 0
+    assert build_main(["--tiny", "--quant", "int4", "--group-size", "32", "--dtype", "float16", "--out", str(out)]) == 0
     assert (out / "model.engine").exists()
     assert _verify(out) == 0
     text = capsys.readouterr().out
@@ -269,7 +269,7 @@ def built_half_out(tmp_path_factory):
     from export.build import main as build_main
 
     out = tmp_path_factory.mktemp("verify_half") / "out"
-    assert build_main(["--quant", "int8", "--dtype", "float16", "--out", str(out), "--no-engine"]) == 0
+    assert build_main(["--tiny", "--quant", "int8", "--dtype", "float16", "--out", str(out), "--no-engine"]) == 0
     return out
 
 
@@ -325,7 +325,7 @@ def built_bf16_out(tmp_path_factory):
     from export.build import main as build_main
 
     out = tmp_path_factory.mktemp("verify_bf16") / "out"
-    assert build_main(["--quant", "int4", "--group-size", "32", "--dtype", "bfloat16", "--out", str(out),
+    assert build_main(["--tiny", "--quant", "int4", "--group-size", "32", "--dtype", "bfloat16", "--out", str(out),
                        "--no-engine"]) == 0
     return out
 
