@@ -117,6 +117,18 @@ class LlamaModel(torch.nn.Module):
         return cls(config, weights, quant=build.get("quant", "none"), group_size=build.get("group_size") or 128,
                    quantized=True)
 
+    def for_cpu(self) -> "LlamaModel":
+        """This model as a CPU runs it well: quantized weights dequantized once to float32 (the exact values the GPU
+        kernels multiply by) and float32 math. On the CPU every op runs its torch reference, where float16 matmuls are
+        slow and dequantizing int4 weights again at every step costs more than the matmul itself."""
+        from kernels.quant import dequantize
+
+        weights = {k: v.float() if isinstance(v, torch.Tensor) else dequantize(v, torch.float32)
+                   for k, v in self.weights.items()}
+        if self.weights.get("lm_head") is self.weights["embed"]:
+            weights["lm_head"] = weights["embed"]
+        return LlamaModel(self.config, weights)
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None, dtype=None):
         """One ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
         c = self.config

@@ -113,6 +113,8 @@ def make_backend(args, build: dict, device: str):
     from export.runtime.tokenizer import eos_token_ids
 
     model = LlamaModel.from_output_dir(out, device=device)
+    if device == "cpu":
+        model = model.for_cpu()  # weights dequantized once, float32 math: what the CPU runs fastest
     backend = TorchBackend(model, num_blocks=args.num_blocks, block_size=args.block_size or
                            int(build.get("block_size", 16)), max_model_len=build.get("max_seq_len"),
                            cuda_graphs=False if args.no_cuda_graphs else None)
