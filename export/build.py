@@ -384,6 +384,9 @@ def main(argv=None) -> int:
     try:
         if args.from_onnx:
             skipped = engine_only(args.from_onnx, args)
+            if skipped:  # building the engine is all --from-onnx does: without one it failed
+                print_error(skipped[0].removeprefix("engine skipped: "))
+                return 2
             result = BuildResult(args.from_onnx.resolve(), skipped, [], time.perf_counter() - t0)
         else:
             result = run_build(args, progress=Progress())

@@ -224,3 +224,21 @@ def test_engine_build_with_tensorrt(tmp_path, capsys):
     engine = runtime.deserialize_cuda_engine((out / "model.engine").read_bytes())
     assert engine is not None and engine.num_optimization_profiles == 2
     assert "engine skipped" not in " ".join(json.loads((out / "build.json").read_text())["skipped"])
+
+
+def test_from_onnx_without_an_engine_exits_non_zero(built, tmp_path, capsys):
+    """`--from-onnx OUT` only builds the engine: where it cannot (no TensorRT >= 10.9), that is a failure, exit 2 with
+    the reason on one line, and OUT is left as it was."""
+    from export.engine import tensorrt_missing_reason
+
+    if tensorrt_missing_reason() is None:
+        pytest.skip("TensorRT is installed here: --from-onnx builds the engine")
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(built["int8"], out)
+    before = sorted(p.name for p in out.iterdir())
+    rc, stdout, err = _build(capsys, "--from-onnx", str(out))
+    assert rc == 2 and stdout == ""
+    assert len(err.strip().splitlines()) == 1 and "TensorRT >= 10.9" in err
+    assert sorted(p.name for p in out.iterdir()) == before
