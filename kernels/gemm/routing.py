@@ -91,8 +91,9 @@ H200 = Card("NVIDIA H200", 90, 132)
 def card_of(device=None) -> Card:
     """The ``Card`` of a CUDA ``device`` (default: the current one). Queries the GPU on first use of each device (so
     call it when launching or building, never at import); cached after that."""
-    index = torch.device(device).index if device is not None else None
-    return _card_of_index(torch.cuda.current_device() if index is None else index)
+    if not isinstance(device, torch.device):  # None, "cuda:1", 1 (the op passes x.device: no conversion per call)
+        device = torch.device("cuda" if device is None else device)
+    return _card_of_index(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @lru_cache(maxsize=None)
