@@ -224,14 +224,12 @@ def _aot_kernels(tmp: Path, sm: int, log, progress) -> list[str]:
 
     if interpreter_enabled():
         return ["AOT kernels skipped: TRITON_INTERPRET=1 is set (AOT needs Triton's compiler; unset it)"]
-    try:
-        from kernels.aot.__main__ import build as aot_build
-        from trt_plugins.specs import SPECS
-    except ImportError as e:
-        return [f"AOT kernels skipped: kernels.aot is not available ({e})"]
+    from trt_plugins.aot import compile_all
+    from trt_plugins.specs import SPECS
+
     t0 = time.perf_counter()
     with progress.step(f"compiling kernels for sm_{sm}", total=sum(len(s.samples) for s in SPECS.values())) as step:
-        manifest = aot_build(sm, tmp / "kernels", log=lambda m: step())
+        manifest = compile_all(sm, tmp / "kernels", log=lambda m: step())
     log(f"  kernels/manifest.json ({len(manifest['kernels'])} kernels, sm_{sm}, {time.perf_counter() - t0:.1f} s)")
     if manifest["failed"]:
         return [f"{len(manifest['failed'])} AOT kernel specialisation(s) failed for sm_{sm} (listed under 'failed' in "

@@ -4,7 +4,7 @@ Every plugin kernel's launcher computes its launch in a pure function of integer
 a ``LaunchConfig``; the launcher then calls ``cfg.launch(*args)``. The AOT compiler and the TensorRT plugin specs
 call the same function, so the JIT run, the AOT artifact and the engine use the same constexprs, warps and grid.
 
-AOT rules every plugin kernel follows (TensorRT AOT plugins, see ARCHITECTURE.md, key decision 2):
+AOT rules every plugin kernel follows (TensorRT AOT plugins: trt_plugins/specs/__init__.py):
 - one launch per op call; runtime arguments are tensors and int32 scalars only;
 - floats (eps, softmax scale) and layout choices are ``tl.constexpr`` (baked in at compile time);
 - scratch memory (e.g. split-KV partials) is an explicit tensor argument, never allocated inside the kernel;

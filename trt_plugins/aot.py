@@ -1,14 +1,20 @@
 """A plugin op run the way the engine runs it: its entry kernel compiled ahead of time, launched by the driver API.
 
-``compile_plugin(spec, shapes, dtypes, attrs, sm)`` -> (Artifact, Specialisation): what the TensorRT glue embeds and
-what ``kernels.aot``'s CLI writes. ``run_aot(op_type, inputs, attrs)`` compiles for the current GPU (once; the
+``compile_plugin(spec, shapes, dtypes, attrs, sm)`` -> (Artifact, Specialisation): what the TensorRT glue embeds.
+``compile_all(sm, out)``: every spec's documented samples to ``out`` (PTX, TensorRT's PTX, cubin, ``manifest.json``),
+what ``export.build`` writes to ``OUT/kernels``; also ``python -m trt_plugins.aot --sm 90 --out DIR [--ops ...]``. ``run_aot(op_type, inputs, attrs)`` compiles for the current GPU (once; the
 artifact cache makes later processes free) and launches through ``kernels.aot.launcher.AotKernel`` with exactly
 the plugin's argument list (inputs, int32 scalars, outputs) and grid, without the Triton JIT.
 """
 
 from __future__ import annotations
 
-from .specs import get_spec
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .specs import SPECS, get_spec
 from .specs._base import PluginSpec, dtype_name, torch_dtype
 
 _LOADED: dict = {}  # (artifact key, use_ptx) -> AotKernel, so a module is loaded once per process
@@ -69,3 +75,82 @@ def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: l
             raise ValueError(f"{op_type}: input {n} must be contiguous (a plugin sees dense tensors); pass .contiguous()")
     k.launch(sp.grid, *inputs, *sp.scalars.values(), *outs)
     return outs
+
+
+def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool = False) -> dict:
+    """Compile each spec's (``ops``' or all) documented samples for ``sm`` into ``out``: ``<entry>-<key12>.ptx`` (as
+    Triton emits it), ``.trt.ptx`` (without Triton's hidden parameters: what TensorRT embeds), ``.cubin``, and
+    ``manifest.json`` (op, kernel, SM, signature, constexprs, warps, stages, shared memory, source hash, files).
+    A sample whose tiles do not fit the SM is listed under ``failed``; bad ``sm`` / ``ops`` raise ValueError."""
+    from kernels.aot.compile import SUPPORTED_SM, AotError, interpreter_enabled, strip_hidden_params
+
+    if interpreter_enabled():
+        raise AotError("unset TRITON_INTERPRET: AOT compilation needs Triton's compiler, not its interpreter")
+    if sm not in SUPPORTED_SM:
+        raise ValueError(f"--sm {sm} is not supported; choose one of {SUPPORTED_SM}")
+    names = list(SPECS) if not ops else list(ops)
+    unknown = [n for n in names if n not in SPECS]
+    if unknown:
+        raise ValueError(f"unknown ops {unknown}; known: {sorted(SPECS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    entries, failed = [], []
+    for name in names:
+        spec = SPECS[name]
+        for sample in spec.samples[:1] if first_only else spec.samples:
+            try:
+                art, sp = compile_plugin(spec, sample.shapes, sample.dtypes, sample.attrs, sm=sm, cache=cache)
+            except AotError as e:  # e.g. a tile config that does not fit this SM's shared memory
+                failed.append(dict(op=name, sample=sample.note, dtypes=sample.dtypes, error=str(e)))
+                log(f"{name:18s} sm_{sm} FAILED ({sample.note}): {e}")
+                continue
+            stem = f"{art.name}-{art.key[:12]}"
+            (out / f"{stem}.ptx").write_text(art.ptx)
+            (out / f"{stem}.trt.ptx").write_text(strip_hidden_params(art))
+            (out / f"{stem}.cubin").write_bytes(art.cubin)
+            entries.append(dict(op=name, namespace=spec.namespace, version=spec.version, kernel=art.name, sm=sm,
+                                signature=[list(p) for p in art.params], constexprs=art.constexprs, div16=art.div16,
+                                num_warps=art.num_warps, num_stages=art.num_stages, shared=art.shared,
+                                num_hidden_params=art.num_hidden, source_hash=art.source_hash, key=art.key,
+                                sample=dict(shapes={k: list(v) for k, v in sample.shapes.items()},
+                                            dtypes=sample.dtypes, attrs=sample.attrs, note=sample.note),
+                                ptx=f"{stem}.ptx", trt_ptx=f"{stem}.trt.ptx", cubin=f"{stem}.cubin"))
+            log(f"{name:18s} sm_{sm} {art.name} warps={art.num_warps} shared={art.shared} {sample.note}")
+    import triton
+
+    manifest = dict(sm=sm, triton=triton.__version__, kernels=entries, failed=failed)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True, default=repr))
+    return manifest
+
+
+def main(argv=None) -> int:
+    from kernels.aot.compile import AotError
+
+    p = argparse.ArgumentParser(prog="python -m trt_plugins.aot", description="compile every plugin kernel ahead of "
+                                "time for the given SMs (no GPU needed)")
+    p.add_argument("--sm", required=True, help="target compute capability, e.g. 90 (H100), 80 (A100); a comma list "
+                   "(80,90) writes one sub-directory sm_XX per SM")
+    p.add_argument("--out", type=Path, required=True, help="directory for the PTX/cubin files and manifest.json")
+    p.add_argument("--ops", default="", help="comma-separated plugin op types (default: all)")
+    p.add_argument("--first", action="store_true", help="only the first sample specialisation of each op (smoke test)")
+    args = p.parse_args(argv)
+    try:
+        sms = [int(s) for s in args.sm.split(",") if s]
+    except ValueError:
+        p.error(f"--sm {args.sm}: give compute capabilities as integers, e.g. 90 or 80,90")
+    ops = [o for o in args.ops.split(",") if o] or None
+    n_failed = 0
+    for sm in sms:
+        out = args.out if len(sms) == 1 else args.out / f"sm_{sm}"
+        try:
+            manifest = compile_all(sm, out, ops, first_only=args.first)
+        except (ValueError, AotError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        n_failed += len(manifest["failed"])
+        print(f"{len(manifest['kernels'])} kernels, {len(manifest['failed'])} failed -> {out / 'manifest.json'}")
+    return 1 if n_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

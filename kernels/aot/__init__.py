@@ -6,8 +6,7 @@
 - ``kernels.aot.wrapper``: generates a plugin entry kernel that calls a kernel with its arguments reordered.
 - ``kernels.aot.launcher``: ``AotKernel`` loads a cubin/PTX with ``cuda.bindings.driver`` and launches it on torch's
   current stream; no Triton JIT involved.
-- ``python -m kernels.aot --sm 90 --out DIR``: compiles every plugin kernel for its documented sample
-  specialisations and writes ``manifest.json``.
+Compiling every plugin kernel (``python -m trt_plugins.aot``) lives with the plugin specs, above this package.
 
 Nothing here imports CUDA at import time.
 """

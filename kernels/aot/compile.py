@@ -27,7 +27,7 @@ SUPPORTED_SM = (80, 86, 89, 90)
 # compiles but can never launch on that architecture, so the AOT compile refuses it up front.
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 POINTER_TYPES = {"*fp16", "*bf16", "*fp32", "*i8", "*u8", "*i32", "*i64", "*i16"}
-SCALAR_TYPES = {"i32"}  # TensorRT passes SymInt32 only; floats are constexprs (ARCHITECTURE.md, decision 2)
+SCALAR_TYPES = {"i32"}  # TensorRT passes SymInt32 only; floats are constexprs (trt_plugins.specs)
 
 
 class AotError(ValueError):
@@ -69,7 +69,7 @@ def _unwrap(fn):
     Under ``TRITON_INTERPRET=1`` (the CPU test tier) ``@triton.jit`` makes interpreter objects, which the compiler
     cannot lower; they are rebuilt as ``JITFunction``s (with the jit functions they call). That covers simple
     kernels only: Triton's own library functions (``tl.sum``...) stay interpreter objects in such a process, so real
-    kernels are compiled in a process without ``TRITON_INTERPRET`` (``python -m kernels.aot`` does that).
+    kernels are compiled in a process without ``TRITON_INTERPRET`` (``python -m trt_plugins.aot`` does that).
     """
     while type(fn).__name__ in ("Autotuner", "Heuristics") and hasattr(fn, "fn"):
         fn = fn.fn
@@ -172,7 +172,7 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps:
     except Exception as e:
         if interpreter_enabled():
             raise AotError(f"{fn.__name__} cannot be compiled in a TRITON_INTERPRET=1 process ({type(e).__name__}); "
-                           "compile in a process without it, e.g. python -m kernels.aot") from e
+                           "compile in a process without it, e.g. python -m trt_plugins.aot") from e
         raise
     md = ck.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):

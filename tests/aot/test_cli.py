@@ -1,4 +1,4 @@
-"""``python -m kernels.aot``: every plugin kernel compiles to PTX and cubin for sm_80 and sm_90 without a GPU, and the
+"""``python -m trt_plugins.aot``: every plugin kernel compiles to PTX and cubin for sm_80 and sm_90 without a GPU, and the
 manifest describes what the TensorRT glue and the launcher need. One compile per op per SM (``--first``), in a
 subprocess: compiling real kernels needs a process without TRITON_INTERPRET."""
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # one subprocess compiling every plugin twice: ~3
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot_out")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", ",".join(map(str, SMS)), "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", ",".join(map(str, SMS)), "--out", str(out),
                         "--first"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     return {sm: (out / f"sm_{sm}", json.loads((out / f"sm_{sm}" / "manifest.json").read_text())) for sm in SMS}
@@ -54,12 +54,12 @@ def test_every_plugin_kernel_compiles(built, sm, op):
 
 def test_cli_refuses_bad_arguments(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", "75", "--out", str(tmp_path)], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "75", "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "not supported" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", "90", "--out", str(tmp_path), "--ops", "Nope"],
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(tmp_path), "--ops", "Nope"],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "unknown ops" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kernels.aot", "--sm", "90", "--out", str(tmp_path)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(tmp_path)], cwd=ROOT,
                        env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert r.returncode != 0 and "TRITON_INTERPRET" in r.stderr
