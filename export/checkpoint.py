@@ -271,7 +271,8 @@ def read_hf_config(path) -> dict:
                               f"{path.parent}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist; pass a local Hugging Face model directory "
-                              f"(config.json + *.safetensors) or .gguf file, or omit --checkpoint to build the default model")
+                              "(config.json + *.safetensors) or .gguf file, or omit --checkpoint to build the default "
+                              "model")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json; is it a Hugging Face model directory?")
     try:

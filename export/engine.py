@@ -2,10 +2,10 @@
 
 The network is strongly typed (the ONNX graph fixes every dtype), the plugins are our AOT QDP plugins (registered by
 ``trt_plugins.trt_glue.load_plugins()`` before parsing, so the engine embeds their PTX), and two optimization profiles
-cover the two kinds of step: ``decode`` (one token per sequence) and ``prefill`` (many tokens, chunked prefill included).
-Profile ranges come from ``build.json`` and are applied to the graph's named dynamic dimensions (``num_tokens``,
-``num_seqs``, ...), read from the ONNX file itself, so this module needs no knowledge of the graph's inputs. The timing
-cache is loaded and saved across builds; the engine is written under a temporary name and renamed.
+cover the two kinds of step: ``decode`` (one token per sequence) and ``prefill`` (many tokens, chunked prefill
+included). Profile ranges come from ``build.json`` and are applied to the graph's named dynamic dimensions
+(``num_tokens``, ``num_seqs``, ...), read from the ONNX file itself, so this module needs no knowledge of the graph's
+inputs. The timing cache is loaded and saved across builds; the engine is written under a temporary name and renamed.
 
 Nothing here runs without TensorRT: ``build_engine`` raises ``TensorRTNotFound``, whose message says what is ready and
 where to build. Everything TensorRT consumes (profiles, the ONNX, the PTX) is computed and tested without it.

@@ -76,7 +76,7 @@ class OpEmitter:
         g = self.g
         return g.op1("Slice", [x, g.const([start]), g.const([end]), g.const([axis])])
 
-    # -- norms ----------------------------------------------------------------------------------------------------------
+    # -- norms ---------------------------------------------------------------------------------------------------------
     def rms_norm(self, x: str, weight: str, eps: float, name: str) -> str:
         if self.plugin:
             return self.plugin_node("RmsNorm", {"x": x, "weight": weight}, {"eps": float(eps)}, name)[0]
@@ -96,7 +96,7 @@ class OpEmitter:
         res = self.g.op1("Add", [x, residual], name=f"{name}_residual")
         return self.rms_norm(res, weight, eps, name), res
 
-    # -- MLP activation -------------------------------------------------------------------------------------------------
+    # -- MLP activation ------------------------------------------------------------------------------------------------
     def swiglu(self, x: str, intermediate: int, name: str) -> str:
         """``x`` is [T, 2I] = [gate | up] (the ``w13`` layout); returns silu(gate) * up, [T, I]."""
         if self.plugin:
@@ -108,10 +108,11 @@ class OpEmitter:
         silu = self._cast(g.op1("Mul", [gf, g.op1("Sigmoid", [gf])]), self.act_onnx)
         return g.op1("Mul", [silu, up], name=name)
 
-    # -- RoPE -------------------------------------------------------------------------------------------------------------
+    # -- RoPE ----------------------------------------------------------------------------------------------------------
     def rope(self, q: str, k: str, positions: str, cos_sin_cache: str, rotary_dim: int, head_dim: int,
              name: str) -> tuple[str, str]:
-        """Rotate the first ``rotary_dim`` dims of each head of q [T, Hq, D] and k [T, Hk, D] (HF rotate_half layout)."""
+        """Rotate the first ``rotary_dim`` dims of each head of q [T, Hq, D] and k [T, Hk, D] (HF rotate_half
+        layout)."""
         if self.plugin:
             q2, k2 = self.plugin_node("Rope", {"q": q, "k": k, "positions": positions, "cos_sin_cache": cos_sin_cache},
                                       {"interleaved": 0}, name)
@@ -132,7 +133,7 @@ class OpEmitter:
 
         return rotate(q), rotate(k)
 
-    # -- paged KV cache -------------------------------------------------------------------------------------------------
+    # -- paged KV cache ------------------------------------------------------------------------------------------------
     def write_kv_cache(self, k: str, v: str, k_cache: str, v_cache: str, slot_mapping: str,
                        out_names: tuple[str, str], kv_heads: int, head_dim: int, name: str) -> tuple[str, str]:
         """Write each new token's K/V to cache slot ``slot_mapping[t]`` (slot < 0: skipped); returns the new caches."""
@@ -207,7 +208,7 @@ class OpEmitter:
         out = g.op1("Reshape", [out, g.const([-1, num_heads, head_dim])])
         return self._cast(out, self.act_onnx)
 
-    # -- linear layers --------------------------------------------------------------------------------------------------
+    # -- linear layers -------------------------------------------------------------------------------------------------
     def linear(self, x: str, weight, bias: torch.Tensor | None, name: str) -> str:
         """y = x @ W.T (+ bias) for x [T, K]; ``weight`` is a [N, K] tensor or a ``kernels.quant.QuantizedWeight``."""
         g = self.g

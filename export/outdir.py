@@ -3,8 +3,8 @@
 ``check_out`` refuses, before anything is created: an OUT that is a file, a mount point, the current directory (or one
 above it), one that overlaps the checkpoint, one on a read-only or unwritable disk, and an existing directory that is
 neither empty nor a previous output of ours. "Ours" means ``build.json`` has the ``tritrt_version`` key and every entry
-of OUT is one that build.json lists (plus ``kernels/`` and ``model.engine``): a file a user dropped into an old OUT makes
-it theirs again. There is no ``--force``: what is refused is for the user to move or delete.
+of OUT is one that build.json lists (plus ``kernels/`` and ``model.engine``): a file a user dropped into an old OUT
+makes it theirs again. There is no ``--force``: what is refused is for the user to move or delete.
 
 ``WorkDir`` is the build's temp dir beside OUT, ``.OUT.tmp-<pid>-<random>``, locked (``flock``) while the build runs.
 ``commit`` re-checks OUT and swaps the two atomically (``renameat2(RENAME_EXCHANGE)``; elsewhere OUT is first moved to

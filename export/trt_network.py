@@ -59,7 +59,8 @@ def load_data():
     info = load_out(out)
     cache_dtype = {"float16": np.float16, "float32": np.float32}.get(info["build"].get("dtype"))
     if cache_dtype is None:
-        raise RuntimeError(f"{out} is a {info['build'].get('dtype')} build: numpy (Polygraphy's feeds) has no bfloat16; "
+        raise RuntimeError(f"{out} is a {info['build'].get('dtype')} build: numpy (Polygraphy's feeds) has no "
+                           "bfloat16; "
                            "compare bf16 builds with `python -m export.verify`")
     feeds, _ = make_feeds(info["config"], info["block_size"], cache_dtype=cache_dtype, decode=False)
     yield from feeds

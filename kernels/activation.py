@@ -87,7 +87,8 @@ def _gated(x: torch.Tensor, up: torch.Tensor | None, act: str, op: str, interlea
         gate2, up2, up_offset = x2, x2, inter
     else:
         if up.shape != x.shape or up.dtype != x.dtype:
-            raise ValueError(f"{op}: up must match gate ({tuple(x.shape)}, {x.dtype}), got {tuple(up.shape)}, {up.dtype}")
+            raise ValueError(f"{op}: up must match gate ({tuple(x.shape)}, {x.dtype}), got {tuple(up.shape)}, "
+                             f"{up.dtype}")
         inter = x.shape[-1]
         gate2, up2, up_offset = x2, as_rows(up, "up", op), 0
     y = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)

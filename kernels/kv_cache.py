@@ -43,7 +43,8 @@ def write_kv_cache_launch_config(num_tokens: int, num_kv_heads: int, head_dim: i
     block = triton.next_power_of_2(row)
     # 8 bf16 (16 bytes) per thread per access; 1-8 warps.
     warps = min(8, max(1, block // (8 * 32)))
-    return LaunchConfig(_write_kv_cache_kernel, (num_tokens,), dict(ROW=row, BLOCK=block), num_warps=warps, num_stages=1)
+    return LaunchConfig(_write_kv_cache_kernel, (num_tokens,), dict(ROW=row, BLOCK=block), num_warps=warps,
+                        num_stages=1)
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -73,7 +74,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     _check_rows("k", k, hk, d)
     _check_rows("v", v, hk, d)
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int32:
-        raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}]; got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
     check_device(k, v, k_cache, v_cache, slot_mapping)
     if k.shape[0] == 0:
         return

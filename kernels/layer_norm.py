@@ -29,7 +29,8 @@ def _layer_norm_fwd_kernel(
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
 
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=X_EVICT).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     # Centre before squaring (not E[x^2] - E[x]^2): no cancellation when |mean| >> std. Masked lanes must not count.
     xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -60,7 +61,8 @@ def layer_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: flo
     )
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
     """``y = (x - mean) / sqrt(var + eps) * weight (+ bias)`` over the last dim; x ``[..., H]`` fp16/bf16/fp32,
     weight and bias ``[H]``; y has x's shape and dtype."""
     _check_float(x, "layer_norm")
@@ -79,7 +81,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y
 
 
-def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   eps: float = 1e-5) -> torch.Tensor:
     """fp32-upcast reference, rounded once to x's dtype."""
     b = None if bias is None else bias.float()
     return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)

@@ -172,20 +172,23 @@ def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int, triton_path: 
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"num_q_heads {q.shape[1]} must be a multiple of num_kv_heads {num_kv_heads} (GQA/MQA)")
     if q.stride(2) != 1 or q.stride(1) != head_dim:
-        raise ValueError(f"q must have contiguous heads (strides (.., {head_dim}, 1)); got {q.stride()}: call .contiguous()")
+        raise ValueError(f"q must have contiguous heads (strides (.., {head_dim}, 1)); got {q.stride()}: call "
+                         ".contiguous()")
     if triton_path and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} not supported: use float16 or bfloat16")
 
 
 def _check_cu(name: str, cu: torch.Tensor) -> None:
     if cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32 [num_seqs + 1] (offsets of each sequence); got {cu.dtype} {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be int32 [num_seqs + 1] (offsets of each sequence); got {cu.dtype} "
+                         f"{tuple(cu.shape)}")
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool, out=None):
     """Flash attention within each packed sequence: q ``[T, Hq, D]``, k/v ``[T, Hk, D]``, cu_seqlens int32 ``[S+1]``."""
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must be [num_tokens={q.shape[0]}, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"k and v must be [num_tokens={q.shape[0]}, num_kv_heads, head_dim]; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     check_heads(q, k.shape[1], k.shape[2])
     _check_cu("cu_seqlens", cu_seqlens)
     for name, x in (("k", k), ("v", v)):

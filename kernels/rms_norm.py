@@ -77,7 +77,8 @@ def _blocks(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
-def rms_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float, has_residual: bool = False) -> LaunchConfig:
+def rms_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float,
+                           has_residual: bool = False) -> LaunchConfig:
     """The launch of ``_rms_norm_fwd_kernel`` as data (pure function of ints/attrs; used by JIT, AOT and plugins).
 
     Runtime args, in order: ``x, residual, weight, y, residual_out, n_rows, stride_xm, stride_rm, stride_ym,
@@ -97,16 +98,19 @@ def rms_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float
 
 
 def as_rows(t: torch.Tensor, name: str, op: str) -> torch.Tensor:
-    """``t[..., H]`` as a ``[rows, H]`` view (row stride free, last dim contiguous) without copying, or a clear error."""
+    """``t[..., H]`` as a ``[rows, H]`` view (row stride free, last dim contiguous) without copying, or a clear
+    error."""
     if t.dim() == 0:
         raise ValueError(f"{op}: {name} must have at least one dimension, got a scalar")
     if t.dim() > 1 and t.stride(-1) != 1 or t.dim() == 1 and t.stride(0) != 1 and t.numel() > 1:
-        raise ValueError(f"{op}: {name}'s last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}; "
+        raise ValueError(f"{op}: {name}'s last dimension must be contiguous (stride 1), got strides "
+                         f"{tuple(t.stride())}; "
                          f"pass {name}.contiguous()")
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
-        raise ValueError(f"{op}: {name} with shape {tuple(t.shape)} and strides {tuple(t.stride())} cannot be viewed as "
+        raise ValueError(f"{op}: {name} with shape {tuple(t.shape)} and strides {tuple(t.stride())} cannot be viewed "
+                         "as "
                          f"rows without a copy; pass {name}.contiguous()") from None
 
 

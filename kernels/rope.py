@@ -1,4 +1,5 @@
-"""Rotary position embedding for q and k: the cos/sin cache helper (with HF ``rope_scaling``), kernel, launcher, reference.
+"""Rotary position embedding for q and k: the cos/sin cache helper (with HF ``rope_scaling``), kernel, launcher,
+reference.
 
 ``cos_sin_cache[p] = [cos(p * f_0 .. f_{R/2-1}) | sin(...)]`` (fp32, built once on the host). The kernel rotates the
 first ``R <= D`` dims of every head of q and k for each token at ``positions[t]``, either as neighbouring pairs
@@ -37,7 +38,8 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         try:
-            factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+            factor = float(scaling["factor"])
+            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
             old_ctx = float(scaling["original_max_position_embeddings"])
         except KeyError as e:
             raise ValueError(f"llama3 rope_scaling needs factor, low_freq_factor, high_freq_factor and "
@@ -148,7 +150,8 @@ def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: 
     return LaunchConfig(
         kernel=_rope_kernel,
         grid=grid,
-        constexprs=dict(HALF=half, D=head_dim, INTERLEAVED=bool(interleaved), COPY_PASS=bool(copy_pass and rotary_dim < head_dim),
+        constexprs=dict(HALF=half, D=head_dim, INTERLEAVED=bool(interleaved),
+                        COPY_PASS=bool(copy_pass and rotary_dim < head_dim),
                         BLOCK_H=block_h, BLOCK_HALF=block_half,
                         BLOCK_PASS=triton.next_power_of_2(max(1, head_dim - rotary_dim))),
         num_warps=1 << (warps.bit_length() - 1),
@@ -189,7 +192,8 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     k_out = k if k_out is None else k_out
     for o, t, n in ((q_out, q, "q_out"), (k_out, k, "k_out")):
         if o.shape != t.shape or o.dtype != t.dtype or o.stride(-1) != 1:
-            raise ValueError(f"rotary_embedding: {n} must match shape {tuple(t.shape)} and dtype {t.dtype} with a contiguous last dim")
+            raise ValueError(f"rotary_embedding: {n} must match shape {tuple(t.shape)} and dtype {t.dtype} with a "
+                             "contiguous last dim")
     if T == 0:
         return
     copy_pass = q_out.data_ptr() != q.data_ptr() or k_out.data_ptr() != k.data_ptr()
@@ -201,7 +205,8 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def rotary_embedding(q, k, positions, cos_sin_cache, interleaved: bool = False):
     """Functional form: returns new ``(q_out, k_out)``, inputs untouched."""
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     rotary_embedding_(q, k, positions, cos_sin_cache, interleaved, q_out, k_out)
     return q_out, k_out
 
@@ -238,7 +243,8 @@ def rotary_embedding_eager(q, k, positions, cos_sin_cache, interleaved: bool = F
         xr = x[..., :R]
         if interleaved:
             x1, x2 = xr[..., 0::2], xr[..., 1::2]
-            out = torch.stack([x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]], -1).flatten(-2)
+            out = torch.stack([x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]],
+                              -1).flatten(-2)
         else:
             c, s = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
             x1, x2 = xr.chunk(2, dim=-1)

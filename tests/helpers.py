@@ -1,7 +1,7 @@
 """Helpers shared by the tests: comparisons (errors are judged against PyTorch's own error, and a failure says
 where), the device/dtype parameters and output-rounding tolerance of the elementwise kernel tests (norms, activations,
-RoPE), the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``, and the inputs and tools of
-the CUDA weight-only kernel tests (``w4_gpu_case``, ``cuobjdump``)."""
+RoPE), the tiny-checkpoint variants behind the ``tiny_dirs`` fixture of ``tests/conftest.py``, and the inputs and tools
+of the CUDA weight-only kernel tests (``w4_gpu_case``, ``cuobjdump``)."""
 
 import pytest
 import torch
@@ -36,7 +36,8 @@ def describe_error(actual: torch.Tensor, expected: torch.Tensor) -> str:
         d = torch.where(finite, diff, torch.zeros_like(diff))
         idx = int(d.argmax())
         where = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), d.shape))
-        msg += f" max_abs_err={float(d.flatten()[idx]):.3e} at {where} (got {float(a.flatten()[idx]):.6g}, want {float(e.flatten()[idx]):.6g})"
+        msg += (f" max_abs_err={float(d.flatten()[idx]):.3e} at {where} (got {float(a.flatten()[idx]):.6g}, "
+                f"want {float(e.flatten()[idx]):.6g})")
     return msg
 
 
@@ -54,7 +55,8 @@ def assert_close_to_ref(actual, reference, *, baseline=None, factor=2.0, atol=0.
     if baseline is not None:
         base_err = float((baseline.detach().float().cpu() - r).abs().max())
         bound = factor * base_err + atol
-        assert float(err.max()) <= bound, f"error above {factor}x PyTorch's ({base_err:.3e}) + {atol:g}: " + describe_error(a, r)
+        assert float(err.max()) <= bound, (f"error above {factor}x PyTorch's ({base_err:.3e}) + {atol:g}: "
+                                           + describe_error(a, r))
     else:
         bad = err > atol + rtol * r.abs()
         assert not bad.any(), f"{int(bad.sum())} elements beyond atol={atol:g} rtol={rtol:g}: " + describe_error(a, r)

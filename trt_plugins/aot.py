@@ -2,9 +2,10 @@
 
 ``compile_plugin(spec, shapes, dtypes, attrs, sm)`` -> (Artifact, Specialisation): what the TensorRT glue embeds.
 ``compile_all(sm, out)``: every spec's documented samples to ``out`` (PTX, TensorRT's PTX, cubin, ``manifest.json``),
-what ``export.build`` writes to ``OUT/kernels``; also ``python -m trt_plugins.aot --sm 90 --out DIR [--ops ...]``. ``run_aot(op_type, inputs, attrs)`` compiles for the current GPU (once; the
-artifact cache makes later processes free) and launches through ``kernels.aot.launcher.AotKernel`` with exactly
-the plugin's argument list (inputs, int32 scalars, outputs) and grid, without the Triton JIT.
+what ``export.build`` writes to ``OUT/kernels``; also ``python -m trt_plugins.aot --sm 90 --out DIR [--ops ...]``.
+``run_aot(op_type, inputs, attrs)`` compiles for the current GPU (once; the artifact cache makes later processes free)
+and launches through ``kernels.aot.launcher.AotKernel`` with exactly the plugin's argument list (inputs, int32 scalars,
+outputs) and grid, without the Triton JIT.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: l
         outs.append(buf)
     for n, t in by_name.items():
         if not t.is_contiguous():
-            raise ValueError(f"{op_type}: input {n} must be contiguous (a plugin sees dense tensors); pass .contiguous()")
+            raise ValueError(f"{op_type}: input {n} must be contiguous (a plugin sees dense tensors); pass "
+                             ".contiguous()")
     k.launch(sp.grid, *inputs, *sp.scalars.values(), *outs)
     return outs
 

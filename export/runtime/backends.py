@@ -131,7 +131,8 @@ def pad_decode_batch(batch: Batch, num_seqs: int, max_blocks: int) -> Batch:
     if batch.max_seqlen_q != 1 or batch.input_ids.shape[0] != S:
         raise ValueError("pad_decode_batch takes a pure decode batch (one new token per sequence)")
     if S > num_seqs or w > max_blocks:
-        raise ValueError(f"decode batch of {S} sequences x {w} blocks exceeds the padded shape {num_seqs} x {max_blocks}"
+        raise ValueError(f"decode batch of {S} sequences x {w} blocks exceeds the padded shape {num_seqs} x "
+                         f"{max_blocks}"
                          "; raise max_model_len or the largest graph batch size")
     pad = num_seqs - S
     table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)

@@ -91,7 +91,8 @@ class TrtBackend:
         self._runtime = trt.Runtime(self._logger)
         self.engine = self._runtime.deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
-            raise RuntimeError(f"TensorRT could not load {engine_path} (built for another TensorRT or GPU?); rebuild it")
+            raise RuntimeError(f"TensorRT could not load {engine_path} (built for another TensorRT or GPU?); rebuild "
+                               "it")
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.profile = {n: tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(n, 0)) for n in self._inputs}
@@ -105,7 +106,8 @@ class TrtBackend:
         kv_dtype = _torch_dtype(trt, self.engine.get_tensor_dtype("k_cache_0"))
         shape = (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_cache = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                          torch.zeros(shape, dtype=kv_dtype, device=self.device)) for _ in range(self.config.num_layers)]
+                          torch.zeros(shape, dtype=kv_dtype, device=self.device))
+                         for _ in range(self.config.num_layers)]
         self._eager = self.engine.create_execution_context()
         self.cuda_graphs = cuda_graphs
         self.graph_batch_sizes = tuple(b for b in sorted(graph_batch_sizes) if b <= self.max_num_seqs)
@@ -163,7 +165,8 @@ def _register_plugins() -> None:
     try:
         from trt_plugins import trt_glue
     except ImportError as e:
-        raise ImportError(f"trt_plugins.trt_glue could not be imported ({e}); the engine's plugin nodes cannot run") from e
+        raise ImportError(f"trt_plugins.trt_glue could not be imported ({e}); "
+                          "the engine's plugin nodes cannot run") from e
     for name in ("register_all", "register_plugins", "register"):
         fn = getattr(trt_glue, name, None)
         if callable(fn):

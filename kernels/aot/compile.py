@@ -178,7 +178,8 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps:
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise AotError(f"{fn.__name__} needs Triton global/profile scratch memory, which an AOT plugin cannot "
                        "allocate; pass scratch as an explicit tensor argument instead")
-    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False)):
         raise AotError(f"{fn.__name__}: clusters, cooperative or PDL launches are not supported by the AOT launcher")
     if getattr(md, "tensordesc_meta", None):
         raise AotError(f"{fn.__name__}: TMA tensor descriptors are not supported by the AOT launcher")

@@ -55,7 +55,8 @@ def _(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @torch.library.custom_op("tritrt::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                    scale: float) -> torch.Tensor:
     check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
     if not q.is_cuda:
         return ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
@@ -76,7 +77,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if q.is_cuda:
         return _varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must be [num_tokens={q.shape[0]}, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"k and v must be [num_tokens={q.shape[0]}, num_kv_heads, head_dim]; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     check_heads(q, k.shape[1], k.shape[2], triton_path=False)
     _check_cu("cu_seqlens", cu_seqlens)
     return ref.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, causal).to(q.dtype)

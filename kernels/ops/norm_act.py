@@ -1,4 +1,5 @@
-"""Norm / activation / RoPE as torch custom ops (``torch.ops.tritrt.*``), per the contract in ``kernels/ops/__init__.py``.
+"""Norm / activation / RoPE as torch custom ops (``torch.ops.tritrt.*``), per the contract in
+``kernels/ops/__init__.py``.
 
 CUDA tensors run the Triton launchers; any other device runs the fp32-upcast torch reference (the CPU fallback).
 Each op has a fake impl so that it traces (``torch.compile``, ``torch.export``) without running a kernel. Kernel
@@ -56,7 +57,8 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
 @fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps):
     _fused_add_check(x, residual, weight)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 # ---------------------------------------------------------------------------------------------------- layer_norm

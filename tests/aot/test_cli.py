@@ -1,5 +1,5 @@
-"""``python -m trt_plugins.aot``: every plugin kernel compiles to PTX and cubin for sm_80 and sm_90 without a GPU, and the
-manifest describes what the TensorRT glue and the launcher need. One compile per op per SM (``--first``), in a
+"""``python -m trt_plugins.aot``: every plugin kernel compiles to PTX and cubin for sm_80 and sm_90 without a GPU, and
+the manifest describes what the TensorRT glue and the launcher need. One compile per op per SM (``--first``), in a
 subprocess: compiling real kernels needs a process without TRITON_INTERPRET."""
 
 import json
@@ -54,8 +54,8 @@ def test_every_plugin_kernel_compiles(built, sm, op):
 
 def test_cli_refuses_bad_arguments(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "75", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "75", "--out", str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "not supported" in r.stderr
     r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(tmp_path), "--ops", "Nope"],
                        cwd=ROOT, env=env, capture_output=True, text=True)

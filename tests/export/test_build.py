@@ -216,7 +216,8 @@ def test_engine_build_with_tensorrt(tmp_path, capsys):
     import tensorrt as trt
 
     out = tmp_path / "out"
-    rc, _, err = _build(capsys, "--tiny", "--quant", "int8", "--dtype", "float16", "--out", str(out), "--max-num-seqs", "4",
+    rc, _, err = _build(capsys, "--tiny", "--quant", "int8", "--dtype", "float16", "--out", str(out), "--max-num-seqs",
+                        "4",
                         "--max-num-tokens", "64", "--timing-cache", str(tmp_path / "timing.cache"))
     assert rc == 0, err
     assert (tmp_path / "timing.cache").stat().st_size > 0

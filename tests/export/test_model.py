@@ -161,7 +161,8 @@ def test_gpu_half_model_vs_hf(tiny_dirs, variant, quant, group_size, dtype):
     if quant != "none":  # HF runs the weights our model runs: quantization error is not counted
         with torch.no_grad():
             for i, layer in enumerate(hf32.model.layers):
-                q, k, v = kq.dequantize(model.weights[f"layers.{i}.wqkv"]).float().split([c.q_size, c.kv_size, c.kv_size])
+                q, k, v = kq.dequantize(model.weights[f"layers.{i}.wqkv"]).float().split(
+                    [c.q_size, c.kv_size, c.kv_size])
                 gate, up = kq.dequantize(model.weights[f"layers.{i}.w13"]).float().split([c.intermediate_size] * 2)
                 layer.self_attn.q_proj.weight.copy_(q), layer.self_attn.k_proj.weight.copy_(k)
                 layer.self_attn.v_proj.weight.copy_(v), layer.mlp.gate_proj.weight.copy_(gate)

@@ -137,7 +137,8 @@ def test_graph_contract(exported):
             assert set(attrs) == set(attr_names), (n.op_type, sorted(attrs), attr_names)
         # the cache write's outputs are the graph's cache outputs (aliased in place by the engine)
         writes = [n for n in plugin_nodes if n.op_type == "WriteKvCache"]
-        assert [list(n.output) for n in writes] == [[f"k_cache_out_{i}", f"v_cache_out_{i}"] for i in range(c.num_layers)]
+        assert [list(n.output) for n in writes] == [[f"k_cache_out_{i}", f"v_cache_out_{i}"]
+                                                    for i in range(c.num_layers)]
 
 
 def test_int4_group_size_per_weight_on_every_node(exported):

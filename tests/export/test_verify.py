@@ -192,7 +192,8 @@ def test_matmul_through_torch_is_numpys_matmul(dtype, shapes):
     # * the products' size ~ 1e-5 here).
     tol = dict(rtol=float(np.finfo(dtype).eps), atol=1e-5 * shapes[0][-1] ** 0.5)
     torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), **tol)
-    np.testing.assert_array_equal(matmul(a.astype(np.int64), b.astype(np.int64)), a.astype(np.int64) @ b.astype(np.int64))
+    np.testing.assert_array_equal(matmul(a.astype(np.int64), b.astype(np.int64)),
+                                  a.astype(np.int64) @ b.astype(np.int64))
 
     elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     graph = oh.make_graph([oh.make_node("MatMul", ["a", "b"], ["y"])], "mm",

@@ -16,13 +16,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 # (rows, I): odd widths below and above one column block (2048), so masks and the column grid both get exercised.
 SMALL = [(1, 123), (7, 1000), (33, 2500)]
 LARGE = [(1031, 14336), (32768, 512), (3, 28672)]
-CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
+CASES = [pytest.param(d, s, marks=m) for s in SMALL
+         for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
 CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
 
 KINDS = {
     "swiglu": (lambda x, u: swiglu(x, u), lambda x, u: swiglu_ref(x, u), lambda x, u: swiglu_eager(x, u)),
-    "geglu_tanh": (lambda x, u: geglu(x, u, "tanh"), lambda x, u: geglu_ref(x, u, "tanh"), lambda x, u: geglu_eager(x, u, "tanh")),
-    "geglu_erf": (lambda x, u: geglu(x, u, "none"), lambda x, u: geglu_ref(x, u, "none"), lambda x, u: geglu_eager(x, u, "none")),
+    "geglu_tanh": (lambda x, u: geglu(x, u, "tanh"), lambda x, u: geglu_ref(x, u, "tanh"),
+                   lambda x, u: geglu_eager(x, u, "tanh")),
+    "geglu_erf": (lambda x, u: geglu(x, u, "none"), lambda x, u: geglu_ref(x, u, "none"),
+                  lambda x, u: geglu_eager(x, u, "none")),
 }
 
 
@@ -70,7 +73,8 @@ def test_leading_dims_and_strided_views(device):
     assert_close_to_ref(y, ref, baseline=swiglu_eager(gate, up), atol=rounding_atol(ref, dtype))
     yf = geglu(buf[..., :246], approximate="none")  # fused input that is itself a strided view
     reff = geglu_ref(buf[..., :246].float(), approximate="none")
-    assert_close_to_ref(yf, reff, baseline=geglu_eager(buf[..., :246], approximate="none"), atol=rounding_atol(reff, dtype))
+    assert_close_to_ref(yf, reff, baseline=geglu_eager(buf[..., :246], approximate="none"),
+                        atol=rounding_atol(reff, dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,7 +82,8 @@ def test_extreme_gates_stay_finite(device):
     # exp(-g) overflows to inf for g < -88 in fp32: silu/gelu must give 0 there, never NaN.
     g = torch.tensor([[-1e4, -100.0, -20.0, 0.0, 20.0, 100.0, 1e4]], device=device)
     u = torch.ones_like(g)
-    for y, ref in ((swiglu(g, u), swiglu_ref(g, u)), (geglu(g, u), geglu_ref(g, u)), (geglu(g, u, "none"), geglu_ref(g, u, "none"))):
+    for y, ref in ((swiglu(g, u), swiglu_ref(g, u)), (geglu(g, u), geglu_ref(g, u)),
+                   (geglu(g, u, "none"), geglu_ref(g, u, "none"))):
         assert_close_to_ref(y, ref, atol=1e-6, rtol=1e-6)
 
 
@@ -114,7 +119,8 @@ def test_ops(device):
     assert torch.equal(torch.ops.tritrt.swiglu(x, None), swiglu_ref(x) if cpu else swiglu(x))
     assert torch.equal(torch.ops.tritrt.swiglu(gate, up), swiglu_ref(gate, up) if cpu else swiglu(gate, up))
     for approx in ("tanh", "none"):
-        assert torch.equal(torch.ops.tritrt.geglu(x, None, approx), geglu_ref(x, None, approx) if cpu else geglu(x, None, approx))
+        assert torch.equal(torch.ops.tritrt.geglu(x, None, approx),
+                           geglu_ref(x, None, approx) if cpu else geglu(x, None, approx))
     assert torch.equal(torch.ops.tritrt.geglu(x, None), torch.ops.tritrt.geglu(x, None, "tanh"))  # the default
     torch.library.opcheck(torch.ops.tritrt.swiglu, (x, None))
     torch.library.opcheck(torch.ops.tritrt.swiglu, (gate, up))

@@ -35,8 +35,10 @@ def make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device
         used += blocks_per_seq[i]
         slots = (block_table[i, torch.arange(n, device=device) // block_size].long() * block_size
                  + torch.arange(n, device=device) % block_size)
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim,
+                                                                      device=device).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim,
+                                                                      device=device).to(dtype)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return k_cache, v_cache, block_table, seq_lens_t
 

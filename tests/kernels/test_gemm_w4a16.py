@@ -109,7 +109,8 @@ def test_w4a16_op_opcheck():
 
     x, qw = make(3, 24, 128, torch.float16, 64, False, device="cpu")
     r = torch.randn(3, 24, dtype=torch.float16)
-    res = torch.library.opcheck(torch.ops.tritrt.w4a16_linear.default, (x, qw.qweight, qw.scales, qw.zeros, 64, None, r))
+    res = torch.library.opcheck(torch.ops.tritrt.w4a16_linear.default,
+                                (x, qw.qweight, qw.scales, qw.zeros, 64, None, r))
     assert all(v == "SUCCESS" for v in res.values()), res
 
 

@@ -9,7 +9,8 @@ from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, rounding_atol
 
 SMALL = [(1, 123), (7, 1000), (33, 4096)]
 LARGE = [(4099, 5120), (32768, 1024), (5, 16384)]
-CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
+CASES = [pytest.param(d, s, marks=m) for s in SMALL
+         for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
 CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
 
 

@@ -61,7 +61,8 @@ def test_varlen_head_dim_64_interpreter():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("seq_lens,q_lens", [([17], [17]), ([97], [30]), ([1, 17, 97], [1, 5, 97]), ([40, 97, 3], [40, 1, 2])])
+@pytest.mark.parametrize("seq_lens,q_lens", [([17], [17]), ([97], [30]), ([1, 17, 97], [1, 5, 97]),
+                                             ([40, 97, 3], [40, 1, 2])])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_paged_prefill_interpreter(seq_lens, q_lens, block_size):
     # q_len < seq_len is chunked prefill: the queries are the sequence's last q_len tokens.
@@ -81,7 +82,8 @@ def test_varlen_errors():
     k = torch.randn(5, 2, 64).half()
     cu = torch.tensor([0, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="head_dim 80"):
-        torch.ops.tritrt.varlen_attention(torch.randn(5, 4, 80), torch.randn(5, 2, 80), torch.randn(5, 2, 80), cu, 5, 0.1, True)
+        torch.ops.tritrt.varlen_attention(torch.randn(5, 4, 80), torch.randn(5, 2, 80), torch.randn(5, 2, 80),
+                                          cu, 5, 0.1, True)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         torch.ops.tritrt.varlen_attention(torch.randn(5, 3, 64).half(), k, k, cu, 5, 0.1, True)
     with pytest.raises(ValueError, match="int32"):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels.rms_norm import (
-    MAX_HIDDEN, fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_eager, rms_norm_launch_config, rms_norm_ref,
+    MAX_HIDDEN, fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_eager, rms_norm_launch_config,
+    rms_norm_ref,
 )
 from kernels._utils import interpreting
 from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, poisoned, rounding_atol
@@ -19,7 +20,8 @@ from tests.helpers import DEVICES, DTYPES, assert_close_to_ref, poisoned, roundi
 # (rows, hidden): 1 row; odd rows with a non-power-of-two hidden (several rows per program); a full LLaMA-7B row.
 SMALL = [(1, 123), (7, 1000), (33, 4096)]
 LARGE = [(4099, 5120), (32768, 1024), (257, 8192), (3, 16384)]  # 32k tokens at a narrow row keeps the check quick
-CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
+CASES = [pytest.param(d, s, marks=m) for s in SMALL
+         for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
 CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
 
 

@@ -22,7 +22,8 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 # (tokens, q heads, kv heads, head_dim, rotary_dim)
 SMALL = [(1, 4, 1, 64, 64), (7, 3, 1, 40, 32), (17, 8, 2, 128, 128)]
 LARGE = [(1031, 32, 8, 128, 128), (32768, 4, 1, 128, 128), (5, 40, 40, 80, 64)]
-CASES = [pytest.param(d, s, marks=m) for s in SMALL for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
+CASES = [pytest.param(d, s, marks=m) for s in SMALL
+         for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
 CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in LARGE]
 
 

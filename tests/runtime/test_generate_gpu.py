@@ -47,7 +47,8 @@ def check_tokens(ours, want, want_logits, tol, what):
     for j, (a, b) in enumerate(zip(ours, want)):
         if a != b:
             margin = float(want_logits[j][b] - want_logits[j][a])
-            assert margin <= tol, f"{what}: token {j} ours {a} ref {b}, ref margin {margin:.3e} > tie tolerance {tol:.3e}"
+            assert margin <= tol, (f"{what}: token {j} ours {a} ref {b}, ref margin {margin:.3e} > tie tolerance "
+                                   f"{tol:.3e}")
             return j
     assert len(ours) == len(want), f"{what}: {len(ours)} tokens vs {len(want)}"
     return len(ours)

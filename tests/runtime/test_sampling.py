@@ -92,7 +92,8 @@ def test_temperature_to_zero_equals_greedy():
 
 
 @pytest.mark.parametrize("kw,match", [(dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1), "temperature"),
-                                      (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")])
+                                      (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"),
+                                      (dict(top_p=1.5), "top_p")])
 def test_bad_params_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)

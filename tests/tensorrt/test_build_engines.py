@@ -131,7 +131,7 @@ def test_polygraphy_builds_the_model(trt_builder, tmp_path, record_engines):
     from export.trt_network import polygraphy_convert_command
 
     builder, cc = trt_builder
-    onnx_path = _export(tmp_path, "int4", "float16")
+    _export(tmp_path, "int4", "float16")  # writes the ONNX the command converts
     (tmp_path / "build.json").write_text(json.dumps(LIMITS))
     rtx = None if builder == "tensorrt" else f"{cc[2]}.{cc[3:]}"  # "SM89" -> "8.9", Polygraphy's spelling
     env, argv = polygraphy_convert_command(tmp_path, tmp_path / "pg.engine", rtx_compute_capability=rtx)

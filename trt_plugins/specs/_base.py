@@ -5,8 +5,9 @@ dynamic dims are ints when the model runs and TensorRT shape expressions when an
 may only use ``+``, ``-``, ``*`` and ``cdiv``, with the dim expression as the left operand (TensorRT's ``ShapeExpr``
 has no reflected operators; no ``max``, no ``if`` on a dim). Dims listed in ``static_dims`` are build-time constants
 (hidden size, head_dim...): they choose constexprs, so the TensorRT glue requires them constant and passes them as
-plain ints, on which any int arithmetic is fine. Launch choices (constexprs, warps, stages) come from the kernel's own ``*_launch_config`` via
-``spec.launch``, called with int shapes; they must not depend on dynamic dims (checked in the tests).
+plain ints, on which any int arithmetic is fine. Launch choices (constexprs, warps, stages) come from the kernel's own
+``*_launch_config`` via ``spec.launch``, called with int shapes; they must not depend on dynamic dims (checked in the
+tests).
 """
 
 from __future__ import annotations

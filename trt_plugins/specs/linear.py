@@ -7,7 +7,8 @@ fastest) and forces ``SPLIT_K = 1``, so the split-K partials / ticket workspace 
 fed a harmless valid tensor). Every such configuration is correct for any M; it is only tuned for M near m_hint.
 Layouts (``kernels.quant``): INT8 ``qweight [K, N]`` int8 + ``scales [N]``; INT4 ``qweight [K/8, N]`` int32 +
 ``scales [K/g, N]`` + ``zeros [K/g, N]`` int8 (0..16; symmetric checkpoints: zeros filled with
-8). Not uint8: TensorRT's ONNX parser converts UINT8 initializers to INT32 and its builder takes no UINT8 plugin formats.
+8). Not uint8: TensorRT's ONNX parser converts UINT8 initializers to INT32 and its builder takes no UINT8 plugin
+formats.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ PAGED_ATTENTION = PluginSpec(
     attrs={"scale": _SCALE},
     kernel=_prefill_kernel,
     launch=_prefill_launch,
-    kernel_args={"q_ptr": "q", "k_ptr": "k_cache", "v_ptr": "v_cache", "o_ptr": "out", "cu_seqlens_q_ptr": "cu_seqlens_q",
+    kernel_args={"q_ptr": "q", "k_ptr": "k_cache", "v_ptr": "v_cache", "o_ptr": "out",
+                 "cu_seqlens_q_ptr": "cu_seqlens_q",
                  "seq_lens_ptr": "seq_lens", "block_table_ptr": "block_table", "num_seqs": "num_seqs",
                  "stride_qt": "q_stride", "stride_kt": "zero", "stride_vt": "zero", "stride_ot": "q_stride",
                  "stride_bt": "bt_stride"},
@@ -127,7 +128,7 @@ def _decode_check(shapes, dtypes, attrs):
     _check(shapes, dtypes, attrs)
     from kernels.decode_attention import MAX_SPLITS
 
-    s, (t, hq, d), hk = shapes["seq_lens"][0], shapes["q"], shapes["k_cache"][2]
+    s, (_, hq, d), hk = shapes["seq_lens"][0], shapes["q"], shapes["k_cache"][2]
     want = {"part_o": (s, hq, MAX_SPLITS, d), "part_lse": (s, hq, MAX_SPLITS), "counter": (s, hk)}
     for n, shp in want.items():
         require(tuple(shapes[n]) == shp, "PagedDecodeAttention", f"{n} must be {shp} "

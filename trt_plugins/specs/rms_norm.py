@@ -35,7 +35,8 @@ def _div16(shapes, dtypes, attrs):
 def _check(shapes, dtypes, attrs):
     op = "FusedAddRmsNorm" if "residual" in shapes else "RmsNorm"
     h = shapes["x"][1]
-    require(tuple(shapes["weight"]) == (h,), op, f"weight must have shape [{h}] (x's last dim), got {tuple(shapes['weight'])}")
+    require(tuple(shapes["weight"]) == (h,), op,
+            f"weight must have shape [{h}] (x's last dim), got {tuple(shapes['weight'])}")
     if "residual" in shapes:
         require(tuple(shapes["residual"]) == tuple(shapes["x"]) and dtypes["residual"] == dtypes["x"], op,
                 f"residual must match x {tuple(shapes['x'])} {dtypes['x']}, got {tuple(shapes['residual'])} "
@@ -58,7 +59,12 @@ def _ref_fused(inputs, attrs):
 
 _EPS = Attr(float, 1e-6, "variance epsilon, baked into the kernel (LLaMA-2/3: 1e-5 / 1e-6 per config)")
 _ROWS = {"n_rows": lambda s, a: s["x"][0], "row_stride": lambda s, a: s["x"][1]}
-_like_x = (lambda s, a: (s["x"][0], s["x"][1]))
+
+
+def _like_x(s, a):
+    return (s["x"][0], s["x"][1])
+
+
 _SAMPLES = tuple(
     Sample({"x": (1, h), "weight": (h,), "residual": (1, h)}, {"x": dt, "weight": dt, "residual": dt}, {"eps": eps},
            note)
@@ -70,7 +76,8 @@ _SAMPLES = tuple(
 
 def _samples(with_residual):
     keep = ("x", "weight", "residual") if with_residual else ("x", "weight")
-    return tuple(Sample({k: v for k, v in s.shapes.items() if k in keep}, {k: v for k, v in s.dtypes.items() if k in keep},
+    return tuple(Sample({k: v for k, v in s.shapes.items() if k in keep},
+                        {k: v for k, v in s.dtypes.items() if k in keep},
                         s.attrs, s.note) for s in _SAMPLES)
 
 
@@ -99,7 +106,8 @@ FUSED_ADD_RMS_NORM = PluginSpec(
     op_type="FusedAddRmsNorm",
     doc="residual_out = x + residual (x's dtype); y = RmsNorm(residual_out). x, residual [T, H], weight [H].",
     input_specs=(TensorSpec("x", FLOATS, 2), TensorSpec("residual", FLOATS, 2), TensorSpec("weight", FLOATS, 1)),
-    output_specs=(OutputSpec("y", _like_x, lambda d, a: d["x"]), OutputSpec("residual_out", _like_x, lambda d, a: d["x"])),
+    output_specs=(OutputSpec("y", _like_x, lambda d, a: d["x"]),
+                  OutputSpec("residual_out", _like_x, lambda d, a: d["x"])),
     attrs={"eps": _EPS},
     kernel=_kernel,
     launch=_launch(True),

@@ -25,7 +25,7 @@ def _grid(s, a, c):
 
 
 def _check(shapes, dtypes, attrs):
-    (t, hq, d), (tk, hk, dk) = shapes["q"], shapes["k"]
+    (_, _, d), (_, _, dk) = shapes["q"], shapes["k"]
     require(dk == d and dtypes["k"] == dtypes["q"], "Rope", f"k must be [T, Hk, {d}] {dtypes['q']} like q, got "
             f"{tuple(shapes['k'])} {dtypes['k']}")
     r = shapes["cos_sin_cache"][1]
@@ -57,7 +57,8 @@ ROPE = PluginSpec(
     kernel_args={"q_ptr": "q", "k_ptr": "k", "q_out_ptr": "q_out", "k_out_ptr": "k_out", "pos_ptr": "positions",
                  "cache_ptr": "cos_sin_cache", "n_q_heads": "n_q_heads", "n_k_heads": "n_k_heads",
                  "stride_qt": "q_stride", "stride_qh": "head_dim", "stride_kt": "k_stride", "stride_kh": "head_dim",
-                 "stride_qot": "q_stride", "stride_qoh": "head_dim", "stride_kot": "k_stride", "stride_koh": "head_dim"},
+                 "stride_qot": "q_stride", "stride_qoh": "head_dim",
+                 "stride_kot": "k_stride", "stride_koh": "head_dim"},
     scalars={"n_q_heads": lambda s, a: s["q"][1], "n_k_heads": lambda s, a: s["k"][1],
              "q_stride": _heads("q"), "k_stride": _heads("k"), "head_dim": lambda s, a: s["q"][2]},
     grid=_grid,

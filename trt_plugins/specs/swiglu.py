@@ -43,7 +43,8 @@ SWIGLU = PluginSpec(
     static_dims=(("x", 1),),
     reference=_ref,
     samples=tuple(Sample({"x": (1, 2 * i)}, {"x": dt}, {}, note) for i, note in
-                  ((11008, "Llama-2-7B"), (14336, "Llama-3-8B"), (28672 // 4, "Llama-3-70B / TP4"), (88, "tiny test model"))
+                  ((11008, "Llama-2-7B"), (14336, "Llama-3-8B"), (28672 // 4, "Llama-3-70B / TP4"),
+                   (88, "tiny test model"))
                   for dt in ("bf16", "fp16")),
     div16=lambda s, d, a: ("x", "y", "inter", "x_stride") if s["x"][1] % 32 == 0 else ("x", "y"),
     check=_check,

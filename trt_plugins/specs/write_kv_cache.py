@@ -20,7 +20,8 @@ def _launch(shapes, dtypes, attrs):
 
 def _check(shapes, dtypes, attrs):
     t, hk, d = shapes["k"]
-    require(tuple(shapes["v"]) == (t, hk, d), "WriteKvCache", f"v must match k {tuple(shapes['k'])}, got {tuple(shapes['v'])}")
+    require(tuple(shapes["v"]) == (t, hk, d), "WriteKvCache",
+            f"v must match k {tuple(shapes['k'])}, got {tuple(shapes['v'])}")
     for c in ("k_cache", "v_cache"):
         require(tuple(shapes[c][2:]) == (hk, d) and tuple(shapes[c]) == tuple(shapes["k_cache"]), "WriteKvCache",
                 f"{c} must be [num_blocks, block_size, {hk}, {d}] like k_cache, got {tuple(shapes[c])}")

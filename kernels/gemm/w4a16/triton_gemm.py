@@ -154,7 +154,8 @@ def check_w4_weight(qweight, scales, zeros, group_size, K=None):
         raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}; quantize with a group size "
                          f"that divides in_features")
     if tuple(scales.shape) != (K // group_size, N):
-        raise ValueError(f"W4A16: scales must be [K // group_size, N] = {(K // group_size, N)}, got {tuple(scales.shape)}")
+        raise ValueError(f"W4A16: scales must be [K // group_size, N] = {(K // group_size, N)}, got "
+                         f"{tuple(scales.shape)}")
     if zeros is not None and (tuple(zeros.shape) != (K // group_size, N) or zeros.dtype != torch.int8):
         raise ValueError(f"W4A16: zeros must be int8 [K // group_size, N] = {(K // group_size, N)}, got "
                          f"{zeros.dtype} {tuple(zeros.shape)}")

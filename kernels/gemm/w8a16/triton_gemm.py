@@ -109,8 +109,8 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
         overrides = {"block_k": 64, **overrides}
     p = plan_tiles(M, N, K, _block_k_cap(K), **overrides)
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"],
-                      BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32,
-                      SWIGLU=swiglu)
+                      BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"],
+                      DOT_IN_FP32=dot_in_fp32, SWIGLU=swiglu)
     return LaunchConfig(_w8a16_gemm_kernel, p["grid"], constexprs, p["num_warps"], p["num_stages"])
 
 
