@@ -4,8 +4,9 @@
 (group-wise, asymmetric) to the linear weights of an internal-name state dict: ``wqkv``, ``wo``, ``w13``, ``w2`` of
 every layer. The int4 group size is chosen per weight (``choose_group_size``): the largest of 128, 64, 32 that is at
 most the requested one and divides the weight's in_features, so that models whose hidden or intermediate size is not
-a multiple of 128 (SmolLM2's 576, 1536) build with the defaults; ``group_size_map`` says what was chosen. Embeddings, ``lm_head`` and norms stay in floating point (the embedding is a gather, and
-``lm_head`` is often tied to it). GPTQ/AWQ checkpoints are not re-quantized: ``import_quantized`` repacks their tensors
+a multiple of 128 (SmolLM2's 576, 1536) build with the defaults; ``group_size_map`` says what was chosen.
+Embeddings, ``lm_head`` and norms stay in floating point (the embedding is a gather, and ``lm_head`` is often tied to
+it). GPTQ/AWQ checkpoints are not re-quantized: ``import_quantized`` repacks their tensors
 with ``kernels.quant``'s importers. ``save_weights`` / ``load_weights`` write the result as one safetensors file so the
 runtime can load a build output without the original checkpoint.
 """

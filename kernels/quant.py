@@ -55,12 +55,14 @@ class QuantizedWeight:
                                self.in_features, self.out_features, move(self.perm))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.perm) if t is not None)
+        tensors = (self.qweight, self.scales, self.zeros, self.perm)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _check_weight(w: torch.Tensor) -> None:
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
-        raise ValueError(f"expected a 2-D nn.Linear weight [out_features, in_features], got {getattr(w, 'shape', type(w))}")
+        raise ValueError(f"expected a 2-D nn.Linear weight [out_features, in_features], got "
+                         f"{getattr(w, 'shape', type(w))}")
     if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"weight dtype {w.dtype} not supported: pass a float16, bfloat16 or float32 weight")
 
@@ -92,8 +94,8 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
         raise ValueError(f"group_size={group_size} not supported: use one of {INT4_GROUP_SIZES}")
     n, k = w.shape
     if k % group_size:
-        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}: pick a group size that divides "
-                         f"it (32, 64 or 128) or keep this layer in fp16/bf16")
+        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}: pick a group size that "
+                         f"divides it (32, 64 or 128), or quantize it with --quant int8")
     sdt = scale_dtype or (torch.float16 if w.dtype == torch.float32 else w.dtype)
     wg = w.float().reshape(n, k // group_size, group_size)
     if symmetric:
@@ -131,7 +133,8 @@ def interleave_columns(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeigh
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack unsigned 4-bit values ``q[K, N]`` (0..15) into int32 ``[K // 8, N]``, element ``k`` at bits ``4 * (k % 8)``."""
+    """Pack unsigned 4-bit values ``q[K, N]`` (0..15) into int32 ``[K // 8, N]``, element ``k`` at bits
+    ``4 * (k % 8)``."""
     k, n = q.shape
     if k % 8:
         raise ValueError(f"K={k} must be a multiple of 8 to pack 4-bit values into int32")
