@@ -58,7 +58,8 @@ def byte_level_bpe(meta: dict):
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
         bos = tokens[bos_id]

@@ -119,8 +119,9 @@ def _add_tokenizer(w, hf_dir: Path) -> None:
 
 
 # SentencePiece pieces after the 3 specials, 256 byte tokens, "\u2581" and a-z: each splits into two earlier pieces.
-SPM_PIECES = ["\u2581t", "he", "\u2581the", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te", "of",
-              "ed", "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha", "as", "ou", "io", "le", "ve", "co", "me"]
+SPM_PIECES = ["\u2581t", "he", "\u2581the", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te",
+              "of", "ed", "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha", "as", "ou", "io", "le", "ve",
+              "co", "me"]
 
 
 def _add_spm_tokenizer(w, vocab_size: int) -> None:

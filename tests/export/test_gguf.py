@@ -11,10 +11,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from export import gguf as eg
-from export.checkpoint import LlamaConfig, load_checkpoint
-from tests.export.gguf_fixture import gguf_ready_tensor, write_gguf
-from tests.helpers import describe_error
+# after the skip: export.gguf and the fixture writer need the gguf package
+from export import gguf as eg  # noqa: E402
+from export.checkpoint import LlamaConfig, load_checkpoint  # noqa: E402
+from tests.export.gguf_fixture import gguf_ready_tensor, write_gguf  # noqa: E402
+from tests.helpers import describe_error  # noqa: E402
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, 12345 llamas!",
          "  two spaces\nand a newline\t", "Ünïcode ✓ déjà vu", "def f(x): return x</s>"]
