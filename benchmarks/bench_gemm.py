@@ -16,7 +16,9 @@ W8A16 GEMV (its plan's variant, then one change at a time).
 
 Run: ``python benchmarks/bench_gemm.py``. Writes ``benchmarks/results/<card>/<name>.{json,md}`` (``TRITRT_RESULTS_DIR``
 for another root), the name after the kernel set: ``bench_gemm``, ``bench_gemm_gemv``, ``bench_gemm_w8gemv``,
-``bench_gemm_routed``, with ``_sweep`` under BENCH_GEMM_SWEEP=1 (``result_name``). Runs restricted by
+``bench_gemm_routed``, with ``_sweep`` under BENCH_GEMM_SWEEP=1 and ``_general`` under BENCH_GEMM_SET=general
+(``result_name``). ``BENCH_GEMM_SET=general`` runs ``GENERAL_SHAPES`` (Llama-family projections the plans were not
+tuned on) at ``GENERAL_MS`` and marks each routed op row against the issue's ``TARGETS``. Runs restricted by
 BENCH_GEMM_SHAPES / BENCH_GEMM_MS write the same name; the result's command line records the restriction.
 """
 
@@ -35,6 +37,20 @@ from benchmarks.harness import bench, copy_bandwidth_gbs, rotating_inputs, write
 
 SHAPES = [(4096, 6144, "qkv"), (4096, 4096, "o"), (4096, 28672, "gate_up"), (14336, 4096, "down"), (8192, 8192, "8k")]
 MS = [1, 4, 16, 64, 128, 512]
+# The generalization set (BENCH_GEMM_SET=general): Llama-family projections the plans were never tuned on (none of
+# SHAPES), K and N from 2048 to 28672. Fused q|k|v and gate|up as the model runs them; 70B split over GPUs as tensor
+# parallelism shards it (column-parallel qkv / gate_up, row-parallel o / down).
+GENERAL_SHAPES = [
+    (2048, 3072, "1b_qkv"), (2048, 2048, "1b_o"), (2048, 16384, "1b_gate_up"), (8192, 2048, "1b_down"),  # Llama-3.2-1B
+    (3072, 5120, "3b_qkv"), (3072, 16384, "3b_gate_up"), (8192, 3072, "3b_down"),  # Llama-3.2-3B
+    (5120, 15360, "13b_qkv"), (5120, 5120, "13b_o"), (5120, 27648, "13b_gate_up"), (13824, 5120, "13b_down"),  # 2-13B
+    (27648, 5120, "32b_down"), (5120, 7168, "14b_qkv"),  # Qwen2.5-32B down, Qwen2.5-14B q|k|v (GQA 40/8)
+    (8192, 2560, "70b_tp4_qkv"), (8192, 14336, "70b_tp4_gate_up"), (7168, 8192, "70b_tp4_down"),  # Llama-3-70B / 4
+]
+GENERAL_MS = [1, 16, 128]
+# The issue's targets for the routed ops on every shape (speed-up over cuBLAS fp16, same run): {kernel: {M: min}}.
+TARGETS = {"w4a16_op": {1: 2.5, 16: 2.0, 128: 1.1},
+           "w8a16_op": {1: 1.6, 16: 1.0, 32: 1.0, 64: 1.0, 128: 1.0, 256: 1.0}}
 GROUP = 128
 
 # Alternative configurations compared under BENCH_GEMM_SWEEP=1: (label, M filter, overrides).
@@ -87,7 +103,11 @@ def result_name(environ=os.environ) -> str:
     suffix = {"": "", "gemv": "_gemv", "gemv8": "_w8gemv", "routed": "_routed"}.get(kernels)
     if suffix is None:
         raise ValueError(f"BENCH_GEMM_KERNELS={kernels!r}: expected gemv, gemv8 or routed (or unset for all kernels)")
-    return "bench_gemm" + suffix + ("_sweep" if environ.get("BENCH_GEMM_SWEEP") == "1" else "")
+    shape_set = environ.get("BENCH_GEMM_SET", "")
+    if shape_set not in ("", "general"):
+        raise ValueError(f"BENCH_GEMM_SET={shape_set!r}: expected general (or unset for the tuned Llama-3-8B shapes)")
+    return ("bench_gemm" + suffix + ("_sweep" if environ.get("BENCH_GEMM_SWEEP") == "1" else "")
+            + ("_general" if shape_set else ""))
 
 
 def rel_err(y, ref):
@@ -113,9 +133,12 @@ def main():
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
     from kernels.gemm.dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
     from kernels.gemm import routing as ops_gemm
-    ms_list = [int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS") else MS
-    shapes = SHAPES if not os.environ.get("BENCH_GEMM_SHAPES") else [
-        s for s in SHAPES if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
+    general = os.environ.get("BENCH_GEMM_SET") == "general"
+    all_shapes, default_ms = (GENERAL_SHAPES, GENERAL_MS) if general else (SHAPES, MS)
+    ms_list = ([int(m) for m in os.environ["BENCH_GEMM_MS"].split(",")] if os.environ.get("BENCH_GEMM_MS")
+               else default_ms)
+    shapes = all_shapes if not os.environ.get("BENCH_GEMM_SHAPES") else [
+        s for s in all_shapes if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
     torch.manual_seed(0)
     rows = []
     for K, N, name in shapes:
@@ -138,6 +161,9 @@ def main():
                 ms = bench(fn, sets, cuda_graph=True)
                 r = dict(shape=name, K=K, N=N, M=M, kernel=kernel, config=config, ms=ms, tflops=flops / ms * 1e-9,
                          weight_gbs=nbytes / ms * 1e-6, speedup=t16 / ms, rel_err=err)
+                target = TARGETS.get(kernel, {}).get(M)
+                if target is not None:
+                    r["target"] = f">= {target} {'met' if t16 / ms >= target else 'MISSED'}"
                 if config.startswith("default"):  # eager (host launch included): defaults only
                     r["ms_eager"] = bench(fn, sets)
                     r["speedup_eager"] = t16_eager / r["ms_eager"]
@@ -148,12 +174,15 @@ def main():
             ref8, ref4 = x.float() @ w8_ref.t(), x.float() @ w4_ref.t()
             if routed:
                 err = rel_err(torch.ops.tritrt.w8a16_linear(x, q8.qweight, q8.scales, None, None), ref8)
+                card = ops_gemm.card_of(x.device)
+                r8 = ops_gemm.route_w8a16(M, N, K, x.dtype, card).backend
+                r4 = ops_gemm.route_w4a16(M, N, K, x.dtype, card, group_size=GROUP).backend
                 row("w8a16_op", lambda qw, s: torch.ops.tritrt.w8a16_linear(x, qw, s, None, None), sets8, b8, err,
-                    "default (routed)")
+                    f"default (routed: {r8})")
                 y4 = torch.ops.tritrt.w4a16_linear(x, q4.qweight, q4.scales, q4.zeros, GROUP, None, None)
                 err = rel_err(y4, ref4)
                 row("w4a16_op", lambda qw, s, z: torch.ops.tritrt.w4a16_linear(x, qw, s, z, GROUP, None, None), sets4,
-                    b4, err, "default (routed)")
+                    b4, err, f"default (routed: {r4})")
                 if M >= 64:
                     err = rel_err(dequant_matmul(x, dequantize_w8_kn(q8.qweight, q8.scales)), ref8)
                     row("w8a16_dequant_cublas", lambda qw, s: dequant_matmul(x, dequantize_w8_kn(qw, s)), sets8, b8,
@@ -247,8 +276,12 @@ def main():
             "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M",
                                                          "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
                                                          "WGMMA_W4")}}
-    cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "rel_err", "ms_eager",
-            "speedup_eager"]
+    cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "target", "rel_err",
+            "ms_eager", "speedup_eager"]
+    met = [r for r in rows if "target" in r]
+    if met:
+        meta["targets_met"] = f"{sum(r['target'].endswith(' met') for r in met)} of {len(met)}"
+        print("targets met:", meta["targets_met"], flush=True)
     write_results(out_name, rows, cols, meta,
                   notes="ms/speedup: CUDA-graph replay of back-to-back calls over rotating weights (no host launch "
                         "overhead), speedup = cuBLAS fp16 time / kernel time, same run, same M. "

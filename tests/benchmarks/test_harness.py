@@ -128,5 +128,20 @@ def test_bench_gemm_result_names():
     assert result_name({"BENCH_GEMM_KERNELS": "routed"}) == "bench_gemm_routed"
     assert result_name({"BENCH_GEMM_KERNELS": "gemv8"}) == "bench_gemm_w8gemv"
     assert result_name({"BENCH_GEMM_KERNELS": "gemv", "BENCH_GEMM_SWEEP": "1"}) == "bench_gemm_gemv_sweep"
+    assert result_name({"BENCH_GEMM_KERNELS": "routed", "BENCH_GEMM_SET": "general"}) == "bench_gemm_routed_general"
     with pytest.raises(ValueError, match="BENCH_GEMM_KERNELS"):
         result_name({"BENCH_GEMM_KERNELS": "gemm"})
+    with pytest.raises(ValueError, match="BENCH_GEMM_SET"):
+        result_name({"BENCH_GEMM_SET": "llama"})
+
+
+def test_bench_gemm_general_shapes_are_new():
+    """The generalization sweep judges plans on shapes they were not tuned on: none of the tuned set, K and N in the
+    issue's range, every K a multiple of the group size."""
+    from benchmarks.bench_gemm import GENERAL_SHAPES, GROUP, SHAPES
+
+    tuned = {(k, n) for k, n, _ in SHAPES}
+    assert len(GENERAL_SHAPES) >= 12
+    for k, n, name in GENERAL_SHAPES:
+        assert (k, n) not in tuned, name
+        assert 2048 <= k <= 28672 and 2048 <= n <= 28672 and k % GROUP == 0, name
