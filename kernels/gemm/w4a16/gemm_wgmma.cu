@@ -32,6 +32,7 @@
 // Launcher checks: N % BN == 0, K % 64 == 0, group_size % 64 == 0, x rows and all operands 16-byte aligned.
 #include <cooperative_groups.h>
 
+#include "../plugin_entry.cuh"
 #include "w4_dequant.cuh"
 
 #ifndef WG_BM
@@ -140,7 +141,7 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t word, uint32_t sel, ui
 }
 }  // namespace
 
-extern "C" __global__ void WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1)
+TRITRT_ENTRY(WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1))
 w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                  const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                  float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K, int group_size,
@@ -435,3 +436,23 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 #endif
 #endif
 }
+
+#ifdef TRITRT_PLUGIN_ENTRY
+// TensorRT plugin entry (W4A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
+// int32 extra args, then the outputs: (x, qweight, scales, zeros, M, N, K, unused, y); the unused int is the Triton
+// entry's residual stride (0). The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
+// the group size baked in (TRITRT_GROUP_SIZE), no SwiGLU,
+// and no workspace: a plugin has no zeroed counters that persist from launch to launch, so only variants that do
+// not sum their K splits through the workspace (no split, or the DSMEM sum) have this entry.
+#ifndef TRITRT_GROUP_SIZE
+#error "the plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
+#endif
+static_assert(kSplits == 1 || WG_DSMEM, "the plugin entry has no workspace: split K over DSMEM (WG_DSMEM 1) or not");
+static_assert(!kSwiglu, "the plugin entry has no SwiGLU");
+extern "C" __global__ void WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1)
+tritrt_w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+                        const uint8_t* __restrict__ zeros, int M, int N, int K, int /*unused*/,
+                        half* __restrict__ y) {
+  w4a16_gemm_wgmma(x, qweight, scales, zeros, scales, y, nullptr, nullptr, M, N, K, TRITRT_GROUP_SIZE, K, 1, 0);
+}
+#endif  // TRITRT_PLUGIN_ENTRY

@@ -15,6 +15,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "../plugin_entry.cuh"
+
 #ifndef GEMV_M
 #define GEMV_M 1
 #endif
@@ -37,7 +39,7 @@ __device__ __forceinline__ float nibble(uint32_t q, int j) {
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads)
+TRITRT_ENTRY(__launch_bounds__(kThreads))
 w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
            const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
            int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias) {
@@ -138,3 +140,22 @@ w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const ha
     }
   }
 }
+
+#ifdef TRITRT_PLUGIN_ENTRY
+// TensorRT plugin entry (W4A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
+// int32 extra args, then the outputs: (x, qweight, scales, zeros, M, N, K, unused, y); the unused int is the Triton
+// entry's residual stride (0). The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
+// the group size baked in (TRITRT_GROUP_SIZE). It takes at most GEMV_M rows, so grid z walks
+// the row tiles of any M: grid (N / (4 GEMV_TN), 1, cdiv(M, GEMV_M)), each tile the launch the torch path makes for
+// its rows.
+#ifndef TRITRT_GROUP_SIZE
+#error "the plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
+#endif
+extern "C" __global__ void __launch_bounds__(kThreads)
+tritrt_w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+                  const uint8_t* __restrict__ zeros, int M, int N, int K, int /*unused*/, half* __restrict__ y) {
+  const int m0 = blockIdx.z * GEMV_M;
+  w4a16_gemv(x + (size_t)m0 * K, qweight, scales, zeros, scales, y + (size_t)m0 * N, min(M - m0, GEMV_M), N, K,
+             TRITRT_GROUP_SIZE, K, 1, 0);
+}
+#endif  // TRITRT_PLUGIN_ENTRY

@@ -29,6 +29,7 @@
 // SwiGLU are applied; one launch, no memset. The launcher checks: N % 4 == 0, K % (32 * GEMV_U) == 0, group_size a
 // multiple of 32 with GEMV_GSTEPS = min(group_size / 32, GEMV_U) dividing GEMV_U (a scale run never straddles a
 // group), x rows 16-byte aligned.
+#include "../plugin_entry.cuh"
 #include "w4_dequant.cuh"
 
 #ifndef GEMV_WARPS
@@ -105,7 +106,7 @@ __device__ __forceinline__ int4 load_weight(const int4* p) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB)
+TRITRT_ENTRY(__launch_bounds__(32 * GEMV_WARPS, GEMV_MINB))
 w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias,
@@ -316,3 +317,19 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
     }
   }
 }
+
+#ifdef TRITRT_PLUGIN_ENTRY
+// TensorRT plugin entry (W4A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
+// int32 extra args, then the outputs: (x, qweight, scales, zeros, M, N, K, unused, y); the unused int is the Triton
+// entry's residual stride (0). The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
+// the group size baked in (TRITRT_GROUP_SIZE), no SwiGLU.
+// The kernel tiles any M itself (the launcher's grid).
+#ifndef TRITRT_GROUP_SIZE
+#error "the plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
+#endif
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB)
+tritrt_w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+                      const uint8_t* __restrict__ zeros, int M, int N, int K, int /*unused*/, half* __restrict__ y) {
+  w4a16_gemv_mma(x, qweight, scales, zeros, scales, y, M, N, K, TRITRT_GROUP_SIZE, K, 1, 0, 0);
+}
+#endif  // TRITRT_PLUGIN_ENTRY

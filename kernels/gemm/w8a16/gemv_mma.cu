@@ -45,6 +45,7 @@
 // reduced through shared memory (and DSMEM across the cluster) at the end with scale and bias. The launcher checks:
 // N % VEC == 0, K % (16 * GEMV_U * KSPLIT) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
 #include "../mma_common.cuh"
+#include "../plugin_entry.cuh"
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
@@ -127,7 +128,7 @@ __device__ __forceinline__ uint32_t pair_to_half2(uint32_t lo, uint32_t hi, int 
 
 }  // namespace
 
-extern "C" __global__ void TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1)
+TRITRT_ENTRY(TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1))
 w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
                const half* __restrict__ bias, half* __restrict__ out, int M, int N, int K, int stride_xm,
                int has_bias) {
@@ -263,3 +264,17 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   cluster.sync();
 #endif
 }
+
+#ifdef TRITRT_PLUGIN_ENTRY
+// TensorRT plugin entry (W8A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
+// int32 extra args, then the outputs: (x, qweight, scales, M, N, K, unused, y); the unused int is the Triton entry's
+// residual stride (0). The kernel above runs with no bias and x rows of K halves. It takes at most 8 rows, so grid z
+// walks the row tiles of any M: grid (N / (8 GEMV_VEC), GEMV_KSPLIT, cdiv(M, 8)), each tile the launch the torch
+// path makes for its rows.
+extern "C" __global__ void TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1)
+tritrt_w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
+                      int M, int N, int K, int /*unused*/, half* __restrict__ y) {
+  const int m0 = blockIdx.z * 8;
+  w8a16_gemv_mma(x + (size_t)m0 * K, qweight, scales, scales, y + (size_t)m0 * N, min(M - m0, 8), N, K, K, 0);
+}
+#endif  // TRITRT_PLUGIN_ENTRY
