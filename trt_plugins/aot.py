@@ -1,7 +1,10 @@
 """A plugin op run the way the engine runs it: its entry kernel compiled ahead of time, launched by the driver API.
 
-``compile_plugin(spec, shapes, dtypes, attrs, sm)`` -> (Artifact, Specialisation): what the TensorRT glue embeds.
-``compile_all(sm, out)``: every spec's documented samples to ``out`` (PTX, TensorRT's PTX, cubin, ``manifest.json``),
+``compile_plugin(spec, shapes, dtypes, attrs, sm, card)`` -> (Artifact, Specialisation): what the TensorRT glue embeds;
+the kernel is the spec's Triton entry or the CUDA kernel its ``cuda_kernel`` picks for ``card`` (``target_card(sm)``
+by default: the GPU the build is for).
+``compile_all(sm, out)``: every spec's documented samples to ``out`` (PTX, TensorRT's PTX, cubin, ``manifest.json``
+with each kernel's kind, and for a CUDA kernel its route, plan and nvcc flags),
 what ``export.build`` writes to ``OUT/kernels``; also ``python -m trt_plugins.aot --sm 90 --out DIR [--ops ...]``.
 ``run_aot(op_type, inputs, attrs)`` compiles for the current GPU (once; the artifact cache makes later processes free)
 and launches through ``kernels.aot.launcher.AotKernel`` with exactly the plugin's argument list (inputs, int32 scalars,
@@ -21,21 +24,51 @@ from .specs._base import PluginSpec, dtype_name, torch_dtype
 _LOADED: dict = {}  # (artifact key, use_ptx) -> AotKernel, so a module is loaded once per process
 
 
-def compile_plugin(spec: PluginSpec | str, shapes: dict, dtypes: dict, attrs: dict | None = None, *, sm: int,
-                   cache=None):
+_AUTO = object()
+
+
+def target_card(sm: int):
+    """The GPU (``kernels.gemm.routing.Card``) whose routes the plugins follow when kernels are compiled for
+    ``sm_<sm>``: this machine's GPU when it has one of that SM (TensorRT builds an engine on the GPU it runs on, so
+    ``aot_impl`` sees the real card), else ``routing.H100`` for sm_90 (the card the routes are measured on; an H200
+    routes alike: same SM, same 132 SMs), else None: no CUDA kernel is chosen for a card we cannot describe, the
+    plugins keep their Triton entries (e.g. ``--sm 89`` on a machine without that GPU)."""
+    import torch
+
+    from kernels.gemm import routing
+
+    if torch.cuda.is_available():
+        card = routing.card_of()
+        if card.sm == sm:
+            return card
+    return routing.H100 if sm == routing.H100.sm else None
+
+
+def compile_specialisation(spec: PluginSpec, sp, *, sm: int, cache=None):
+    """The Artifact of specialisation ``sp``: its CUDA kernel's plugin entry through nvcc, or the spec's Triton entry
+    through Triton's compiler; either way an entry with the plugin's argument list ``sp.signature``."""
+    if sp.cuda is not None:
+        return sp.cuda.build.compile(list(sp.signature.items()), sm=sm, cache=cache, div16=sp.div16)
     from kernels.aot.compile import compile_triton
 
+    return compile_triton(spec.entry_kernel(), sp.signature, sp.constexprs, sm=sm, num_warps=sp.num_warps,
+                          num_stages=sp.num_stages, div16=sp.div16, cache=cache)
+
+
+def compile_plugin(spec: PluginSpec | str, shapes: dict, dtypes: dict, attrs: dict | None = None, *, sm: int,
+                   card=_AUTO, cache=None):
+    """Specialise ``spec`` at int ``shapes`` for ``card`` (default ``target_card(sm)``; None: Triton entries only)
+    and compile it for ``sm``: (Artifact, Specialisation)."""
     spec = get_spec(spec) if isinstance(spec, str) else spec
-    sp = spec.specialise(shapes, dtypes, attrs)
-    art = compile_triton(spec.entry_kernel(), sp.signature, sp.constexprs, sm=sm, num_warps=sp.num_warps,
-                         num_stages=sp.num_stages, div16=sp.div16, cache=cache)
-    return art, sp
+    sp = spec.specialise(shapes, dtypes, attrs, card=target_card(sm) if card is _AUTO else card)
+    return compile_specialisation(spec, sp, sm=sm, cache=cache), sp
 
 
 def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: list | None = None,
             use_ptx: bool = False, cache=None) -> list:
     """Run plugin ``op_type`` on CUDA tensors through the AOT launcher; returns its outputs (aliased outputs are the
-    input tensors themselves, updated in place). ``outputs``: preallocated buffers for the non-aliased outputs."""
+    input tensors themselves, updated in place). ``outputs``: preallocated buffers for the non-aliased outputs. The
+    kernel is the one an engine built on this GPU embeds (``target_card``)."""
     import torch
 
     from kernels._utils import device_sm
@@ -97,11 +130,13 @@ def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     entries, failed = [], []
+    card = target_card(sm)
     for name in names:
         spec = SPECS[name]
         for sample in spec.samples[:1] if first_only else spec.samples:
             try:
-                art, sp = compile_plugin(spec, sample.shapes, sample.dtypes, sample.attrs, sm=sm, cache=cache)
+                art, sp = compile_plugin(spec, sample.shapes, sample.dtypes, sample.attrs, sm=sm, card=card,
+                                         cache=cache)
             except AotError as e:  # e.g. a tile config that does not fit this SM's shared memory
                 failed.append(dict(op=name, sample=sample.note, dtypes=sample.dtypes, error=str(e)))
                 log(f"{name:18s} sm_{sm} FAILED ({sample.note}): {e}")
@@ -110,17 +145,22 @@ def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only:
             (out / f"{stem}.ptx").write_text(art.ptx)
             (out / f"{stem}.trt.ptx").write_text(strip_hidden_params(art))
             (out / f"{stem}.cubin").write_bytes(art.cubin)
+            route = dict(backend=sp.cuda.route[0], plan=dict(sp.cuda.route[1]), nvcc_flags=list(sp.cuda.build.flags),
+                         source=Path(sp.cuda.build.source).name) if sp.cuda is not None else None
             entries.append(dict(op=name, namespace=spec.namespace, version=spec.version, kernel=art.name, sm=sm,
+                                kind=art.kind, cuda=route,
                                 signature=[list(p) for p in art.params], constexprs=art.constexprs, div16=art.div16,
                                 num_warps=art.num_warps, num_stages=art.num_stages, shared=art.shared,
                                 num_hidden_params=art.num_hidden, source_hash=art.source_hash, key=art.key,
                                 sample=dict(shapes={k: list(v) for k, v in sample.shapes.items()},
                                             dtypes=sample.dtypes, attrs=sample.attrs, note=sample.note),
                                 ptx=f"{stem}.ptx", trt_ptx=f"{stem}.trt.ptx", cubin=f"{stem}.cubin"))
-            log(f"{name:18s} sm_{sm} {art.name} warps={art.num_warps} shared={art.shared} {sample.note}")
+            log(f"{name:18s} sm_{sm} {art.name} warps={art.num_warps} shared={art.shared} {sample.note} "
+                f"{sample.dtypes[spec.inputs[0]]} {sample.attrs}")
     import triton
 
-    manifest = dict(sm=sm, triton=triton.__version__, kernels=entries, failed=failed)
+    manifest = dict(sm=sm, card=card.name if card is not None else None, triton=triton.__version__,
+                    kernels=entries, failed=failed)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True, default=repr))
     return manifest
 

@@ -6,10 +6,11 @@ For each spec this generates, with the signatures TensorRT validates (inputs, th
   (``WriteKvCache``'s caches) is ``input.aliased()``.
 - ``@trtp.autotune``: the supported dtype combinations and, where a block size matters (the GEMMs' ``m_hint``), the
   tactics TensorRT times on the profile's shapes.
-- ``@trtp.aot_impl``: compiles the spec's entry kernel for this GPU (``kernels.aot``), returns its name, the PTX
-  without Triton's hidden scratch parameters (TensorRT passes exactly inputs, int32 extra args, outputs), launch
-  parameters whose grid is a shape expression of the dynamic dims, and the scalars as ``SymInt32``. The engine then
-  embeds the PTX and runs without Python.
+- ``@trtp.aot_impl``: compiles the specialisation's kernel for this GPU -- the spec's Triton entry, or the CUDA kernel
+  the spec picks for this card and tactic (the GEMMs: what the torch op routes to; ``trt_plugins.aot``) -- returns its
+  name, the PTX (Triton's without its hidden scratch parameters; TensorRT passes exactly inputs, int32 extra args,
+  outputs), launch parameters whose grid is a shape expression of the dynamic dims, and the scalars as ``SymInt32``.
+  The engine then embeds the PTX and runs without Python.
 - ``@trtp.impl``: a torch fallback (the spec's fp32 reference on the GPU), used only if the AOT path is not taken.
 
 Usage (Python): ``load_plugins()`` once per process before building or deserializing an engine; with the ONNX
@@ -20,9 +21,10 @@ Python and without ``--dynamicPlugins`` (no plugin library to load); an engine t
 this module's ``load_plugins()`` in a Python process.
 
 Caveats (not verifiable here, TensorRT is not installable on our machines): kernels needing more than 48 KB of dynamic
-shared memory (PagedAttention's prefill tiles on sm_90) rely on TensorRT raising the function's shared memory limit
-for the embedded PTX; plugin attributes are not serialized with AOT plugins, which is fine because every attribute is
-baked into the PTX.
+shared memory (PagedAttention's prefill tiles, the wgmma GEMM on sm_90) rely on TensorRT raising the function's shared
+memory limit for the embedded PTX; kernels with compile-time cluster dims (``__cluster_dims__``: the wgmma GEMM's and
+the GEMVs' K splits) on TensorRT launching them with ``cuLaunchKernel``, which honours them; plugin attributes are not
+serialized with AOT plugins, which is fine because every attribute is baked into the PTX.
 """
 
 from __future__ import annotations
@@ -128,18 +130,20 @@ def _register(spec: PluginSpec) -> None:
 
     def aot_impl(*args, **kwargs):
         from kernels._utils import device_sm
-        from kernels.aot.compile import compile_triton, strip_hidden_params
+        from kernels.aot.compile import strip_hidden_params
+
+        from .aot import compile_specialisation, target_card
 
         b = split(args, kwargs, in_names + ["outputs", "tactic"])
         descs = {n: b[n] for n in spec.inputs}
         attrs = attrs_with_tactic(spec, {a: b[a] for a in spec.attrs}, b.get("tactic"))
         shapes = _shapes(spec, descs, strict=True)
         dtypes = {n: _our_dtype(trt, d.dtype) for n, d in descs.items()}
-        sp = spec.specialise(_placeholder_ints(spec, shapes), dtypes, attrs, check=False)
-        art = compile_triton(spec.entry_kernel(), sp.signature, sp.constexprs, sm=device_sm(),
-                             num_warps=sp.num_warps, num_stages=sp.num_stages, div16=sp.div16)
+        sm = device_sm()
+        sp = spec.specialise(_placeholder_ints(spec, shapes), dtypes, attrs, check=False, card=target_card(sm))
+        art = compile_specialisation(spec, sp, sm=sm)
         launch = trtp.KernelLaunchParams()
-        grid = list(spec.grid(shapes, attrs, sp.constexprs)) + [1, 1]
+        grid = list(spec.launch_grid(shapes, attrs, sp)) + [1, 1]
         launch.grid_x, launch.grid_y, launch.grid_z = grid[:3]
         launch.block_x = art.block
         launch.shared_mem = art.shared

@@ -12,4 +12,5 @@ Nothing here imports CUDA at import time.
 """
 
 from .cache import AotCache  # noqa: F401
-from .compile import AotError, Artifact, compile_cuda, compile_triton, strip_hidden_params  # noqa: F401
+from .compile import (AotError, Artifact, CudaBuild, compile_cuda, compile_triton,  # noqa: F401
+                      strip_hidden_params)

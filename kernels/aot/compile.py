@@ -244,13 +244,14 @@ def _local_headers(source: Path, seen=None) -> list:
 
 
 def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int, threads: int, shared: int = 0,
-                 cache: AotCache | None = None, nvcc: str = "nvcc", extra_flags=(), arch_specific: bool = False
-                 ) -> Artifact:
+                 cache: AotCache | None = None, nvcc: str = "nvcc", extra_flags=(), arch_specific: bool = False,
+                 div16=()) -> Artifact:
     """Compile the ``extern "C" __global__`` function ``kernel_name`` of a .cu file with nvcc to PTX and cubin.
 
     ``params`` lists its runtime parameters ``[(name, type)]`` in order; ``threads`` the block size it is written for;
     ``shared`` its dynamic shared memory bytes. ``arch_specific``: compile for ``sm_XXa`` (e.g. sm_90a, needed by
-    Hopper's wgmma), whose code runs on exactly that SM and no later one.
+    Hopper's wgmma), whose code runs on exactly that SM and no later one. ``div16``: parameters the kernel assumes
+    16-byte aligned (pointers) or divisible by 16 (ints); nvcc is not told, the launcher checks them on every launch.
     """
     _check_sm(sm)
     text = Path(source).read_text()
@@ -261,8 +262,11 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
 
     src_hash = hashlib.sha256(text.encode() + b"".join(_local_headers(Path(source)))).hexdigest()
     arch = f"sm_{sm}a" if arch_specific else f"sm_{sm}"
+    unknown = [n for n in div16 if n not in dict(params)]
+    if unknown:
+        raise AotError(f"{kernel_name}: div16 names {unknown} are not parameters")
     key = make_key(kind="cuda", source=src_hash, name=kernel_name, params=[list(p) for p in params], sm=sm,
-                   threads=threads, shared=shared, flags=list(extra_flags), arch=arch)
+                   threads=threads, shared=shared, flags=list(extra_flags), arch=arch, div16=sorted(div16))
     hit = cache.get(key)
     if hit is not None:
         meta, ptx, cubin = hit
@@ -280,11 +284,31 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
             if r.returncode != 0:
                 raise AotError(f"nvcc failed for {source} (sm_{sm}): {r.stderr.strip()[-2000:]}")
             outs[kind] = out.read_text() if kind == "ptx" else out.read_bytes()
-    n_ptx = len(entry_params(outs["ptx"], kernel_name))
-    if n_ptx != len(params):
-        raise AotError(f"{kernel_name} has {n_ptx} parameters in the PTX but {len(params)} were declared")
-    art = Artifact(name=kernel_name, kind="cuda", sm=sm, params=[tuple(p) for p in params], constexprs={}, div16=[],
-                   num_warps=threads // 32, num_stages=1, shared=shared, num_hidden=0, source_hash=src_hash, key=key,
-                   ptx=outs["ptx"], cubin=outs["cubin"])
+    got = entry_params(outs["ptx"], kernel_name)
+    want = ["u64" if ty.startswith("*") else "u32" for _, ty in params]
+    if [("u64" if g in ("u64", "b64") else "u32" if g in ("u32", "s32", "b32") else g) for g in got] != want:
+        raise AotError(f"{kernel_name}: the PTX entry takes ({', '.join(got)}) but ({', '.join(want)}) were declared "
+                       f"for {[n for n, _ in params]}")
+    art = Artifact(name=kernel_name, kind="cuda", sm=sm, params=[tuple(p) for p in params], constexprs={},
+                   div16=sorted(div16), num_warps=threads // 32, num_stages=1, shared=shared, num_hidden=0,
+                   source_hash=src_hash, key=key, ptx=outs["ptx"], cubin=outs["cubin"])
     cache.put(key, art.meta(), art.ptx, art.cubin)
     return art
+
+
+@dataclass(frozen=True)
+class CudaBuild:
+    """One CUDA C++ kernel variant as nvcc builds it: ``compile_cuda``'s arguments other than the parameter list, the
+    SM and the cache. The launchers of ``kernels/gemm`` describe their plugin entries with it (``plugin_build``), and
+    ``trt_plugins`` compiles a specialisation that runs a CUDA kernel from it."""
+
+    source: str  # the .cu file
+    entry: str  # its extern "C" __global__ function
+    flags: tuple = ()  # nvcc flags: the variant's -D macros
+    threads: int = 128  # block size the kernel is written for
+    shared: int = 0  # dynamic shared memory bytes
+    arch_specific: bool = False  # sm_XXa code (wgmma)
+
+    def compile(self, params: list, *, sm: int, cache: AotCache | None = None, div16=()) -> Artifact:
+        return compile_cuda(self.source, self.entry, params, sm=sm, threads=self.threads, shared=self.shared,
+                            cache=cache, extra_flags=self.flags, arch_specific=self.arch_specific, div16=div16)

@@ -1,8 +1,9 @@
 """What the launchers of the CUDA C++ GEMM kernels (``w4a16.gemv``, ``w4a16.gemv_mma``, ``w4a16.gemm_wgmma``,
 ``w8a16.gemv_mma``) share: each ``.cu`` beside its launcher is compiled with nvcc through ``kernels.aot.compile_cuda``
 (content-addressed cache; ``#include "..."`` headers, such as ``../mma_common.cuh``, resolve from the including file's
-folder) and launched through the CUDA driver (``kernels.aot.launcher.AotKernel``). Nothing here touches CUDA at import
-time."""
+folder) and launched through the CUDA driver (``kernels.aot.launcher.AotKernel``). Each .cu also has a TensorRT plugin
+entry (``plugin_entry.cuh``), which its launcher's ``plugin_build(plan, ...)`` describes for ``trt_plugins``. Nothing
+here touches CUDA at import time."""
 
 from functools import lru_cache
 
@@ -47,3 +48,14 @@ def check_operands(kernel: str, x, x_align: int, aligned, scales, bias, out, out
     if out is not None and (tuple(out.shape) != tuple(out_shape) or out.dtype != torch.float16
                             or not out.is_contiguous()):
         raise ValueError(f"{kernel}: out must be contiguous float16 {tuple(out_shape)}")
+
+
+def plugin_build(source, entry: str, variant_flags: tuple, threads: int, shared: int = 0, arch_specific: bool = False,
+                 group_size: int | None = None):
+    """The ``kernels.aot.CudaBuild`` of a .cu's TensorRT plugin entry ``entry`` for the variant of ``variant_flags``
+    (the flags the torch launcher builds the same plan with): the same kernel body, compiled with
+    ``-DTRITRT_PLUGIN_ENTRY`` (``plugin_entry.cuh``); W4A16 entries bake ``group_size`` in."""
+    from kernels.aot.compile import CudaBuild
+
+    flags = (*variant_flags, "-DTRITRT_PLUGIN_ENTRY") + ((f"-DTRITRT_GROUP_SIZE={group_size}",) if group_size else ())
+    return CudaBuild(str(source), entry, flags, threads=threads, shared=shared, arch_specific=arch_specific)

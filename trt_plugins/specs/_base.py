@@ -8,6 +8,11 @@ has no reflected operators; no ``max``, no ``if`` on a dim). Dims listed in ``st
 plain ints, on which any int arithmetic is fine. Launch choices (constexprs, warps, stages) come from the kernel's own
 ``*_launch_config`` via ``spec.launch``, called with int shapes; they must not depend on dynamic dims (checked in the
 tests).
+
+A specialisation runs the spec's Triton entry, or, where the spec's ``cuda_kernel`` picks one for the target card (the
+GEMMs: the kernel the torch op routes to), a CUDA C++ kernel: a ``CudaKernel`` (how nvcc builds its plugin entry, and
+its grid under the same rules). Everything downstream (``trt_plugins.aot``, the TensorRT glue, the manifest) reads the
+``Specialisation`` and compiles / launches either kind the same way.
 """
 
 from __future__ import annotations
@@ -100,8 +105,22 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class CudaKernel:
+    """A specialisation that runs a CUDA C++ kernel instead of the spec's Triton entry: ``build`` (a
+    ``kernels.aot.CudaBuild``: the .cu, its plugin entry in plugin argument order, the variant's nvcc flags, threads,
+    dynamic shared memory, sm_XXa or not), ``grid`` ``(shapes, attrs) -> 1-3 dim expressions`` (the rules above), and
+    ``route``: ``(backend, plan)`` it was chosen from, for the manifest and the tests."""
+
+    build: Any
+    grid: Callable
+    route: tuple = ()
+
+
+@dataclass(frozen=True)
 class Specialisation:
-    """Everything the AOT compile and the launch of one plugin instance need, at int shapes."""
+    """Everything the AOT compile and the launch of one plugin instance need, at int shapes. ``cuda``: the
+    ``CudaKernel`` it runs, or None for the spec's Triton entry (then ``constexprs``, ``num_warps``, ``num_stages``
+    are Triton's; for a CUDA kernel they are ``{}``, its threads / 32 and 1)."""
 
     constexprs: dict
     num_warps: int
@@ -110,6 +129,11 @@ class Specialisation:
     div16: tuple
     grid: tuple
     scalars: dict  # scalar name -> int
+    cuda: CudaKernel | None = None
+
+    @property
+    def kind(self) -> str:
+        return "triton" if self.cuda is None else "cuda"
 
 
 @dataclass(frozen=True)
@@ -133,6 +157,9 @@ class PluginSpec:
     tactics: tuple = ()  # TensorRT autotune tactics (ints); each sets attribute ``tactic_attr`` at build time
     tactic_attr: str | None = None
     check: Callable = lambda shapes, dtypes, attrs: None  # cross-input checks (raise ValueError/TypeError saying what)
+    # (int shapes, dtypes, attrs, card) -> CudaKernel, or None for the Triton entry; ``card`` (a
+    # kernels.gemm.routing.Card) is the GPU the build targets, never None here. Must not depend on dynamic dims.
+    cuda_kernel: Callable = lambda shapes, dtypes, attrs, card: None
     namespace: str = "tritrt"
     version: str = "1"
 
@@ -186,23 +213,35 @@ class PluginSpec:
     def output_dtypes(self, dtypes: dict, attrs: dict) -> dict:
         return {o.name: o.dtype(dtypes, attrs) for o in self.output_specs}
 
-    def specialise(self, shapes: dict, dtypes: dict, attrs: dict | None = None, check: bool = True) -> Specialisation:
-        """Constexprs, warps, stages (from the kernel's launch config), entry signature, grid and scalars at int
-        shapes. ``check=False`` skips the input checks (the TensorRT glue passes placeholder dynamic dims)."""
+    def specialise(self, shapes: dict, dtypes: dict, attrs: dict | None = None, check: bool = True,
+                   card=None) -> Specialisation:
+        """The kernel and its launch at int shapes: the CUDA kernel ``cuda_kernel`` picks for ``card`` (the GPU the
+        build targets, a ``kernels.gemm.routing.Card``; None: no CUDA kernel is chosen), else the Triton entry with
+        its constexprs, warps and stages (from the kernel's launch config); the entry signature, grid and scalars.
+        ``check=False`` skips the input checks (the TensorRT glue passes placeholder dynamic dims)."""
         attrs = self.full_attrs(attrs)
         if check:
             self.check_inputs(shapes, dtypes, attrs)
-        cfg = self.launch(shapes, dtypes, attrs)
         all_dtypes = {**dtypes, **self.output_dtypes(dtypes, attrs)}
         sig = {}
         for p in self.entry_params:
             sig[p] = "i32" if p in self.scalars else TRITON_PTR[all_dtypes[p]]
         scalars = {n: int(f(shapes, attrs)) for n, f in self.scalars.items()}
+        div16 = tuple(self.div16(shapes, dtypes, attrs))
+        cuda = self.cuda_kernel(shapes, dtypes, attrs, card) if card is not None else None
+        if cuda is not None:
+            return Specialisation(constexprs={}, num_warps=cuda.build.threads // 32, num_stages=1, signature=sig,
+                                  div16=div16, grid=tuple(int(g) for g in cuda.grid(shapes, attrs)), scalars=scalars,
+                                  cuda=cuda)
+        cfg = self.launch(shapes, dtypes, attrs)
         grid = tuple(int(g) for g in self.grid(shapes, attrs, cfg.constexprs))
         return Specialisation(constexprs=dict(cfg.constexprs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                              signature=sig, div16=tuple(self.div16(shapes, dtypes, attrs)), grid=grid,
-                              scalars=scalars)
+                              signature=sig, div16=div16, grid=grid, scalars=scalars)
 
+    def launch_grid(self, shapes: dict, attrs: dict, sp: Specialisation) -> tuple:
+        """The grid of specialisation ``sp`` at ``shapes`` (ints, or dim expressions when TensorRT builds)."""
+        return tuple(sp.cuda.grid(shapes, attrs)) if sp.cuda is not None else tuple(self.grid(shapes, attrs,
+                                                                                             sp.constexprs))
 
 def require(cond: bool, op: str, msg: str) -> None:
     """Raise ValueError(``op: msg``) unless ``cond``: for a spec's ``check``."""

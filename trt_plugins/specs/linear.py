@@ -1,10 +1,13 @@
-"""W8A16Linear and W4A16Linear plugins: the weight-only GEMM kernels of ``kernels.gemm_w8a16`` / ``gemm_w4a16``.
+"""W8A16Linear and W4A16Linear plugins: the weight-only GEMM kernels of ``kernels.gemm`` (``w8a16`` / ``w4a16``).
 
-AOT rule work-around: the kernels' ``plan_tiles`` picks tiles, split-K, warps and stages from M, the token count,
-which is dynamic in an engine. The plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune
-tactic: 1 = GEMV path, 16 / 128 = tensor-core tiles; TensorRT times each on the profile's shapes and keeps the
-fastest) and forces ``SPLIT_K = 1``, so the split-K partials / ticket workspace are not needed (their pointers are
-fed a harmless valid tensor). Every such configuration is correct for any M; it is only tuned for M near m_hint.
+AOT rule work-around: the torch op picks its kernel and plan from M, the token count, which is dynamic in an engine.
+The plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune tactic: 1, 16, 128; TensorRT
+times each on the profile's shapes and keeps the fastest): on the build's card it runs what the torch op routes to
+for M = m_hint -- the CUDA tensor-core GEMV, scalar GEMV or Hopper wgmma GEMM with the route's plan, through their
+plugin entries (``linear_kernels``, which also says where a route is not launchable from a plugin) -- or else the
+Triton kernel, its tiles fixed from m_hint with ``SPLIT_K = 1``, so the split-K partials / ticket workspace are not
+needed (their pointers are fed a harmless valid tensor). Every such configuration is correct for any M; it is only
+tuned for M near m_hint.
 Layouts (``kernels.quant``): INT8 ``qweight [K, N]`` int8 + ``scales [N]``; INT4 ``qweight [K/8, N]`` int32 +
 ``scales [K/g, N]`` + ``zeros [K/g, N]`` int8 (0..16; symmetric checkpoints: zeros filled with
 8). Not uint8: TensorRT's ONNX parser converts UINT8 initializers to INT32 and its builder takes no UINT8 plugin
@@ -14,11 +17,11 @@ formats.
 from __future__ import annotations
 
 from ._base import Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
+from .linear_kernels import cuda_kernel_w4a16, cuda_kernel_w8a16
 
 _HALF = ("bf16", "fp16")
 TACTICS = (1, 16, 128)
 _M_HINT = Attr(int, 16, f"M the tiles are chosen for (one of {TACTICS}); also the autotune tactic")
-
 
 
 def _w8_kernel():
@@ -61,7 +64,7 @@ def _w8_samples():
     return tuple(Sample({"x": (1, k), "qweight": (k, n), "scales": (n,)}, {"x": dt, "qweight": "int8", "scales": dt},
                         {"m_hint": m}, note)
                  for k, n, note in ((4096, 4096, "Llama 7B/8B attention out"), (4096, 14336, "Llama-3-8B up"),
-                                    (64, 96, "tiny test model"))
+                                    (576, 576, "SmolLM2-135M attention out"), (64, 96, "tiny test model"))
                  for dt in _HALF for m in TACTICS)
 
 
@@ -84,6 +87,7 @@ W8A16_LINEAR = PluginSpec(
     check=_w8_check,
     tactics=TACTICS,
     tactic_attr="m_hint",
+    cuda_kernel=cuda_kernel_w8a16,
 )
 
 
@@ -122,11 +126,12 @@ def _w4_ref(inputs, attrs):
 
 
 def _w4_samples():
-    return tuple(Sample({"x": (1, k), "qweight": (k // 8, n), "scales": (k // 128, n), "zeros": (k // 128, n)},
+    return tuple(Sample({"x": (1, k), "qweight": (k // 8, n), "scales": (k // g, n), "zeros": (k // g, n)},
                         {"x": dt, "qweight": "int32", "scales": dt, "zeros": "int8"},
-                        {"group_size": 128, "m_hint": m}, note)
-                 for k, n, note in ((4096, 4096, "Llama 7B/8B attention out"), (4096, 14336, "Llama-3-8B up"),
-                                    (256, 96, "tiny test model"))
+                        {"group_size": g, "m_hint": m}, note)
+                 for k, n, g, note in ((4096, 4096, 128, "Llama 7B/8B attention out"),
+                                       (4096, 14336, 128, "Llama-3-8B up"),
+                                       (576, 576, 64, "SmolLM2-135M attention out"), (256, 96, 128, "tiny test model"))
                  for dt in _HALF for m in TACTICS)
 
 
@@ -150,4 +155,5 @@ W4A16_LINEAR = PluginSpec(
     check=_w4_check,
     tactics=TACTICS,
     tactic_attr="m_hint",
+    cuda_kernel=cuda_kernel_w4a16,
 )

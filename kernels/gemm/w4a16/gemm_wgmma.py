@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import plugin_build as _plugin_build
 
 SOURCE = Path(__file__).with_name("gemm_wgmma.cu")
 KERNEL = "w4a16_gemm_wgmma"
@@ -213,6 +214,21 @@ def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, ds
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages),
                         extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu), arch_specific=True)
 
+
+PLUGIN_KERNEL = "tritrt_w4a16_gemm_wgmma"  # the .cu's TensorRT plugin entry
+
+
+def plugin_build(plan: dict, group_size: int):
+    """The plugin entry of ``plan``'s variant (a ``gemm_plan`` without workspace sums: ``splits == 1`` or ``dsmem``;
+    the entry has no workspace) for ``trt_plugins``: (x, qweight, scales, zeros, M, N, K, unused, y), zero points, no
+    bias, no SwiGLU, sm_90a; grid ``(cdiv(M, bm) * N / bn, splits)``."""
+    if plan["splits"] > 1 and not plan["dsmem"]:
+        raise ValueError("wgmma W4A16 GEMM: the plugin entry has no workspace; plan with dsmem=True "
+                         "(gemm_plan(..., dsmem=True)) for a K split")
+    flags = variant_flags(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], plan["splits"], plan["dsmem"])
+    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=128 * plan["wgs"],
+                         shared=shared_bytes(plan["bm"], plan["wt"], plan["wgs"], plan["stages"]), arch_specific=True,
+                         group_size=group_size)
 
 def _counters(device, n: int) -> torch.Tensor:
     c = _COUNTERS.get(device)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from kernels.gemm.cuda import cached_kernel, check_operands
+from kernels.gemm.cuda import plugin_build as _plugin_build
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 KERNEL = "w4a16_gemv"
@@ -57,6 +58,16 @@ def compile_variant(gemv_m: int, tn: int, prefetch: bool = PREFETCH, sm: int = 9
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=THREADS,
                         extra_flags=(f"-DGEMV_M={gemv_m}", f"-DGEMV_TN={tn}", f"-DGEMV_PREFETCH={int(prefetch)}"))
 
+
+PLUGIN_KERNEL = "tritrt_w4a16_gemv"  # the .cu's TensorRT plugin entry
+
+
+def plugin_build(plan: dict, group_size: int):
+    """The plugin entry of ``plan``'s variant (a ``gemv_plan``) for ``trt_plugins``: (x, qweight, scales, zeros, M, N,
+    K, unused, y), zero points, no bias; grid ``(cdiv(N, 4 tn), 1, cdiv(M, gemv_m))``: z walks row tiles of
+    ``gemv_m`` rows, the most the variant takes."""
+    flags = (f"-DGEMV_M={plan['gemv_m']}", f"-DGEMV_TN={plan['tn']}", f"-DGEMV_PREFETCH={int(PREFETCH)}")
+    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=THREADS, group_size=group_size)
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,

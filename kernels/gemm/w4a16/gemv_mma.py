@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import plugin_build as _plugin_build
 
 SOURCE = Path(__file__).with_name("gemv_mma.cu")
 KERNEL = "w4a16_gemv_mma"
@@ -138,6 +139,18 @@ def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CH
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
                         extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256, mt, wscale, sz_ahead, minb,
                                                   x_ahead))
+
+
+PLUGIN_KERNEL = "tritrt_w4a16_gemv_mma"  # the .cu's TensorRT plugin entry
+
+
+def plugin_build(plan: dict, group_size: int):
+    """The plugin entry of ``plan``'s variant (a ``gemv_plan``; flags as the torch launcher builds the plan) for
+    ``trt_plugins``: (x, qweight, scales, zeros, M, N, K, unused, y), zero points, no bias, no SwiGLU; grid as the
+    plan's, ``cdiv(N, 32) * cdiv(M, 8 * mt)`` blocks."""
+    flags = variant_flags(plan["warps"], plan["u"], plan["gsteps"], plan["mmax"], plan["chains"], L2_256, plan["mt"],
+                          plan["wscale"], plan["sz_ahead"], plan["minb"], plan["x_ahead"])
+    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"], group_size=group_size)
 
 
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

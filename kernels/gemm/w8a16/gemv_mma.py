@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import plugin_build as _plugin_build
 
 from kernels._utils import device_sm
 
@@ -140,6 +141,15 @@ def compile_variant(warps: int, vec: int, u: int, ksplit: int = 1, l2_128: bool 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
                         extra_flags=variant_flags(warps, vec, u, ksplit, l2_128))
 
+
+PLUGIN_KERNEL = "tritrt_w8a16_gemv_mma"  # the .cu's TensorRT plugin entry
+
+
+def plugin_build(plan: dict):
+    """The plugin entry of ``plan``'s variant (a ``gemv_plan``) for ``trt_plugins``: (x, qweight, scales, M, N, K,
+    unused, y), no bias; grid ``(cdiv(N, 8 vec), ksplit, cdiv(M, 8))``: z walks row tiles of 8, the most it takes."""
+    flags = variant_flags(plan["warps"], plan["vec"], plan["u"], plan["ksplit"], L2_128)
+    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"])
 
 def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, vec: Optional[int] = None, warps: Optional[int] = None,

@@ -1,0 +1,97 @@
+"""Which kernel a W4A16Linear / W8A16Linear specialisation runs: the one the torch op routes to for M = ``m_hint``.
+
+A GEMM plugin's tactic (``m_hint``, the autotune tactic) fixes its kernel at build time. It asks the torch op's own
+routing (``kernels.gemm.routing.route_w4a16`` / ``route_w8a16``) for M = ``m_hint`` on the build's card, and runs that
+backend with that plan, the CUDA kernels through the plugin entry of their .cu (``kernels/gemm/plugin_entry.cuh``:
+the same kernel body, parameters in plugin order). Where the route names something a plugin cannot launch:
+
+- ``triton_w4_gemm`` / ``triton_w8_gemm`` (bf16 activations, shapes the CUDA kernels do not take, M between their
+  ranges): the spec's Triton entry, as before.
+- ``dequant_cublas`` (M >= ``DEQUANT_MIN_M_W4`` / ``_W8``: dequantize, then cuBLAS; two launches and a weight-sized
+  temporary): the Triton entry. No tactic reaches it today (``TACTICS`` stop at 128 < 256).
+- ``w4_gemm_wgmma`` with a plan that sums its K splits through the global workspace (``splits > 1`` and not
+  ``dsmem``): that sum needs per-tile counters that start at zero and persist from launch to launch, which a plugin
+  (no workspace in TensorRT's AOT plugin contract, scratch only as graph inputs) does not have. The plugin runs the
+  launcher's plan with DSMEM sums only (``gemm_plan(..., dsmem=True)``): the same kernel, its splits summed over the
+  cluster's shared memory. Measured on H100 (benchmarks/results/dev-logs/h100/bench_gemm_wgmma_dsmem.log): on 64 x 64
+  tiles 2-26% slower than the workspace sum, on 128 x 128 tiles with 8 splits 1.14x vs 1.38x cuBLAS (down, M = 128);
+  still the wgmma GEMM, which ran ahead of Triton (0.56-0.74x) at M = 128.
+
+The CUDA GEMVs that take at most 8 rows (``w4_gemv``: ``gemv_m``, ``w8_gemv_mma``: 8) walk row tiles over grid z in
+their plugin entry, so like the Triton tiles every variant is correct for any M of the engine's profile, tuned for M
+near ``m_hint``.
+
+The card: the GPU the engine is built for (``trt_plugins.aot.target_card``); None (no card known) keeps Triton.
+"""
+
+from __future__ import annotations
+
+from ._base import CudaKernel, cdiv, torch_dtype
+
+W4_CUDA = ("w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma")
+W8_CUDA = ("w8_gemv_mma",)
+
+
+def plugin_route_w4a16(m_hint: int, N: int, K: int, dtype: str, card, group_size: int):
+    """The ``kernels.gemm.routing.Route`` a W4A16Linear tactic runs (see the module doc for where it differs from
+    ``route_w4a16``); ``dtype`` is our dtype name of x."""
+    from kernels.gemm import routing
+    from kernels.gemm.w4a16 import gemm_wgmma
+
+    dt = torch_dtype(dtype)
+    route = routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size)
+    if route.backend == "w4_gemm_wgmma" and route.params["splits"] > 1 and not route.params["dsmem"]:
+        plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True)
+        if plan is None:
+            return routing.Route("triton_w4_gemm")
+        return routing.Route("w4_gemm_wgmma", "none", tuple(sorted(plan.items())))
+    if route.backend not in W4_CUDA:
+        return routing.Route("triton_w4_gemm")
+    return route
+
+
+def plugin_route_w8a16(m_hint: int, N: int, K: int, dtype: str, card):
+    """The ``Route`` a W8A16Linear tactic runs: ``route_w8a16``'s, with Triton for what is not a CUDA kernel."""
+    from kernels.gemm import routing
+
+    route = routing.route_w8a16(m_hint, N, K, torch_dtype(dtype), card)
+    return route if route.backend in W8_CUDA else routing.Route("triton_w8_gemm")
+
+
+def _m(shapes):
+    return shapes["x"][0]
+
+
+def cuda_kernel_w4a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
+    """``PluginSpec.cuda_kernel`` of W4A16Linear: the CUDA kernel of its tactic's route, or None (Triton)."""
+    from kernels.gemm.w4a16 import gemm_wgmma, gemv, gemv_mma
+
+    K, N, g = shapes["x"][1], shapes["qweight"][1], attrs["group_size"]
+    route = plugin_route_w4a16(attrs["m_hint"], N, K, dtypes["x"], card, g)
+    p = route.params
+    if route.backend == "w4_gemv_mma":
+        rows, cols = 8 * p["mt"], -(-N // 32)
+        grid = lambda s, a: (cdiv(_m(s), rows) * cols, p.get("ksplit", 1))  # noqa: E731
+        build = gemv_mma.plugin_build(p, g)
+    elif route.backend == "w4_gemv":
+        grid = lambda s, a: (-(-N // (4 * p["tn"])), 1, cdiv(_m(s), p["gemv_m"]))  # noqa: E731
+        build = gemv.plugin_build(p, g)
+    elif route.backend == "w4_gemm_wgmma":
+        grid = lambda s, a: (cdiv(_m(s), p["bm"]) * (N // p["bn"]), p["splits"])  # noqa: E731
+        build = gemm_wgmma.plugin_build(p, g)
+    else:
+        return None
+    return CudaKernel(build=build, grid=grid, route=(route.backend, route.plan))
+
+
+def cuda_kernel_w8a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
+    """``PluginSpec.cuda_kernel`` of W8A16Linear: the CUDA kernel of its tactic's route, or None (Triton)."""
+    from kernels.gemm.w8a16 import gemv_mma
+
+    K, N = shapes["x"][1], shapes["qweight"][1]
+    route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card)
+    if route.backend != "w8_gemv_mma":
+        return None
+    p = route.params
+    grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8))  # noqa: E731
+    return CudaKernel(build=gemv_mma.plugin_build(p), grid=grid, route=(route.backend, route.plan))
