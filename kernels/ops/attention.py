@@ -1,9 +1,11 @@
 """Attention ops: ``tritrt::write_kv_cache_``, ``tritrt::paged_attention``, ``tritrt::varlen_attention``.
 
 See ``kernels/ops/__init__.py`` for the contract. CUDA tensors run the Triton kernels (``kernels.kv_cache``,
-``kernels.prefill_attention``, ``kernels.decode_attention``); CPU tensors run the fp32 references in
-``kernels.attention_ref``. ``paged_attention`` dispatches to the decode kernel when ``max_seqlen_q == 1`` and to the
-paged flash-prefill kernel otherwise. Inputs are validated on both paths so that a bad call fails the same way.
+``kernels.prefill_attention``, ``kernels.decode_attention``); CPU tensors run ``kernels.attention_cpu`` (the cache
+write, and decode steps: batched torch, equal to the references to fp32 rounding) or the fp32 references in
+``kernels.attention_ref`` (several new tokens per sequence, varlen attention). On CUDA ``paged_attention`` dispatches
+to the decode kernel when ``max_seqlen_q == 1`` and to the paged flash-prefill kernel otherwise. Inputs are validated
+on both paths so that a bad call fails the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import attention_ref as ref
+from ..attention_cpu import paged_decode_attention_cpu, write_kv_cache_cpu
 from ..decode_attention import decode_attention
 from ..kv_cache import check_kv_cache, write_kv_cache
 from ..prefill_attention import _check_cu, check_heads, paged_prefill_attention, varlen_attention as _varlen_triton
@@ -45,7 +48,7 @@ def write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     else:
         check_kv_cache(k_cache, v_cache)
-        ref.write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache_cpu(k, v, k_cache, v_cache, slot_mapping)
 
 
 @write_kv_cache_.register_fake
@@ -59,6 +62,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
     if not q.is_cuda:
+        # One new token per sequence (max_seqlen_q == 1 and T == S): the batched CPU decode path; else the reference.
+        if max_seqlen_q == 1 and q.shape[0] == seq_lens.shape[0]:
+            return paged_decode_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, scale).to(q.dtype)
         return ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
                                        scale).to(q.dtype)
     if max_seqlen_q == 1:
