@@ -2,8 +2,9 @@
 schema rules TensorRT validates (argument names and order, annotations), so that the glue's logic is exercised on a
 machine without TensorRT. It proves the glue is self-consistent with the documented API, not that TensorRT runs it.
 
-``python -m tests.trt_plugins.fake_tensorrt`` registers every spec, then for each spec's first sample calls the
-registered describe / autotune / aot_impl functions with symbolic token dims and prints a JSON summary.
+``python -m tests.trt_plugins.fake_tensorrt`` registers every spec, then for each spec's first sample (and the GEMMs'
+fp16 samples at every tactic) calls the registered describe / autotune / aot_impl functions with symbolic token dims
+and prints a JSON summary.
 """
 
 from __future__ import annotations
@@ -185,42 +186,51 @@ def install():
     return trt
 
 
+def _run(spec, s, tactic, trt, env):
+    """describe / autotune / aot_impl of ``spec`` on sample ``s`` (token dims symbolic: T * sampled) with ``tactic``."""
+    from trt_plugins.specs._base import LONG_NAMES
+
+    entry = REGISTRY[spec.qualified_name]
+    descs = {}
+    static = set(spec.static_dims)
+    for n in spec.inputs:
+        dims = [ShapeExpr(const=d) if (n, i) in static else ShapeExpr(lambda e, d=d: e["T"] * d)
+                for i, d in enumerate(s.shapes[n])]
+        descs[n] = TensorDesc(dims, getattr(trt, LONG_NAMES[s.dtypes[n]]))
+    attrs = spec.full_attrs(s.attrs)
+    outs = entry["register"](*descs.values(), **attrs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    combos = entry["autotune"](*descs.values(), **attrs, outputs=outs)
+    name, ptx, launch, extra = entry["aot_impl"](*descs.values(), **attrs, outputs=outs, tactic=tactic)
+    ev = lambda v: v.eval(env) if isinstance(v, ShapeExpr) else v  # noqa: E731
+    return dict(
+        kernel=name, ptx_has_entry=f".entry {name}" in ptx,
+        out_shapes=[[ev(d) for d in o.shape_expr] for o in outs],
+        aliased=[o.alias_of is not None for o in outs],
+        combos=[c.types for c in combos], tactics=[c.tactic_list for c in combos],
+        grid=[ev(launch.grid_x), ev(launch.grid_y), ev(launch.grid_z)], block=launch.block_x,
+        shared=launch.shared_mem, extra=[ev(x.v) for x in extra])
+
+
 def main():
     import torch
 
     trt = install()
     torch.cuda.get_device_capability = lambda *a: (9, 0)  # the build GPU the glue compiles for
     from trt_plugins.specs import SPECS
-    from trt_plugins.specs._base import LONG_NAMES
     from trt_plugins.trt_glue import load_plugins
 
     ids = load_plugins()
-    summary = {}
+    env = {"T": 37}
+    summary, cases = {}, []
     for op, spec in SPECS.items():
-        entry = REGISTRY[spec.qualified_name]
-        s = spec.samples[0]
-        env = {"T": 37}
-        descs = {}
-        static = set(spec.static_dims)
-        for n in spec.inputs:
-            dims = [ShapeExpr(const=d) if (n, i) in static else ShapeExpr(lambda e, d=d: e["T"] * d)
-                    for i, d in enumerate(s.shapes[n])]
-            descs[n] = TensorDesc(dims, getattr(trt, LONG_NAMES[s.dtypes[n]]))
-        attrs = spec.full_attrs(s.attrs)
-        outs = entry["register"](*descs.values(), **attrs)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        combos = entry["autotune"](*descs.values(), **attrs, outputs=outs)
-        tactic = spec.tactics[0] if spec.tactics else 0
-        name, ptx, launch, extra = entry["aot_impl"](*descs.values(), **attrs, outputs=outs, tactic=tactic)
-        ev = lambda v: v.eval(env) if isinstance(v, ShapeExpr) else v  # noqa: E731
-        summary[op] = dict(
-            kernel=name, ptx_has_entry=f".entry {name}" in ptx,
-            out_shapes=[[ev(d) for d in o.shape_expr] for o in outs],
-            aliased=[o.alias_of is not None for o in outs],
-            combos=[c.types for c in combos], tactics=[c.tactic_list for c in combos],
-            grid=[ev(launch.grid_x), ev(launch.grid_y), ev(launch.grid_z)], block=launch.block_x,
-            shared=launch.shared_mem, extra=[ev(x.v) for x in extra])
-    print(json.dumps({"ids": ids, "ops": summary}))
+        summary[op] = _run(spec, spec.samples[0], spec.tactics[0] if spec.tactics else 0, trt, env)
+        # The GEMMs' fp16 samples at every tactic: where the route names a CUDA kernel, aot_impl embeds its entry.
+        for i, s in enumerate(spec.samples):
+            if spec.tactics and s.dtypes["x"] == "fp16" and s.attrs.get(spec.tactic_attr) == spec.tactics[0]:
+                for tactic in spec.tactics:
+                    cases.append(dict(op=op, sample=i, tactic=tactic, **_run(spec, s, tactic, trt, env)))
+    print(json.dumps({"ids": ids, "ops": summary, "cases": cases}))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ def fake_run(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _int_shapes(spec, t=37):
+def _int_shapes(spec, t=37, s=None):
     """The shapes fake_tensorrt builds: static dims as sampled, every other dim = T * sampled value."""
-    s = spec.samples[0]
+    s = spec.samples[0] if s is None else s
     static = set(spec.static_dims)
     return {n: tuple(d if (n, i) in static else t * d for i, d in enumerate(dims)) for n, dims in s.shapes.items()}
 
@@ -58,6 +58,29 @@ def test_glue_agrees_with_the_spec(fake_run, op):
                                            *spec.output_dtypes(s.dtypes, attrs).values()])
     assert want in got["combos"], f"{want} not among {got['combos']}"
     assert all(t == list(spec.tactics) for t in got["tactics"])
+
+
+def test_glue_embeds_the_routed_cuda_kernels(fake_run):
+    """For the GEMMs' fp16 samples at every tactic, aot_impl returns the kernel the spec picks for the build's card
+    (sm_90 without a GPU: the H100): a CUDA entry where the torch route names one, its PTX, block, dynamic shared
+    memory, and a grid that is a shape expression of the token count (here T = 37 x 1)."""
+    from kernels.gemm import routing
+
+    kinds = set()
+    for case in fake_run["cases"]:
+        spec = SPECS[case["op"]]
+        s = spec.samples[case["sample"]]
+        attrs = spec.full_attrs({**s.attrs, spec.tactic_attr: case["tactic"]})
+        shapes = _int_shapes(spec, s=s)
+        sp = spec.specialise(shapes, s.dtypes, attrs, check=False, card=routing.H100)
+        want_name = sp.cuda.build.entry if sp.cuda else spec.entry_name
+        assert case["kernel"] == want_name and case["ptx_has_entry"], (case["op"], s.note, case["tactic"])
+        assert case["grid"] == list(sp.grid) + [1] * (3 - len(sp.grid))
+        assert case["extra"] == list(sp.scalars.values()) and case["block"] == 32 * sp.num_warps
+        if sp.cuda:
+            assert case["shared"] == sp.cuda.build.shared
+            kinds.add(sp.cuda.route[0])
+    assert {"w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma", "w8_gemv_mma"} <= kinds, kinds
 
 
 def test_without_tensorrt_the_glue_says_what_to_do():
