@@ -1,0 +1,127 @@
+"""The CUDA kernel variants the GEMM plugins can select, and the same variant run through its torch launcher: shared
+by the GPU tier (tests/trt_plugins/test_linear_aot_gpu.py), the memcheck script (memcheck_linear_aot.py) and the
+plugin-layer benchmark.
+
+``plugin_cases(card, shapes)``: one ``Case`` per distinct CUDA build the plugins pick on ``card`` for the given
+projections, fp16, every group size that divides K and every tactic. ``same_variant(case, ...)``: the torch launcher
+of the route's kernel forced to the plugin's variant (the plugin entry runs the same body, so the results must be
+bitwise equal; the GEMVs that take at most a few rows are run on the same row tiles the plugin walks over grid z).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trt_plugins.specs import SPECS
+from trt_plugins.specs.linear import TACTICS
+
+# (K, N, what): Llama-3-8B and SmolLM2-135M projections (as in test_linear_kernels.py).
+SHAPES = [(4096, 6144, "8B qkv"), (4096, 4096, "8B o"), (4096, 28672, "8B gate_up"), (14336, 4096, "8B down"),
+          (576, 960, "SmolLM2 qkv"), (576, 576, "SmolLM2 o"), (576, 3072, "SmolLM2 gate_up"),
+          (1536, 576, "SmolLM2 down")]
+# Small odd projections: partial column blocks (N not a multiple of 32 / 64), K that only the scalar GEMV takes (320).
+ODD_SHAPES = [(256, 100, "odd 256x100"), (320, 100, "odd 320x100"), (320, 192, "odd 320x192"), (512, 36, "odd 512x36")]
+GROUPS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    K: int
+    N: int
+    group_size: int  # 0 for W8A16Linear
+    m_hint: int
+    what: str
+
+    @property
+    def attrs(self) -> dict:
+        return ({"group_size": self.group_size, "m_hint": self.m_hint} if self.op == "W4A16Linear"
+                else {"m_hint": self.m_hint})
+
+    @property
+    def id(self) -> str:
+        g = f"-g{self.group_size}" if self.group_size else ""
+        return f"{self.op[:5]}-{self.what.replace(' ', '_')}{g}-t{self.m_hint}"
+
+    def shapes(self, m: int) -> dict:
+        K, N, g = self.K, self.N, self.group_size
+        if self.op == "W4A16Linear":
+            return {"x": (m, K), "qweight": (K // 8, N), "scales": (K // g, N), "zeros": (K // g, N)}
+        return {"x": (m, K), "qweight": (K, N), "scales": (N,)}
+
+    @property
+    def dtypes(self) -> dict:
+        if self.op == "W4A16Linear":
+            return {"x": "fp16", "qweight": "int32", "scales": "fp16", "zeros": "int8"}
+        return {"x": "fp16", "qweight": "int8", "scales": "fp16"}
+
+    def specialise(self, m: int, card):
+        return SPECS[self.op].specialise(self.shapes(m), self.dtypes, self.attrs, card=card)
+
+
+def plugin_cases(card, shapes=SHAPES) -> list[Case]:
+    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic)."""
+    seen, cases = set(), []
+    for K, N, what in shapes:
+        for op, groups in (("W4A16Linear", [g for g in GROUPS if K % g == 0]), ("W8A16Linear", [0])):
+            for g in groups:
+                for m in TACTICS:
+                    case = Case(op, K, N, g, m, what)
+                    sp = case.specialise(m, card)
+                    if sp.cuda is not None and sp.cuda.build not in seen:
+                        seen.add(sp.cuda.build)
+                        cases.append(case)
+    return cases
+
+
+def make_inputs(case: Case, m: int, device="cuda", scale=0.05):
+    """(inputs in plugin order, the dequantized fp32 weight [K, N]) with fresh random values."""
+    from kernels.quant import quantize_int4, quantize_int8, unpack_int4
+
+    w = torch.randn(case.N, case.K, device=device) * scale
+    x = torch.randn(m, case.K, device=device).half()
+    if case.op == "W8A16Linear":
+        q = quantize_int8(w, scale_dtype=torch.float16)
+        return [x, q.qweight, q.scales], q.qweight.float() * q.scales.float()
+    g = case.group_size
+    q = quantize_int4(w, g, scale_dtype=torch.float16)
+    wd = ((unpack_int4(q.qweight).float() - q.zeros.float().repeat_interleave(g, 0))
+          * q.scales.float().repeat_interleave(g, 0))
+    return [x, q.qweight, q.scales, q.zeros], wd
+
+
+def same_variant(case: Case, sp, ins) -> torch.Tensor:
+    """The plugin's kernel variant through the torch launcher (the JIT path's kernel, forced to the same plan)."""
+    from kernels.gemm.w4a16 import gemm_wgmma, gemv, gemv_mma
+    from kernels.gemm.w8a16 import gemv_mma as w8_gemv_mma
+
+    backend, plan = sp.cuda.route
+    p = dict(plan)
+    x = ins[0]
+    if backend == "w4_gemv_mma":
+        extra = {"ksplit": p["ksplit"]} if "ksplit" in p else {}  # fixed: the torch plan's K split moves with M
+        return gemv_mma.w4a16_gemv_mma(*ins, case.group_size, warps=p["warps"], u=p["u"], mmax=p["mmax"],
+                                       chains=p["chains"], mt=p["mt"], wscale=p["wscale"], sz_ahead=p["sz_ahead"],
+                                       x_ahead=p["x_ahead"], minb=p["minb"], **extra)
+    if backend == "w4_gemm_wgmma":
+        return gemm_wgmma.w4a16_gemm_wgmma(*ins, case.group_size, bm=p["bm"], wt=p["wt"], wgs=p["wgs"],
+                                           stages=p["stages"], splits=p["splits"], dsmem=p["dsmem"])
+    if backend == "w4_gemv":  # row tiles of gemv_m rows, as the plugin entry walks them over grid z
+        rows = p["gemv_m"]
+        return torch.cat([gemv.w4a16_gemv(x[i:i + rows], *ins[1:], case.group_size, tn=p["tn"])
+                          for i in range(0, x.shape[0], rows)])
+    if backend == "w8_gemv_mma":
+        return torch.cat([w8_gemv_mma.w8a16_gemv_mma(x[i:i + 8], *ins[1:], vec=p["vec"], warps=p["warps"], u=p["u"],
+                                                     ksplit=p["ksplit"]) for i in range(0, x.shape[0], 8)])
+    raise KeyError(backend)
+
+
+def routed_op(case: Case, ins) -> torch.Tensor:
+    """The torch op (what the model runs at this M: its own route)."""
+    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt)
+
+    if case.op == "W4A16Linear":
+        return torch.ops.tritrt.w4a16_linear(*ins, case.group_size)
+    return torch.ops.tritrt.w8a16_linear(*ins)
