@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 MODELS = ("llama",)
 QUANTS = ("none", "int8", "int4")
+INT4_METHODS = ("gptq", "rtn")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 GROUP_SIZES = (32, 64, 128)
 HALF_DTYPES = ("float16", "bfloat16")
@@ -71,6 +72,12 @@ def parse_args(argv=None):
                    "(TensorRT's attention and GEMM plugins take only these two); float32 builds for CPU checks only")
     p.add_argument("--group-size", type=int, help="int4 group size along in_features: 32, 64 or 128 (default: 128; "
                    "only int4 uses it)")
+    p.add_argument("--int4-method", choices=INT4_METHODS, help="how int4 weights are rounded (default: gptq): gptq "
+                   "calibrates them on a shipped text (As You Like It), layer by layer on the CPU; rtn rounds each "
+                   "weight to the nearest grid point (instant, worse quality; GPTQ/AWQ checkpoints keep their own)")
+    p.add_argument("--calib-seqs", type=int, help="GPTQ calibration sequences (default: 64)")
+    p.add_argument("--calib-len", type=int, help="tokens per GPTQ calibration sequence (default: 512, at most the "
+                   "model's max_position_embeddings)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens, a power of two <= 128")
     p.add_argument("--max-num-tokens", type=int, default=2048, help="most tokens in one step (prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step (decode batch)")
@@ -85,9 +92,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quant == "int4" and args.group_size is not None and args.group_size not in GROUP_SIZES:
         p.error(f"--group-size {args.group_size}: choose 32, 64 or 128")
+    if args.calib_len is not None and args.calib_len < 2:
+        p.error(f"--calib-len {args.calib_len}: must be >= 2")
     if args.block_size < 1 or args.block_size > 128 or args.block_size & (args.block_size - 1):
         p.error(f"--block-size {args.block_size}: choose a power of two in 1..128")
-    for name in ("max_num_tokens", "max_num_seqs", "max_seq_len", "num_blocks"):
+    for name in ("max_num_tokens", "max_num_seqs", "max_seq_len", "num_blocks", "calib_seqs"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -124,6 +133,7 @@ class Plan:
     sm: int
     sm_source: str
     limits: dict
+    int4_method: Optional[str] = None  # int4 only: "gptq" or "rtn"; None for a GPTQ/AWQ checkpoint (its own int4)
     notes: list[str] = field(default_factory=list)
 
 
@@ -192,6 +202,13 @@ def plan_build(args) -> Plan:
     notes += [note] if note else []
     if args.quant != "int4" and args.group_size is not None:
         notes.append(f"--group-size {args.group_size} ignored: only --quant int4 uses it")
+    prequantized = bool((hf or {}).get("quantization_config"))
+    int4_method = None if args.quant != "int4" or prequantized else (args.int4_method or "gptq")
+    given = [f"--{o.replace('_', '-')}" for o in ("int4_method", "calib_seqs", "calib_len") if getattr(args, o)]
+    if int4_method != "gptq" and given and not (int4_method == "rtn" and given == ["--int4-method"]):
+        unused = given if int4_method is None else [o for o in given if o != "--int4-method"]
+        notes.append(f"{' '.join(unused)} ignored: only --quant int4 --int4-method gptq uses "
+                     f"{'them' if len(unused) > 1 else 'it'}")
     if args.sm:
         sm, sm_source = args.sm, "--sm"
     else:
@@ -201,7 +218,7 @@ def plan_build(args) -> Plan:
                              f"--sm with one of {', '.join(map(str, _supported_sms()))} to build for another card")
     return Plan(out=out, source=source, checkpoint=ckpt_dir, config=config, hf_config=hf, dtype=dtype,
                 group_size=args.group_size or 128, sm=sm, sm_source=sm_source, limits=_limits(args, config),
-                notes=notes)
+                int4_method=int4_method, notes=notes)
 
 
 def _export_onnx(model, tmp: Path, args, log, progress) -> list[str]:
@@ -276,6 +293,31 @@ def _copy_hf_files(plan: Plan, ckpt_dir: Path, tmp: Path) -> tuple[Optional[list
                   f"`python -m export.run OUT --prompt-ids 1,2,3`"]
 
 
+def _gptq_model(ckpt_dir: Path, plan: Plan, args, log, progress):
+    """The checkpoint's model with GPTQ int4 weights (``export.gptq``, calibrated in float32 on the CPU) and
+    everything else in the build's dtype; returns ``(model, what build.json records)``."""
+    import torch
+
+    from .checkpoint import load_checkpoint
+    from .gptq import CALIB_LEN, CALIB_SEQS, timed_gptq
+    from .model import LlamaModel
+
+    dtype = getattr(torch, plan.dtype)
+    ckpt = load_checkpoint(ckpt_dir, dtype=torch.float32)
+    seqs, length = args.calib_seqs or CALIB_SEQS, min(args.calib_len or CALIB_LEN, plan.config.max_position_embeddings)
+    with progress.step(f"GPTQ int4: calibrating on {seqs} x {length} tokens", total=4 * plan.config.num_layers) as step:
+        weights, info = timed_gptq(plan.config, ckpt.state_dict, ckpt_dir, plan.group_size, dtype, seqs, length,
+                                   on_weight=lambda name: step())
+    log(f"GPTQ int4: calibrated on {info['calibration']} in {info['seconds']:.1f} s")
+    plan.notes.append(f"int4 by GPTQ, calibrated on {info['calibration']} ({info['seconds']:.0f} s; "
+                      f"--int4-method rtn rounds to nearest instead)")
+    cast = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in weights.items()}
+    if weights.get("lm_head") is weights.get("embed"):
+        cast["lm_head"] = cast["embed"]
+    model = LlamaModel(plan.config, cast, quant="int4", group_size=plan.group_size, quantized=True)
+    return model, info
+
+
 @dataclass
 class BuildResult:
     out: Path
@@ -304,9 +346,14 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
                 ckpt_dir = _write_tiny(tmp / "_tiny_checkpoint", args.seed)
             log(f"--tiny: built-in tiny LLaMA (seed {args.seed})")
         t0 = time.perf_counter()
-        with progress.step(f"loading {'and quantizing ' if args.quant != 'none' else ''}the weights ({plan.dtype})"):
-            model = LlamaModel.from_checkpoint(ckpt_dir, quant=args.quant, dtype=getattr(torch, plan.dtype),
-                                               group_size=plan.group_size)
+        gptq = None
+        if plan.int4_method == "gptq":
+            model, gptq = _gptq_model(ckpt_dir, plan, args, log, progress)
+        else:
+            with progress.step(f"loading {'and quantizing ' if args.quant != 'none' else ''}the weights "
+                               f"({plan.dtype})"):
+                model = LlamaModel.from_checkpoint(ckpt_dir, quant=args.quant, dtype=getattr(torch, plan.dtype),
+                                                   group_size=plan.group_size)
         if model.quant != args.quant:  # a GPTQ/AWQ checkpoint
             method = (plan.hf_config or {}).get("quantization_config", {}).get("quant_method")
             plan.notes.append(f"{method} checkpoint: its own {model.quant} (group {model.group_size}) weights are "
@@ -320,7 +367,7 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
             plan.notes.append("int4 group sizes: " + ", ".join(f"{k} {g}" for k, g in group_sizes.items()))
         build = dict(tritrt_version=1, model=args.model, quant=model.quant,
                      group_size=model.group_size if model.quant == "int4" else None,
-                     group_sizes=group_sizes or None, dtype=plan.dtype,
+                     group_sizes=group_sizes or None, int4_method=plan.int4_method, gptq=gptq, dtype=plan.dtype,
                      block_size=args.block_size, sm=plan.sm, sm_source=plan.sm_source, **plan.limits,
                      config=plan.config.to_dict(),
                      source=str(plan.source.resolve()) if plan.source else f"built-in tiny (seed {args.seed})")

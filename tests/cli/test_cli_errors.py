@@ -78,6 +78,9 @@ def test_build_missing_checkpoint(tmp_path):
     (["--block-size", "0"], "--block-size 0: choose a power of two in 1..128"),
     (["--block-size", "12"], "--block-size 12"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--quant", "int4", "--int4-method", "awq"], "invalid choice: 'awq' (choose from gptq, rtn)"),
+    (["--quant", "int4", "--calib-seqs", "0"], "--calib-seqs must be >= 1"),
+    (["--quant", "int4", "--calib-len", "1"], "--calib-len 1: must be >= 2"),
     (["--max-seq-len", "100000"], "--max-seq-len 100000 exceeds the model's max_position_embeddings 256"),
     (["--dtype", "float64"], "invalid choice: 'float64'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -253,7 +256,8 @@ def test_run_prompt_ids(no_tokenizer_out, built_out, capsys):
 
 @pytest.mark.parametrize("module, options", [
     ("build", ["--quant", "--dtype", "--group-size", "--block-size", "--max-num-tokens", "--max-num-seqs",
-               "--max-seq-len", "--seed", "--checkpoint", "--out", "--sm", "--timing-cache", "--model"]),
+               "--max-seq-len", "--seed", "--checkpoint", "--out", "--sm", "--timing-cache", "--model",
+               "--int4-method", "--calib-seqs", "--calib-len"]),
     ("run", ["--backend", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--block-size", "--device",
              "--num-blocks", "--seed"]),
 ])

@@ -31,13 +31,14 @@ def _build(capsys, *argv):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_dirs):
     """OUT dirs of the tiny fixture checkpoint for each quant mode (int4 at group 32: hidden 64, intermediate 160), in
-    float32 so that their weights can be compared exactly with the checkpoint's."""
+    float32 so that their weights can be compared exactly with the checkpoint's; int4 rounds to nearest, which
+    ``quantize_state_dict`` reproduces (GPTQ builds: tests/export/test_gptq.py)."""
     outs = {}
     for quant in ("none", "int8", "int4"):
         out = tmp_path_factory.mktemp("out") / quant
         rc = B.main(["--model", "llama", "--quant", quant, "--checkpoint", str(tiny_dirs("llama")), "--out", str(out),
                      "--group-size", "32", "--block-size", "4", "--max-num-seqs", "8", "--max-num-tokens", "64",
-                     "--dtype", "float32"])
+                     "--dtype", "float32"] + (["--int4-method", "rtn"] if quant == "int4" else []))
         assert rc == 0
         outs[quant] = out
     return outs
@@ -101,6 +102,7 @@ def test_builtin_tiny_int4_default_group(tmp_path, capsys):
     assert re.search("engine skipped: (only TensorRT-RTX|TensorRT is not installed)", stdout)
     build = json.loads((out / "build.json").read_text())
     assert build["group_size"] == 128 and build["source"].startswith("built-in tiny")
+    assert build["int4_method"] == "gptq" and build["gptq"]["tokens_per_sequence"] == 512  # calibrated by default
     # --dtype auto on the float32 tiny model: float16, which TensorRT's plugins take, and a note saying why
     assert build["dtype"] == "float16" and "dtype float16: the built-in tiny model is float32" in stdout
     assert any(n.startswith("dtype float16") for n in build["notes"]) and "total time:" in stdout
