@@ -153,7 +153,8 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
           if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M < DEQUANT_MIN_M_W4 else None)
     if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
-        return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count))
+        return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
+                                                                      clusters=card.sm >= 90))
     if wg is not None:
         return _route("w4_gemm_wgmma", fused, wg)
     if (not residual and M <= CUDA_GEMV_MAX_M and not swiglu

@@ -175,6 +175,34 @@ def test_mma_gemv_plan_and_support():
         assert 1 <= p["warps"] <= K // (32 * p["u"])
 
 
+def test_mma_gemv_splits_k_over_a_cluster_only_where_columns_leave_sms_idle():
+    """Narrow weights with a long K (Llama-3.2-1B's down: 64 column blocks, K 8192) get a cluster of blocks
+    splitting K: the largest that keeps one block per SM and the unsplit plan's warps per block busy; a split that
+    would put two blocks on an SM (70B-per-GPU q|k|v, 80 blocks), halve the warps (K 2048), wide weights, and GPUs
+    without clusters get none. The grid's y is the cluster."""
+    for M, N, K, want in [(1, 2048, 8192, 2), (16, 2048, 8192, 2), (1, 2560, 8192, 1), (1, 2048, 2048, 1),
+                          (1, 1024, 4096, 2), (1, 256, 65536, 8), (1, 4096, 4096, 1), (1, 6144, 4096, 1),
+                          (1, 36, 128, 1), (1, 2048, 384, 1)]:
+        p = mma.gemv_plan(M, N, K, 128)
+        assert p["ksplit"] == want, (M, N, K)
+        assert p["grid"] == (-(-N // 32) * -(-M // (8 * p["mt"])), want)
+        assert (K // (32 * p["u"])) % want == 0 and 1 <= p["warps"] <= K // (32 * p["u"] * want)
+        assert mma.gemv_plan(M, N, K, 128, clusters=False)["ksplit"] == 1
+    assert "ksplit=3" in mma.unsupported_reason(1, 4096, 4096, 128, torch.float16, ksplit=3)
+    assert "divide" in mma.unsupported_reason(1, 4096, 384, 128, torch.float16, ksplit=2)
+    # The unsplit builds' flags (so their cache keys and code) are what they were before the split existed.
+    assert not any("KSPLIT" in f for f in mma.variant_flags(8, 4, 4, 8))
+    assert "-DGEMV_KSPLIT=4" in mma.variant_flags(8, 4, 4, 8, ksplit=4)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
+def test_mma_gemv_k_split_build_is_a_cluster_kernel():
+    art = mma.compile_variant(8, 4, 4, 8, 1, False, 1, False, True, 2, True, ksplit=4)
+    assert ".reqnctapercluster 1, 4, 1" in art.ptx and art.cubin
+    plain = mma.compile_variant(8, 4, 4, 8, 1, False, 1, False, True, 2, True)
+    assert ".reqnctapercluster" not in plain.ptx
+
+
 def test_mma_gemv_rejects_unsupported_input():
     x = torch.randn(1, 128, dtype=torch.bfloat16)
     qw = quantize_int4(torch.randn(16, 128, dtype=torch.bfloat16), 64)
@@ -201,7 +229,8 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
     variants = [{}, dict(chains=1), dict(l2_256=True), dict(warps=max(1, plan["warps"] // 2)),
                 dict(u=8) if K % 256 == 0 else dict(warps=1), dict(sz_ahead=not plan["sz_ahead"]),
                 dict(x_ahead=not plan["x_ahead"]), dict(u=2, sz_ahead=False, x_ahead=False)] + (
-                    [dict(mmax=1)] if M == 1 else [])
+                    [dict(mmax=1)] if M == 1 else []) + [
+                    dict(ksplit=s) for s in (2, 4, 8) if K % (128 * s) == 0 and s != plan["ksplit"]]
     for ov in variants:
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
@@ -227,7 +256,8 @@ def test_mma_gemm_tiled_in_m_matches_reference(M, N, K, group_size, symmetric):
     """M > 8: x tiles of 8 rows per block (mt), fp16-scaled weights (wscale), partial last tiles, odd N."""
     x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 17 + N + K)
     for ov in ({}, dict(mt=2, wscale=False), dict(mt=2, wscale=True), dict(mt=8, warps=1), dict(mt=4, u=2),
-               dict(mt=2, sz_ahead=True), dict(mt=4, sz_ahead=True, wscale=True)):
+               dict(mt=2, sz_ahead=True), dict(mt=4, sz_ahead=True, wscale=True)) + tuple(
+                   dict(mt=2, ksplit=s) for s in (2, 8) if K % (128 * s) == 0):
         out = poisoned((M, N), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
         # wscale rounds each (q - z) * s to fp16 once, as dequantize() does for cuBLAS's weight; sums are fp32: at
@@ -248,7 +278,8 @@ def test_mma_gemv_swiglu_epilogue(M, N, K, group_size, symmetric):
     x, qw, bias, _, _ = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 7 + N + K)
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, None, True)
     base = dequant_baseline(x, qw, bias, swiglu=True)
-    for ov in ({}, dict(warps=1), dict(sz_ahead=False, x_ahead=False)) + ((dict(mt=2),) if M > 8 else ()):
+    for ov in ({}, dict(warps=1), dict(sz_ahead=False, x_ahead=False), dict(ksplit=2)) + (
+            (dict(mt=2), dict(mt=2, ksplit=4)) if M > 8 else ()):
         out = poisoned((M, N // 2), torch.float16, "cuda")
         y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True, **ov)
         # fp32 sums, SwiGLU in fp32, one fp16 rounding: at most twice PyTorch's fp16 error (which rounds the GEMM

@@ -65,6 +65,18 @@
 #ifndef GEMV_MINB
 #define GEMV_MINB 1  // blocks per SM asked of ptxas (__launch_bounds__): caps the registers per thread
 #endif
+#ifndef GEMV_KSPLIT
+#define GEMV_KSPLIT 1  // blocks of one thread-block cluster (grid y) splitting K: 1, 2, 4 or 8
+#endif
+#if GEMV_KSPLIT > 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "GEMV_KSPLIT > 1 uses thread-block clusters (sm_90+); build with GEMV_KSPLIT=1 for older GPUs"
+#endif
+#include <cooperative_groups.h>
+#define GEMV_CLUSTER_DIMS __cluster_dims__(1, GEMV_KSPLIT, 1)
+#else
+#define GEMV_CLUSTER_DIMS
+#endif
 
 namespace {
 using namespace tritrt;
@@ -76,6 +88,8 @@ static_assert(GEMV_MMAX == 1 || GEMV_MMAX == 8, "GEMV_MMAX is 1 or 8");
 static_assert(GEMV_CHAINS == 1 || GEMV_CHAINS == 2, "GEMV_CHAINS is 1 or 2");
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "GEMV_MT is 1..8");
 static_assert(GEMV_MT == 1 || (GEMV_MMAX == 8 && GEMV_CHAINS == 1), "GEMV_MT > 1 needs GEMV_MMAX 8, GEMV_CHAINS 1");
+static_assert(GEMV_KSPLIT == 1 || GEMV_KSPLIT == 2 || GEMV_KSPLIT == 4 || GEMV_KSPLIT == 8,
+              "GEMV_KSPLIT is 1, 2, 4 or 8 (portable cluster sizes)");
 constexpr int kRows = GEMV_MT * GEMV_MMAX;  // x rows per block
 
 // One chunk in registers: the weights (kU packed rows of 4 columns per lane); with GEMV_SZ_AHEAD the raw scales
@@ -106,7 +120,7 @@ __device__ __forceinline__ int4 load_weight(const int4* p) {
 
 }  // namespace
 
-TRITRT_ENTRY(__launch_bounds__(32 * GEMV_WARPS, GEMV_MINB))
+TRITRT_ENTRY(GEMV_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB))
 w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                int M, int N, int K, int group_size, int stride_xm, int has_zeros, int has_bias,
@@ -120,7 +134,10 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   const int m0 = (blockIdx.x % mtiles) * kRows;
   const int col = (blockIdx.x / mtiles) * 32 + 4 * g;
   const bool col_ok = col < N;              // N % 4 == 0: a lane's 4 columns are all in or all out
-  const int chunks = K / (32 * kU);          // chunk = 4 * kU packed rows
+  // chunk = 4 * kU packed rows; with GEMV_KSPLIT the cluster's blocks (grid y) take consecutive runs of chunks
+  // (the launcher checks that KSPLIT divides the chunks), so a run starts on a scale group as a chunk does.
+  const int chunks = K / (32 * kU) / GEMV_KSPLIT;
+  const int cbase = GEMV_KSPLIT > 1 ? (int)blockIdx.y * chunks : 0;
   const int gshift = __ffs(group_size) - 1;  // group_size is a power of two (launcher)
 
   float acc[GEMV_MT][2][4];
@@ -159,7 +176,8 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
     return x_ok[mt] ? __ldg(xw[mt] + (size_t)(c * kU + u) * 4) : make_int4(0, 0, 0, 0);
   };
 
-  auto load_chunk = [&](int c, Chunk& b) {
+  auto load_chunk = [&](int c, Chunk& b) {  // c: this block's chunk index (its run starts at cbase)
+    c += cbase;
     const int4* p = qw + (size_t)c * kU * N;
 #pragma unroll
     for (int u = 0; u < kU; ++u) b.q[u] = load_weight(p + u * q_u);
@@ -176,6 +194,7 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   };
 
   auto process_chunk = [&](int c, const Chunk& b) {
+    c += cbase;
     const int4 (&q)[kU] = b.q;
 #if GEMV_WSCALE
     uint32_t s2[4];  // the 4 columns' scales, each in both halves of a half2
@@ -302,13 +321,37 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   // Outputs of this block: 32 columns per x row, or with SwiGLU 16 = silu(column 2j) * column 2j + 1 (out is
   // [M, N / 2]; N is a multiple of 4, so a pair never straddles N).
   const int per_row = swiglu ? 16 : 32, n_out = swiglu ? N / 2 : N;
+#if GEMV_KSPLIT == 1
   auto column_sum = [&](int r, int cl, int n) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += red[w][r][cl];
     return has_bias ? sum + __half2float(bias[n]) : sum;
   };
-  for (int i = threadIdx.x; i < kRows * per_row; i += 32 * kWarps) {
+  const int i0 = 0, i1 = kRows * per_row;
+#else
+  // Sum over warps into red[0] (each thread reads and writes only its own (m, cl)), then over the cluster: block r
+  // finishes outputs r * n / KSPLIT .. of the tile from every block's red[0], read through DSMEM in a fixed order
+  // (deterministic). The second cluster barrier keeps each block's shared memory alive until all reads are done.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  for (int i = threadIdx.x; i < kRows * 32; i += 32 * kWarps) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red[w][i / 32][i % 32];
+    red[0][i / 32][i % 32] = sum;
+  }
+  cluster.sync();
+  auto column_sum = [&](int r, int cl, int n) {
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < GEMV_KSPLIT; ++q) sum += *cluster.map_shared_rank(&red[0][r][cl], q);
+    return has_bias ? sum + __half2float(bias[n]) : sum;
+  };
+  const int i0 = (int)cluster.block_rank() * (kRows * per_row / GEMV_KSPLIT);
+  const int i1 = i0 + kRows * per_row / GEMV_KSPLIT;
+#endif
+  for (int i = i0 + threadIdx.x; i < i1; i += 32 * kWarps) {
     const int r = i / per_row, m = m0 + r, cl = swiglu ? 2 * (i % per_row) : i % per_row;
     const int n = (blockIdx.x / mtiles) * 32 + cl;
     if (m < M && n < N) {
@@ -316,6 +359,9 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
       out[(size_t)m * n_out + (swiglu ? n / 2 : n)] = __float2half_rn(v);
     }
   }
+#if GEMV_KSPLIT > 1
+  cluster.sync();
+#endif
 }
 
 #ifdef TRITRT_PLUGIN_ENTRY
@@ -327,7 +373,7 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 #ifndef TRITRT_GROUP_SIZE
 #error "the plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
 #endif
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB)
+extern "C" __global__ void GEMV_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB)
 tritrt_w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                       const uint8_t* __restrict__ zeros, int M, int N, int K, int /*unused*/, half* __restrict__ y) {
   w4a16_gemv_mma(x, qweight, scales, zeros, scales, y, M, N, K, TRITRT_GROUP_SIZE, K, 1, 0, 0);

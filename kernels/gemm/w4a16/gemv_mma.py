@@ -54,8 +54,8 @@ PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*
 _KERNELS: dict = {}
 
 
-def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: int = U_DEFAULT
-                       ) -> Optional[str]:
+def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: int = U_DEFAULT,
+                       ksplit: int = 1) -> Optional[str]:
     """None if this GEMV handles the shape, else why not (the op then uses the scalar GEMV or Triton)."""
     if dtype != torch.float16:
         return f"activations are {dtype}; the tensor-core GEMV is fp16 only"
@@ -65,10 +65,15 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
         return f"N={N} is not a multiple of 4 (16-byte weight loads)"
     if K % (32 * u):
         return f"K={K} is not a multiple of {32 * u} (a warp step is {4 * u} packed rows)"
+    if ksplit not in KSPLITS or K % (32 * u * ksplit):
+        return f"ksplit={ksplit}: must be one of {KSPLITS} and divide K / {32 * u} = {K // (32 * u)} chunks"
     if group_size < 32 or group_size & (group_size - 1):
         # A lane quad's 4 packed rows (32 k) must share one scale, and the group index is a shift.
         return f"group_size={group_size} is not a power of two >= 32"
     return None
+
+
+KSPLITS = (1, 2, 4, 8)  # blocks of one cluster splitting K (sm_90 clusters; 8 is the portable maximum)
 
 
 def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
@@ -82,8 +87,36 @@ def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
 MT_DEFAULT = 2
 
 
+def _plan_warps(blocks: int, chunks: int, mt: int, regs: int, sm_count: int) -> int:
+    """The most warps per block (shared memory for the cross-warp sum: warps * mt KiB, kept <= 32 KiB) that still fit
+    all ``blocks`` in one wave, at most one per chunk of K."""
+    choices = [w for w in WARPS if w * mt <= 32]
+    warps = next((w for w in choices if blocks <= sm_count * _blocks_per_sm(w, regs)),
+                 choices[-1] if mt == 1 else min(4, choices[0]))
+    while warps > 1 and warps > chunks:
+        warps //= 2
+    return warps
+
+
+def default_ksplit(blocks: int, chunks: int, warps: int, sm_count: int, clusters: bool) -> int:
+    """Blocks per cluster splitting K: the largest split that still puts every block on its own SM (``blocks *
+    ksplit <= sm_count``) and leaves each block at least ``warps`` chunks (the unsplit plan's warps per block), so
+    that a split adds resident warps without a second block on any SM; 1 without clusters.
+
+    H100, Llama-family shapes the plans were not tuned on (benchmarks/results/dev-logs/h100/
+    bench_gemm_routed_general_ksplit_fill.md against h100/bench_gemm_routed_general.md), speed-up over cuBLAS without
+    -> with a split: 1b_down (K 8192, N 2048: 64 -> 128 blocks of 16 warps) M = 1 2.35 -> 2.44, M = 16 1.72 -> 1.96;
+    where a split halved the warps per block (1b_o, K 2048: 1.75 -> 1.48; 1b_qkv 1.89 -> 1.47) or put two blocks on
+    some SMs (70b_tp4_qkv, 80 -> 160 blocks: 2.57 -> 2.22) it lost, which this rule excludes."""
+    if not clusters:
+        return 1
+    fits = [s for s in KSPLITS if chunks % s == 0 and blocks * s <= sm_count and chunks // s >= warps]
+    return max(fits, default=1)
+
+
 def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
-              sm_count: int = 132, mt: Optional[int] = None, wscale: Optional[bool] = None) -> dict:
+              sm_count: int = 132, mt: Optional[int] = None, wscale: Optional[bool] = None,
+              ksplit: Optional[int] = None, clusters: bool = True) -> dict:
     """Variant and grid: 32 columns (times the row tiles for M > 8) per block, and the most warps per block
     (splitting K, at most one per chunk) that still fit every block in one wave. H200 runs 1-2
     (benchmarks/results/dev-logs/h200/bench_gemm_summary.md): a second partial wave took 21% longer at qkv
@@ -94,16 +127,15 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     if wscale is None:
         wscale = mt >= 4  # per-group fp32 partial sums for 4+ tiles would double the accumulator registers
     rows = MAX_M * mt
-    blocks = -(-N // 32) * -(-M // rows)
-    chunks = K // (32 * u)
+    col_blocks = -(-N // 32) * -(-M // rows)
     regs = REGS_BY_MT.get(mt, 256)
+    if ksplit is None:
+        unsplit = _plan_warps(col_blocks, K // (32 * u), mt, regs, sm_count) if warps is None else warps
+        ksplit = default_ksplit(col_blocks, K // (32 * u), unsplit, sm_count, clusters)
+    chunks = K // (32 * u) // ksplit  # per block
+    blocks = col_blocks * ksplit
     if warps is None:
-        # shared memory for the cross-warp sum: warps * mt KiB, kept <= 32 KiB
-        choices = [w for w in WARPS if w * mt <= 32]
-        warps = next((w for w in choices if blocks <= sm_count * _blocks_per_sm(w, regs)),
-                     choices[-1] if mt == 1 else min(4, choices[0]))
-        while warps > 1 and warps > chunks:
-            warps //= 2
+        warps = _plan_warps(blocks, chunks, mt, regs, sm_count)
     # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) two accumulator chains ran 23.6 us at
     # M = 1 against 28.6-32.2 us with one (H200); with more warps per block one chain was best. The M = 1 build
     # (GEMV_MMAX 1, which skips the other rows' loads and FMAs) is not used: H100 (benchmarks/results/
@@ -119,26 +151,29 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     # spills, 1.20-1.30x unbounded (H100, benchmarks/results/dev-logs/h100/bench_gemm_gemv_minb.log).
     return dict(warps=warps, u=u, gsteps=min(group_size // 32, u), mmax=MAX_M, chains=2 if few else 1, mt=mt,
                 wscale=bool(wscale), sz_ahead=SZ_AHEAD, x_ahead=X_AHEAD and mt == 1,
-                minb=min(-(-blocks // sm_count), _blocks_per_sm(warps, regs)), grid=(blocks,))
+                minb=min(-(-blocks // sm_count), _blocks_per_sm(warps, regs)), ksplit=ksplit,
+                grid=(col_blocks, ksplit))
 
 
 def variant_flags(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
-                  mt: int = 1, wscale: bool = False, sz_ahead: bool = False, minb: int = 1, x_ahead: bool = False):
+                  mt: int = 1, wscale: bool = False, sz_ahead: bool = False, minb: int = 1, x_ahead: bool = False,
+                  ksplit: int = 1):
+    # GEMV_KSPLIT only when > 1: the flags (so the cache keys and builds) of the unsplit variants stay what they were
     return (f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_GSTEPS={gsteps}", f"-DGEMV_MMAX={mmax}",
             f"-DGEMV_CHAINS={chains}", f"-DGEMV_L2_256={int(l2_256)}", f"-DGEMV_MT={mt}",
             f"-DGEMV_WSCALE={int(wscale)}", f"-DGEMV_SZ_AHEAD={int(sz_ahead)}", f"-DGEMV_MINB={minb}",
-            f"-DGEMV_X_AHEAD={int(x_ahead)}")
+            f"-DGEMV_X_AHEAD={int(x_ahead)}") + ((f"-DGEMV_KSPLIT={ksplit}",) if ksplit > 1 else ())
 
 
 def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CHAINS, l2_256: bool = L2_256,
                     mt: int = 1, wscale: bool = False, sz_ahead: bool = False, minb: int = 1, x_ahead: bool = False,
-                    sm: int = 90):
-    """The PTX/cubin artifact for one variant (no GPU needed)."""
+                    ksplit: int = 1, sm: int = 90):
+    """The PTX/cubin artifact for one variant (no GPU needed; ``ksplit`` > 1 needs sm >= 90)."""
     from kernels.aot.compile import compile_cuda
 
     return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps,
                         extra_flags=variant_flags(warps, u, gsteps, mmax, chains, l2_256, mt, wscale, sz_ahead, minb,
-                                                  x_ahead))
+                                                  x_ahead, ksplit))
 
 
 PLUGIN_KERNEL = "tritrt_w4a16_gemv_mma"  # the .cu's TensorRT plugin entry
@@ -147,9 +182,9 @@ PLUGIN_KERNEL = "tritrt_w4a16_gemv_mma"  # the .cu's TensorRT plugin entry
 def plugin_build(plan: dict, group_size: int):
     """The plugin entry of ``plan``'s variant (a ``gemv_plan``; flags as the torch launcher builds the plan) for
     ``trt_plugins``: (x, qweight, scales, zeros, M, N, K, unused, y), zero points, no bias, no SwiGLU; grid as the
-    plan's, ``cdiv(N, 32) * cdiv(M, 8 * mt)`` blocks."""
+    plan's, ``cdiv(N, 32) * cdiv(M, 8 * mt)`` blocks in x and ``plan["ksplit"]`` (the cluster splitting K) in y."""
     flags = variant_flags(plan["warps"], plan["u"], plan["gsteps"], plan["mmax"], plan["chains"], L2_256, plan["mt"],
-                          plan["wscale"], plan["sz_ahead"], plan["minb"], plan["x_ahead"])
+                          plan["wscale"], plan["sz_ahead"], plan["minb"], plan["x_ahead"], plan.get("ksplit", 1))
     return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"], group_size=group_size)
 
 
@@ -158,10 +193,10 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
                    chains: Optional[int] = None, l2_256: bool = L2_256, mt: Optional[int] = None,
                    wscale: Optional[bool] = None, sz_ahead: Optional[bool] = None, x_ahead: Optional[bool] = None,
-                   minb: Optional[int] = None, swiglu: bool = False) -> torch.Tensor:
+                   minb: Optional[int] = None, ksplit: Optional[int] = None, swiglu: bool = False) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 on tensor cores; with ``swiglu`` (W's columns interleaved gate/up
     pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``u``/``warps``/``mmax``/
-    ``chains``/``l2_256``/``mt``/``wscale``/``sz_ahead``/``x_ahead``/``minb`` override the plan's variant
+    ``chains``/``l2_256``/``mt``/``wscale``/``sz_ahead``/``x_ahead``/``minb``/``ksplit`` override the plan's variant
     (benchmarks, tests)."""
     from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
@@ -177,7 +212,12 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    scales, bias, out, (M, N // 2 if swiglu else N))
     if mt is not None and mt not in (1, 2, 4, 8):
         raise ValueError(f"tensor-core W4A16 GEMV: mt={mt} must be 1, 2, 4 or 8")
-    plan = gemv_plan(M, N, K, group_size, u, warps, device_sm_count(x.device), mt, wscale)
+    clusters = torch.cuda.get_device_capability(x.device)[0] >= 9
+    if ksplit is not None and (unsupported_reason(M, N, K, group_size, x.dtype, u, ksplit) or
+                               (ksplit > 1 and not clusters)):
+        raise ValueError(f"tensor-core W4A16 GEMV: ksplit={ksplit} needs sm_90 clusters and must divide K / "
+                         f"{32 * u} = {K // (32 * u)} into one of {KSPLITS}")
+    plan = gemv_plan(M, N, K, group_size, u, warps, device_sm_count(x.device), mt, wscale, ksplit, clusters)
     if mmax is not None and (mmax not in (1, MAX_M) or (mmax == 1 and M > 1) or (mmax == 1 and plan["mt"] > 1)):
         raise ValueError(f"tensor-core W4A16 GEMV: mmax={mmax} must be {MAX_M}, or 1 for M = 1 with mt = 1")
     if plan["warps"] * plan["mt"] > 32:
@@ -188,7 +228,7 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("tensor-core W4A16 GEMV: chains=2 is for mt = 1 only")
     build = (plan["warps"], plan["u"], plan["gsteps"], mmax or plan["mmax"], chains, bool(l2_256), plan["mt"],
              plan["wscale"], plan["sz_ahead"] if sz_ahead is None else bool(sz_ahead), minb or plan["minb"],
-             plan["x_ahead"] if x_ahead is None else bool(x_ahead))
+             plan["x_ahead"] if x_ahead is None else bool(x_ahead), plan["ksplit"])
     cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
