@@ -1,0 +1,194 @@
+"""One decoder layer's decode step as the TensorRT engine runs it vs the torch path, Llama-3-8B shape, bs 1, ctx 512.
+
+"plugin": every op of the plugin graph (``export.onnx_export``'s layer: FusedAddRmsNorm, W*A16Linear qkv, Rope,
+WriteKvCache, PagedAttention, W*A16Linear o, FusedAddRmsNorm, W*A16Linear gate/up, SwiGLU, W*A16Linear down) is its
+plugin's AOT kernel -- the one the engine embeds for M = 1 (the GEMMs' tactic 1, which on this GPU is the kernel the
+torch op routes to: ``trt_plugins.specs.linear_kernels``) -- compiled ahead of time and launched through the CUDA driver
+(``trt_plugins.aot.run_aot``, ``kernels.aot.launcher.AotKernel``); the q/k/v slices of the qkv output, which TensorRT
+makes dense for the plugins, are copies. "torch": the same layer through ``export.model.TorchOps``
+(``torch.ops.tritrt.*``), the model's own path. Both are captured in CUDA graphs (``harness.bench(cuda_graph=True)``),
+cycling through layer weight sets larger than L2, so the times are device time without host launch overhead, and the
+ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights int4 (g128) and int8.
+
+Usage: ``python benchmarks/bench_plugin_layer.py [--quant int4,int8]``; writes
+``benchmarks/results/<card>/bench_plugin_layer.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+try:
+    from benchmarks.harness import L2_BYTES, bench, write_results
+except ImportError:  # run as a script from the repository root
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.harness import L2_BYTES, bench, write_results
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128  # Llama-3-8B
+CTX, BLOCK_SIZE, GROUP_SIZE, EPS, THETA = 512, 16, 128, 1e-5, 500000.0
+DEVICE = "cuda"
+
+
+def layer_weights(quant: str, seed: int) -> dict:
+    """One layer's weights by internal name (``export.checkpoint``'s), linears quantized as ``export.quantize`` does."""
+    from kernels.quant import quantize_int4, quantize_int8
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def lin(out_f, in_f):
+        w = torch.randn(out_f, in_f, device=DEVICE, generator=g, dtype=torch.float16) * 0.02
+        return quantize_int4(w, GROUP_SIZE) if quant == "int4" else quantize_int8(w)
+
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    norm = lambda: 1 + 0.1 * torch.randn(HIDDEN, device=DEVICE, generator=g, dtype=torch.float16)  # noqa: E731
+    return {"attn_norm": norm(), "mlp_norm": norm(), "wqkv": lin(q_size + 2 * kv_size, HIDDEN),
+            "wo": lin(HIDDEN, q_size), "w13": lin(2 * INTER, HIDDEN), "w2": lin(HIDDEN, INTER)}
+
+
+def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, seq_lens, cu_seqlens_q):
+    """One layer of ``export.decoder.decoder_forward`` (a layer after the first: its norm fuses the residual add),
+    on any ``DecoderOps`` backend; returns (x, residual) for the next layer."""
+    h, residual = ops.fused_add_rms_norm(x, residual, "attn_norm", EPS, "attn_norm")
+    q, k, v = ops.split_heads(ops.linear(h, "wqkv"), [HEADS, KV_HEADS, KV_HEADS], HEAD_DIM, "qkv_split")
+    q, k = ops.rope(q, k, positions, "rope")
+    caches = ops.write_kv_cache(k, v, 0, caches, slot_mapping, "write_kv")
+    attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, 1, HEAD_DIM ** -0.5, "attention")
+    x = ops.linear(ops.merge_heads(attn, HEADS * HEAD_DIM), "wo")
+    h, residual = ops.fused_add_rms_norm(x, residual, "mlp_norm", EPS, "mlp_norm")
+    return ops.linear(ops.swiglu(ops.linear(h, "w13"), INTER, "swiglu"), "w2"), residual
+
+
+class PluginOps:
+    """The ``DecoderOps`` of ``layer_step`` as the engine runs them: each op its plugin's AOT kernel (``run_aot``)."""
+
+    def __init__(self, weights: dict, cos_sin_cache: torch.Tensor):
+        self.w, self.cos_sin_cache = weights, cos_sin_cache
+
+    @staticmethod
+    def _run(op, inputs, attrs=None):
+        from trt_plugins.aot import run_aot
+
+        return run_aot(op, inputs, attrs)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps, name):
+        y, res = self._run("FusedAddRmsNorm", [x, residual, self.w[weight]], {"eps": eps})
+        return y, res
+
+    def linear(self, x, weight):
+        w = self.w[weight]
+        if w.bits == 4:
+            return self._run("W4A16Linear", [x, w.qweight, w.scales, w.zeros],
+                             {"group_size": w.group_size, "m_hint": 1})[0]
+        return self._run("W8A16Linear", [x, w.qweight, w.scales], {"m_hint": 1})[0]
+
+    def split_heads(self, x, heads, head_dim, name):
+        # TensorRT slices the qkv output into dense tensors for the plugins: copies here too.
+        parts = x.split([h * head_dim for h in heads], dim=-1)
+        return [part.reshape(x.shape[0], h, head_dim).contiguous() for part, h in zip(parts, heads)]
+
+    def merge_heads(self, x, size):
+        return x.reshape(x.shape[0], size)
+
+    def rope(self, q, k, positions, name):
+        q, k = self._run("Rope", [q, k, positions, self.cos_sin_cache], {"interleaved": 0})
+        return q, k
+
+    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
+        self._run("WriteKvCache", [k, v, caches[0], caches[1], slot_mapping])
+        return caches
+
+    def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
+        return self._run("PagedAttention", [q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q],
+                         {"scale": float(scale)})[0]
+
+    def swiglu(self, gate_up, intermediate, name):
+        return self._run("SwiGLU", [gate_up])[0]
+
+
+def decode_batch():
+    """bs 1, one new token at position CTX after CTX cached ones; its sequence owns blocks 0..CTX / BLOCK_SIZE."""
+    blocks = CTX // BLOCK_SIZE + 1
+    i32 = dict(device=DEVICE, dtype=torch.int32)
+    return dict(positions=torch.tensor([CTX], **i32), slot_mapping=torch.tensor([CTX], **i32),
+                block_table=torch.arange(blocks, **i32).reshape(1, blocks), seq_lens=torch.tensor([CTX + 1], **i32),
+                cu_seqlens_q=torch.tensor([0, 1], **i32))
+
+
+def weight_bytes(w: dict) -> int:
+    return sum(t.numel() * t.element_size() for v in w.values()
+               for t in ((v,) if isinstance(v, torch.Tensor) else (v.qweight, v.scales, v.zeros)) if t is not None)
+
+
+def run(quant: str) -> list[dict]:
+    from export.model import TorchOps
+    from kernels.rope import rope_cos_sin_cache
+
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 8192, THETA, device=DEVICE)
+    first = layer_weights(quant, 0)
+    per_set = weight_bytes(first)
+    sets = [first] + [layer_weights(quant, s) for s in range(1, max(1, -(-2 * L2_BYTES // per_set)))]
+    batch = decode_batch()
+    num_blocks = CTX // BLOCK_SIZE + 1
+    cache_shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    inputs = []
+    for w in sets:
+        kc = torch.randn(cache_shape, device=DEVICE, dtype=torch.float16)
+        x = torch.randn(1, HIDDEN, device=DEVICE, dtype=torch.float16)
+        inputs.append((w, x, torch.randn_like(x), (kc, torch.randn_like(kc))))
+
+    def step(backend):
+        def fn(w, x, residual, caches):
+            ops = PluginOps(w, cos_sin) if backend == "plugin" else TorchOps(w, cos_sin)
+            return layer_step(ops, x, residual, batch["positions"], caches, batch["slot_mapping"],
+                              batch["block_table"], batch["seq_lens"], batch["cu_seqlens_q"])
+        return fn
+
+    # Same inputs, same answer (the GEMMs' kernels are the same; attention / norms are the same Triton kernels).
+    w, x, r, caches = inputs[0]
+    yp, rp = step("plugin")(w, x, r, tuple(c.clone() for c in caches))
+    yt, rt = step("torch")(w, x, r, tuple(c.clone() for c in caches))
+    diff = float((yp.float() - yt.float()).abs().max())
+    rows = []
+    times = {b: bench(step(b), inputs, cuda_graph=True) for b in ("torch", "plugin")}
+    for b, ms in times.items():
+        rows.append(dict(path=b, quant=quant, us=ms * 1e3,
+                         weight_gbs=per_set / (ms * 1e-3) / 1e9, torch_over_path=times["torch"] / ms,
+                         max_abs_diff_vs_torch=diff if b == "plugin" else 0.0))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quant", default="int4,int8")
+    args = ap.parse_args()
+    from kernels.gemm.routing import card_of
+    from trt_plugins.specs import SPECS
+
+    rows = []
+    for quant in args.quant.split(","):
+        rows += run(quant)
+    card = card_of()
+    kernels = {}
+    for op, (k, n) in (("W4A16Linear", (HIDDEN, 6144)), ("W8A16Linear", (HIDDEN, 6144))):
+        spec = SPECS[op]
+        shapes = ({"x": (1, k), "qweight": (k // 8, n), "scales": (k // GROUP_SIZE, n), "zeros": (k // GROUP_SIZE, n)}
+                  if op == "W4A16Linear" else {"x": (1, k), "qweight": (k, n), "scales": (n,)})
+        dtypes = {"x": "fp16", "qweight": "int32" if op == "W4A16Linear" else "int8", "scales": "fp16",
+                  "zeros": "int8"}
+        attrs = {"group_size": GROUP_SIZE, "m_hint": 1} if op == "W4A16Linear" else {"m_hint": 1}
+        sp = spec.specialise(shapes, {n_: dtypes[n_] for n_ in spec.inputs}, attrs, card=card)
+        kernels[op] = sp.cuda.route[0] if sp.cuda else "triton"
+    write_results("bench_plugin_layer", rows, ["path", "quant", "us", "weight_gbs", "torch_over_path",
+                                               "max_abs_diff_vs_torch"],
+                  meta=dict(shape="Llama-3-8B layer", batch=1, ctx=CTX, group_size=GROUP_SIZE, card=card.name,
+                            plugin_gemm_qkv_m1=str(kernels), target="torch_over_path >= 0.95 for the plugin rows"),
+                  notes="torch_over_path: torch time / this path's time (>= 1: as fast as the torch path or faster).")
+
+
+if __name__ == "__main__":
+    main()
