@@ -37,6 +37,11 @@ The plugin kernel's parameters are, as TensorRT's AOT plugins pass them: input p
 ``spec.scalars`` order, output pointers (an aliased output gets its own, equal, pointer). The kernels in
 ``kernels/`` keep their own parameter order; ``kernels.aot.wrapper`` generates the entry kernel that maps one to the
 other (``spec.kernel_args``), so the AOT launcher and the engine run the same PTX with the same arguments.
+
+A spec may run a CUDA C++ kernel instead, per specialisation: ``spec.cuda_kernel(shapes, dtypes, attrs, card)``
+returns a ``CudaKernel`` (the .cu's plugin entry, in the same argument order, built by nvcc with the variant's flags,
+and its grid) for the card the build targets. The GEMMs use it to run what the torch op routes to for M = m_hint
+(``linear_kernels``); ``Specialisation.cuda`` carries it to the compile, the launch, the manifest and the glue.
 """
 
 from __future__ import annotations
