@@ -22,7 +22,7 @@ from kernels._utils import device_sm
 SOURCE = Path(__file__).with_name("gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
 MAX_M = 8
-VECS = (16, 8, 4)  # tried in this order: the longest weight loads that divide N (with clusters), or that fill the SMs
+VECS = (16, 8, 4)  # the longest weight loads that divide N (with clusters), or the most resident warps (ties: longer)
 # tried in this order: the fewest blocks per cluster that give ~every SM a block (8: the portable maximum)
 KSPLITS = (1, 2, 4, 8)
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
@@ -77,11 +77,19 @@ def _blocks_per_sm(warps: int, vec: int) -> int:
     return min(65536 // (REGS_BOUND * 32 * warps), 2048 // (32 * warps), 32, SMEM_PER_SM // smem)
 
 
-def _fills(blocks: int, sm_count: int) -> bool:
-    # >= 70% of the SMs: H100 (h100/bench_gemm_w8gemv.md, M=1) ran qkv faster with 96 blocks of 8-byte
-    # loads (vec 8: 1.71x cuBLAS) than with 192 blocks of 4-byte ones (1.63x), and 8k with 128 blocks of vec 8;
-    # at 64 blocks (o, down with vec 8) the idle SMs cost more (1.58x vs vec 4's 1.67x).
-    return 10 * blocks >= 7 * sm_count
+def _resident_warps(N: int, K: int, vec: int, sm_count: int) -> int:
+    """Warps of one wave with ``vec``-byte loads (``_warps_for`` warps per block, no K split): the memory-level
+    parallelism a GEMV lives on. The plan takes the vec with the most, ties to the longer loads. H100, M = 1, speed-up
+    over cuBLAS (tuned shapes: h100/bench_gemm_w8gemv.md; others: dev-logs/h100/bench_gemm_w8gemv_general.md): it
+    picks the best measured vec on all 13 shapes measured -- qkv 6144 vec 8 (1536 warps, tie with vec 4; 1.71x vs
+    1.63x), o 4096 vec 4 (2048 vs 1024; 1.67 vs 1.58), 8k vec 8 (tie; 1.81 vs 1.72), gate_up 28672 vec 16 (tie;
+    1.91 vs 1.45), N 5120 vec 8 (1280, tie with vec 4: 3b_qkv 1.53 vs 1.43, 13b_o 1.66 vs 1.50, 32b_down 1.61 vs
+    1.41), N 16384 vec 8 (2048 vs vec 16's 1024: 1b_gate_up 1.75 vs 1.57, 3b_gate_up 1.72 vs 1.55), N 2048 / 3072
+    vec 4 (1b: 1.34-1.59 vs vec 8's 1.10-1.22). The rule it replaces (the longest vec whose blocks fill 70% of the
+    SMs) took vec 16 at N 16384 and vec 4 at N 5120."""
+    blocks = -(-N // (8 * vec))
+    w = _warps_for(blocks, vec, K // (16 * default_u(vec)), sm_count)
+    return min(blocks, sm_count * _blocks_per_sm(w, vec)) * w
 
 
 def _warps_for(blocks: int, vec: int, chunks: int, sm_count: int) -> int:
@@ -103,8 +111,8 @@ def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional
     ``ksplit`` the one that keeps the most warps resident in one wave (ties: fewer blocks per cluster). Memory-level
     parallelism is what a GEMV needs: at N = 4096, 32 column blocks x 8 blocks per cluster x 8 warps = 2048 warps
     (~16 per SM, what the W4 GEMV runs at o / down), where 4 per cluster would leave 8 per SM. Without clusters:
-    ``vec`` the longest whose N / (8 vec) blocks alone fill the SMs, else the shortest (at N = 4096, vec = 16 would
-    leave 100 of 132 SMs idle). ``warps``: see ``_warps_for``. Not yet measured for W8: the benchmark times the
+    ``vec`` the one that keeps the most warps resident in one wave, ties to the longer loads (``_resident_warps``; at
+    N = 4096, vec = 16 would leave 100 of 132 SMs idle). ``warps``: see ``_warps_for``. The benchmark times the
     neighbouring choices (vec, ksplit x 2 and / 2, warps x 2 and / 2, u x 2, L2 hint).
 
     Measured (H100, benchmarks/results/h100/bench_gemm_w8gemv.md, M = 1/4/8 on the five Llama shapes): the
@@ -113,7 +121,7 @@ def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional
     and a K split is used only when asked for (``ksplit``)."""
     fits = [v for v in VECS if N % v == 0] or [VECS[-1]]
     if vec is None:
-        vec = fits[0] if clusters else next((v for v in fits if _fills(-(-N // (8 * v)), sm_count)), fits[-1])
+        vec = fits[0] if clusters else max(fits, key=lambda v: (_resident_warps(N, K, v, sm_count), v))
     u = default_u(vec) if u is None else u
     blocks = -(-N // (8 * vec))
 
