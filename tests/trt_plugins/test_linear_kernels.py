@@ -190,3 +190,44 @@ def test_cuda_plugin_entries_compile_for_sm90():
         assert f".target {target}" in art.ptx and art.cubin[:4] == b"\x7fELF"
         assert art.block == sp.num_warps * 32 and art.shared == sp.cuda.build.shared
         assert [n for n, _ in art.params] == spec.entry_params and set(art.div16) == set(sp.div16)
+
+
+_MANIFEST_SCRIPT = """
+import dataclasses, json, sys
+from trt_plugins.aot import compile_all
+from trt_plugins.specs import SPECS
+for op in ("W4A16Linear", "W8A16Linear"):  # only the fp16 tactic-1 samples: the CUDA GEMVs (nvcc, cached)
+    s = SPECS[op]
+    SPECS[op] = dataclasses.replace(s, samples=tuple(x for x in s.samples if x.dtypes["x"] == "fp16"
+                                                     and x.attrs["m_hint"] == 1))
+m = compile_all(90, sys.argv[1], ops=["W4A16Linear", "W8A16Linear"], log=lambda *a: None)
+print(json.dumps(m))
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_compile_all_writes_the_cuda_variants(tmp_path):
+    """``compile_all`` (what ``python -m trt_plugins.aot`` and ``export.build`` write to OUT/kernels) includes the CUDA
+    variants: kind, route, plan and nvcc flags in the manifest, the card it routed for, PTX = TensorRT's PTX, a cubin.
+    In a subprocess: compiling needs a process without TRITON_INTERPRET."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _MANIFEST_SCRIPT, str(tmp_path)], cwd=Path(__file__).parents[2],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["card"] == routing.H100.name and not m["failed"]
+    kinds = {}
+    for e in m["kernels"]:
+        assert e["kind"] == "cuda" and e["cuda"]["backend"] in (*CUDA_W4, "w8_gemv_mma"), e
+        assert "-DTRITRT_PLUGIN_ENTRY" in e["cuda"]["nvcc_flags"] and e["kernel"].startswith("tritrt_")
+        assert (tmp_path / e["ptx"]).read_text() == (tmp_path / e["trt_ptx"]).read_text()
+        assert (tmp_path / e["cubin"]).read_bytes()[:4] == b"\x7fELF"
+        assert [n for n, _ in e["signature"]] == SPECS[e["op"]].entry_params
+        kinds[e["cuda"]["backend"]] = e["cuda"]["plan"]
+    assert {"w4_gemv_mma", "w4_gemv", "w8_gemv_mma"} <= set(kinds)
