@@ -45,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--device", default=None, help="torch backend: cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from free memory)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: on a GPU from free memory; on the CPU just what the prompts and "
+                        "--max-new-tokens need)")
     p.add_argument("--block-size", type=int, default=None,
                    help="torch backend: tokens per KV block, a power of two <= 128 (default: build.json's, else 16)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: run decode eagerly")
@@ -99,7 +101,15 @@ def _device(requested) -> str:
     return requested
 
 
-def make_backend(args, build: dict, device: str):
+def kv_blocks_needed(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
+    """KV-cache blocks for every prompt to run to ``max_new_tokens`` at once (no sequence waits or is preempted)."""
+    return sum(-(-(len(ids) + max_new_tokens) // block_size) for ids in prompts)
+
+
+def make_backend(args, build: dict, device: str, prompts: list[list[int]] | None = None):
+    """The backend ``args`` ask for. On the CPU with no ``--num-blocks``, the KV cache holds what ``prompts`` need
+    (the backend's default, 8 sequences of max_seq_len, was 3 GB of host memory for SmolLM2, allocated and zeroed
+    before the first token)."""
     out = args.out
     if args.backend == "trt":
         from export.runtime.trt_backend import TrtBackend
@@ -113,10 +123,13 @@ def make_backend(args, build: dict, device: str):
     from export.runtime.tokenizer import eos_token_ids
 
     model = LlamaModel.from_output_dir(out, device=device)
+    block_size = args.block_size or int(build.get("block_size", 16))
+    num_blocks = args.num_blocks
     if device == "cpu":
         model = model.for_cpu()  # weights dequantized once, float32 math: what the CPU runs fastest
-    backend = TorchBackend(model, num_blocks=args.num_blocks, block_size=args.block_size or
-                           int(build.get("block_size", 16)), max_model_len=build.get("max_seq_len"),
+        if num_blocks is None and prompts:
+            num_blocks = kv_blocks_needed(prompts, args.max_new_tokens, block_size)
+    backend = TorchBackend(model, num_blocks=num_blocks, block_size=block_size, max_model_len=build.get("max_seq_len"),
                            cuda_graphs=False if args.no_cuda_graphs else None)
     backend.eos_token_ids = eos_token_ids(out)
     return backend
@@ -160,7 +173,7 @@ def main(argv=None) -> int:
         prompts = args.prompt_ids or [list(tokenizer.encode(p)) for p in args.prompt]
         if args.prompt is not None:
             check_prompts(prompts, args.max_new_tokens, max_len, vocab_size, args.out)  # before loading the model
-        backend = make_backend(args, build, device)
+        backend = make_backend(args, build, device, prompts)
         if backend.max_model_len != max_len:  # an engine's profile can be tighter than build.json says
             check_prompts(prompts, args.max_new_tokens, backend.max_model_len, backend.vocab_size, args.out)
         gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(prompts)))
