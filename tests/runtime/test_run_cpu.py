@@ -1,0 +1,49 @@
+"""export.run on the CPU: the KV cache sized to the request, and OpenMP threads that sleep rather than spin."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from export.run import kv_blocks_needed, make_backend, parse_args
+from tests.runtime.test_generate_hf import _torch_output_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kv_blocks_needed():
+    # 3 + 8 = 11 tokens -> 3 blocks of 4; 1 + 8 = 9 -> 3; 8 + 8 = 16 -> 4 (a block multiple takes no extra block)
+    assert kv_blocks_needed([[1, 2, 3], [7], list(range(8))], 8, 4) == 3 + 3 + 4
+    assert kv_blocks_needed([[1]], 0, 16) == 1
+
+
+def test_cpu_kv_cache_is_what_the_prompts_need(tiny_dir, tmp_path):
+    out = _torch_output_dir(tiny_dir, tmp_path / "out")
+    prompts = [[5, 6, 7], list(range(1, 20))]
+    args = parse_args([str(out), "--prompt", "x", "--max-new-tokens", "13", "--device", "cpu"])
+    backend = make_backend(args, json.loads((out / "build.json").read_text()), "cpu", prompts)
+    assert backend.num_blocks == kv_blocks_needed(prompts, 13, 16) == 1 + 2
+    assert backend.kv_cache[0][0].shape[0] == 3
+    args = parse_args([str(out), "--prompt", "x", "--device", "cpu", "--num-blocks", "7"])  # the user's size wins
+    assert make_backend(args, {}, "cpu", prompts).num_blocks == 7
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    (["--device", "cpu"], {}, "PASSIVE"),
+    ([], {}, "PASSIVE"),  # no --device: may run on the CPU
+    (["--device", "cuda"], {}, None),
+    (["--device", "cpu"], {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),  # the user's setting wins
+])
+def test_openmp_wait_policy_is_set_before_torch_loads(argv, env, want):
+    code = ("import os, sys; from export.run import parse_args, _passive_openmp; "
+            f"_passive_openmp(parse_args(['OUT', '--prompt', 'x', *{argv!r}])); "
+            "assert 'torch' not in sys.modules, 'torch imported before the policy was set'; "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    full_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    full_env.update(env, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(want)
