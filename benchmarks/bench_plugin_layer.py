@@ -8,7 +8,8 @@ torch op routes to: ``trt_plugins.specs.linear_kernels``) -- compiled ahead of t
 makes dense for the plugins, are copies. "torch": the same layer through ``export.model.TorchOps``
 (``torch.ops.tritrt.*``), the model's own path. Both are captured in CUDA graphs (``harness.bench(cuda_graph=True)``),
 cycling through layer weight sets larger than L2, so the times are device time without host launch overhead, and the
-ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights int4 (g128) and int8.
+ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights int4 (g128) and int8. Then each op
+alone, both paths, on the inputs it had in the layer (``--no-per-op`` skips this breakdown).
 
 Usage: ``python benchmarks/bench_plugin_layer.py [--quant int4,int8]``; writes
 ``benchmarks/results/<card>/bench_plugin_layer.{json,md}``.
@@ -110,6 +111,45 @@ class PluginOps:
         return self._run("SwiGLU", [gate_up])[0]
 
 
+class Recorder:
+    """Wraps a ``DecoderOps`` backend: calls go through, and each op call (name, the bound method, its arguments) is
+    kept, so that every op of the layer can then be timed alone on the inputs it really had (``per_op``)."""
+
+    TIMED = ("fused_add_rms_norm", "linear", "split_heads", "rope", "write_kv_cache", "paged_attention", "swiglu")
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.ops, name)
+        if name not in self.TIMED:
+            return fn
+
+        def call(*args):
+            label = {"linear": f"{name} {args[1]}", "fused_add_rms_norm": f"{name} {args[2]}"}.get(name, name)
+            self.calls.append((label, fn, args))
+            return fn(*args)
+        return call
+
+
+def per_op(make_ops, inputs, batch) -> list[tuple[str, float]]:
+    """(op label, median us) of each op of the layer, each alone in a CUDA graph cycling through the weight sets."""
+    traces = []
+    for w, x, residual, caches in inputs:
+        rec = Recorder(make_ops(w))
+        layer_step(rec, x, residual, batch["positions"], caches, batch["slot_mapping"], batch["block_table"],
+                   batch["seq_lens"], batch["cu_seqlens_q"])
+        traces.append(rec.calls)
+    out = []
+    for i, (label, _, _) in enumerate(traces[0]):
+        if label == "split_heads" and not isinstance(traces[0][i][1].__self__, PluginOps):
+            out.append((label, 0.0))  # views in the torch path: nothing to launch (an empty graph)
+            continue
+        sets = [(t[i][1], *t[i][2]) for t in traces]
+        out.append((label, 1e3 * bench(lambda fn, *args: fn(*args), sets, cuda_graph=True)))
+    return out
+
+
 def decode_batch():
     """bs 1, one new token at position CTX after CTX cached ones; its sequence owns blocks 0..CTX / BLOCK_SIZE."""
     blocks = CTX // BLOCK_SIZE + 1
@@ -124,7 +164,7 @@ def weight_bytes(w: dict) -> int:
                for t in ((v,) if isinstance(v, torch.Tensor) else (v.qweight, v.scales, v.zeros)) if t is not None)
 
 
-def run(quant: str) -> list[dict]:
+def run(quant: str, breakdown: bool = True) -> list[dict]:
     from export.model import TorchOps
     from kernels.rope import rope_cos_sin_cache
 
@@ -156,22 +196,30 @@ def run(quant: str) -> list[dict]:
     rows = []
     times = {b: bench(step(b), inputs, cuda_graph=True) for b in ("torch", "plugin")}
     for b, ms in times.items():
-        rows.append(dict(path=b, quant=quant, us=ms * 1e3,
+        rows.append(dict(path=b, quant=quant, op="layer", us=ms * 1e3,
                          weight_gbs=per_set / (ms * 1e-3) / 1e9, torch_over_path=times["torch"] / ms,
                          max_abs_diff_vs_torch=diff if b == "plugin" else 0.0))
+    if breakdown:  # where the difference is: each op alone (its launch in a graph; no overlap with its neighbours)
+        ops = {b: per_op(lambda w, b=b: PluginOps(w, cos_sin) if b == "plugin" else TorchOps(w, cos_sin), inputs,
+                         batch) for b in ("torch", "plugin")}
+        for (label, t_us), (_, p_us) in zip(ops["torch"], ops["plugin"]):
+            rows.append(dict(path="torch", quant=quant, op=label, us=t_us))
+            rows.append(dict(path="plugin", quant=quant, op=label, us=p_us,
+                             torch_over_path=t_us / p_us if t_us else ""))
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quant", default="int4,int8")
+    ap.add_argument("--no-per-op", action="store_true", help="skip the per-op breakdown")
     args = ap.parse_args()
     from kernels.gemm.routing import card_of
     from trt_plugins.specs import SPECS
 
     rows = []
     for quant in args.quant.split(","):
-        rows += run(quant)
+        rows += run(quant, breakdown=not args.no_per_op)
     card = card_of()
     kernels = {}
     for op, (k, n) in (("W4A16Linear", (HIDDEN, 6144)), ("W8A16Linear", (HIDDEN, 6144))):
@@ -183,11 +231,14 @@ def main():
         attrs = {"group_size": GROUP_SIZE, "m_hint": 1} if op == "W4A16Linear" else {"m_hint": 1}
         sp = spec.specialise(shapes, {n_: dtypes[n_] for n_ in spec.inputs}, attrs, card=card)
         kernels[op] = sp.cuda.route[0] if sp.cuda else "triton"
-    write_results("bench_plugin_layer", rows, ["path", "quant", "us", "weight_gbs", "torch_over_path",
+    write_results("bench_plugin_layer", rows, ["path", "quant", "op", "us", "weight_gbs", "torch_over_path",
                                                "max_abs_diff_vs_torch"],
                   meta=dict(shape="Llama-3-8B layer", batch=1, ctx=CTX, group_size=GROUP_SIZE, card=card.name,
                             plugin_gemm_qkv_m1=str(kernels), target="torch_over_path >= 0.95 for the plugin rows"),
-                  notes="torch_over_path: torch time / this path's time (>= 1: as fast as the torch path or faster).")
+                  notes="torch_over_path: torch time / this path's time (>= 1: as fast as the torch path or faster). "
+                        "Rows other than 'layer': each op alone in a CUDA graph (split_heads: the plugin path's q/k/v "
+                        "copies, views in the torch path); their sum exceeds the layer's time by the launch gaps a "
+                        "graph overlaps.")
 
 
 if __name__ == "__main__":
