@@ -82,16 +82,9 @@ class TorchBackend:
     def _graph_for(self, bs: int):
         if bs in self._graphs:
             return self._graphs[bs]
-        dev, W = self.device, self._max_blocks_per_seq
-        static = Batch(
-            input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((bs,), -1, dtype=torch.int32, device=dev),  # capture writes no cache slot
-            block_table=torch.zeros(bs, W, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(bs, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.arange(bs + 1, dtype=torch.int32, device=dev),
-            max_seqlen_q=1,
-        )
+        dev = self.device
+        staged = StagedDecodeBatch(bs, self._max_blocks_per_seq, dev)  # all padding: capture writes no cache slot
+        static = staged.device_batch
         # Warm up on a side stream (allocator and Triton JIT settle), then capture.
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -104,21 +97,82 @@ class TorchBackend:
             logits = self.model.forward(static, self.kv_cache)
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
-        self._graphs[bs] = (graph, static, logits)
+        self._graphs[bs] = (graph, staged, logits)
         return self._graphs[bs]
 
     def _decode_graph(self, batch: Batch) -> torch.Tensor:
         S = batch.num_seqs
         bs = next(b for b in self.graph_batch_sizes if b >= S)
         try:
-            graph, static, logits = self._graph_for(bs)
+            graph, staged, logits = self._graph_for(bs)
         except RuntimeError as e:  # a kernel that syncs or allocates during capture: run eagerly from now on
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
             self.cuda_graphs = False
             return self.model.forward(batch.to(self.device), self.kv_cache)
-        copy_batch_(static, pad_decode_batch(batch, bs, self._max_blocks_per_seq))
+        staged.load(batch)
         graph.replay()
         return logits[:S]  # a view of the graph's output buffer: valid until the next step
+
+
+class StagedDecodeBatch:
+    """A decode graph's static inputs, padded to ``num_seqs`` rows and ``max_blocks`` block-table columns (the
+    layout and padding of ``pad_decode_batch``), as views of ONE device buffer with a pinned host twin of the same
+    layout: ``load(batch)`` writes the step's batch into the host twin and moves it with one asynchronous copy,
+    where separate tensors cost six pageable copies plus the padded tensors' allocation on the host between two GPU
+    steps. ``device_batch`` is the ``Batch`` the graph is captured on (all padding until the first ``load``)."""
+
+    _LAYOUT = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int32),
+               ("block_table", torch.int32), ("seq_lens", torch.int32), ("cu_seqlens_q", torch.int32))
+
+    def __init__(self, num_seqs: int, max_blocks: int, device):
+        self.num_seqs, self.max_blocks = num_seqs, max_blocks
+        shapes = {"block_table": (num_seqs, max_blocks), "cu_seqlens_q": (num_seqs + 1,)}
+        offsets, nbytes = [], 0
+        for name, dt in self._LAYOUT:
+            shape = shapes.get(name, (num_seqs,))
+            offsets.append((name, dt, shape, nbytes))
+            nbytes += -(-(dt.itemsize * int(torch.Size(shape).numel())) // 8) * 8  # every view 8-byte aligned
+        self._cuda = torch.device(device).type == "cuda"
+        self._device_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        views = lambda buf: {n: buf[o:o + dt.itemsize * torch.Size(sh).numel()].view(dt).view(sh)  # noqa: E731
+                             for n, dt, sh, o in offsets}
+        self._host = views(self._host_buf)
+        self.device_batch = Batch(**views(self._device_buf), max_seqlen_q=1)
+        self._copied = None  # event of the last host -> device copy: the host twin is reused only after it
+        self._fill(None)
+        self._device_buf.copy_(self._host_buf)
+
+    def _fill(self, batch: Batch | None) -> None:
+        h, S = self._host, 0 if batch is None else batch.num_seqs
+        h["input_ids"].zero_()
+        h["positions"].zero_()
+        h["slot_mapping"].fill_(-1)  # padding rows write no cache slot ...
+        h["block_table"].zero_()  # ... and attend to the one token at block 0, slot 0
+        h["seq_lens"].fill_(1)
+        torch.arange(self.num_seqs + 1, dtype=torch.int32, out=h["cu_seqlens_q"])
+        if batch is not None:
+            w = batch.block_table.shape[1]
+            for f in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+                h[f][:S] = getattr(batch, f)
+            h["block_table"][:S, :w] = batch.block_table
+
+    def load(self, batch: Batch) -> None:
+        """Make ``device_batch`` hold ``batch`` (a decode batch on the host), padded; asynchronous on the current
+        stream (the graph replayed after it sees the new values)."""
+        S, w = batch.num_seqs, batch.block_table.shape[1]
+        if batch.max_seqlen_q != 1 or batch.input_ids.shape[0] != S:
+            raise ValueError("StagedDecodeBatch takes a pure decode batch (one new token per sequence)")
+        if S > self.num_seqs or w > self.max_blocks:
+            raise ValueError(f"decode batch of {S} sequences x {w} blocks exceeds the padded shape {self.num_seqs} x "
+                             f"{self.max_blocks}; raise max_model_len or the largest graph batch size")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the host twin (normally long done)
+        self._fill(batch)
+        self._device_buf.copy_(self._host_buf, non_blocking=self._cuda)
+        if self._cuda:
+            self._copied = self._copied or torch.cuda.Event()
+            self._copied.record()
 
 
 def pad_decode_batch(batch: Batch, num_seqs: int, max_blocks: int) -> Batch:

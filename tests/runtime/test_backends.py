@@ -71,6 +71,26 @@ def test_pad_decode_batch_refuses_what_does_not_fit():
         pad_decode_batch(prefill, 4, 5)
 
 
+def test_staged_decode_batch_is_the_padded_batch_in_one_buffer():
+    """The decode graph's inputs (one buffer, filled through its host twin) hold exactly what pad_decode_batch makes,
+    step after step: a later, smaller batch leaves no trace of an earlier, larger one."""
+    from export.batch import TENSOR_FIELDS
+    from export.runtime.backends import StagedDecodeBatch
+
+    staged = StagedDecodeBatch(8, 5, "cpu")
+    empty = pad_decode_batch(_decode_batch([1], 4, [[0]]), 8, 5)
+    for f in TENSOR_FIELDS[2:]:  # before any load: all padding (input_ids / positions of padding rows are 0)
+        assert torch.equal(getattr(staged.device_batch, f)[1:], getattr(empty, f)[1:]), f
+    for batch in (_decode_batch([5, 1, 9], 4, [[3, 7], [2], [8, 1, 4]]), _decode_batch([6], 4, [[3, 7]])):
+        staged.load(batch)
+        want = pad_decode_batch(batch, 8, 5)
+        for f in TENSOR_FIELDS:
+            got = getattr(staged.device_batch, f)
+            assert got.dtype == getattr(want, f).dtype and torch.equal(got, getattr(want, f)), f
+    with pytest.raises(ValueError, match="exceeds the padded shape"):
+        StagedDecodeBatch(1, 5, "cpu").load(_decode_batch([5, 1], 4, [[3, 7], [2]]))
+
+
 def test_cuda_graphs_need_cuda(tiny_model):
     with pytest.raises(ValueError, match="CUDA device"):
         TorchBackend(tiny_model, num_blocks=4, block_size=4, cuda_graphs=True)

@@ -148,3 +148,16 @@ def test_random_arrivals_under_memory_pressure(seed):
         assert gen.result(rid).token_ids == tokens, f"request {rid}"
     assert gen.blocks.num_free_blocks == 10
     assert sum(gen.result(r).num_preemptions for r in want) > 0, "no preemption: the test is too gentle"
+
+
+def test_sequence_tokens_is_a_slice_of_token_ids_without_building_it():
+    from export.runtime.sampling import SamplingParams
+    from export.runtime.scheduler import Sequence
+
+    seq = Sequence(0, [11, 12, 13, 14], SamplingParams(), output_ids=[21, 22, 23])
+    for start in range(8):
+        for n in range(5):
+            assert seq.tokens(start, n) == seq.token_ids[start:start + n], (start, n)
+    assert seq.num_tokens == len(seq.token_ids) == 7
+    twin = Sequence(0, [11, 12, 13, 14], SamplingParams(), output_ids=[21, 22, 23])
+    assert seq != twin and seq in [seq] and twin not in [seq]  # identity, not field-wise equality
