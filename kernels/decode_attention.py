@@ -173,17 +173,40 @@ def alloc_decode_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, hea
     return part_o, part_lse, counter
 
 
+# Split counters kept between calls, per (device, KV heads): [capacity, Hk] int32, zero between launches (the kernel
+# re-zeroes what it used). A fresh torch.zeros per call was one fill kernel per layer and step (32 x ~1 us plus a
+# kernel boundary each on a Llama-3-8B decode step, H100 profile in benchmarks/results/h100/bench_e2e.md). Buffers
+# outgrown are kept alive: a CUDA graph captured earlier still points at them.
+_COUNTERS: dict = {}
+
+
+def shared_counters(device, num_seqs: int, num_kv_heads: int) -> torch.Tensor:
+    """Zeroed split counters for ``num_seqs`` sequences, shared by every decode-attention call on ``device`` that
+    passes no scratch. Sharing is safe for launches ordered on one stream (each leaves them at zero); concurrent
+    launches on several streams must pass their own ``scratch``."""
+    key = (torch.device(device), num_kv_heads)
+    bufs = _COUNTERS.setdefault(key, [])
+    if not bufs or bufs[-1].shape[0] < num_seqs:
+        bufs.append(torch.zeros(max(64, triton.next_power_of_2(num_seqs)), num_kv_heads, dtype=torch.int32,
+                                device=device))
+    return bufs[-1][:num_seqs]
+
+
 def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, out=None, scratch=None,
                      num_splits: int | None = None):
     """One query token per sequence (``cu_seqlens_q[i+1] - cu_seqlens_q[i] <= 1``) over the paged cache.
 
-    ``scratch``: ``alloc_decode_scratch(...)`` to reuse across calls (the kernel leaves the counters at zero).
+    ``scratch``: ``alloc_decode_scratch(...)`` to reuse across calls (the kernel leaves the counters at zero);
+    without it the partials are fresh (uninitialised: no kernel) and the counters ``shared_counters``.
     """
     num_seqs = seq_lens.shape[0]
     _, page, hk, d = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     if scratch is None:
-        scratch = alloc_decode_scratch(num_seqs, q.shape[1], hk, d, q.device)
+        shapes = decode_scratch_shapes(num_seqs, q.shape[1], hk, d)
+        scratch = (torch.empty(shapes["part_o"][0], dtype=torch.float32, device=q.device),
+                   torch.empty(shapes["part_lse"][0], dtype=torch.float32, device=q.device),
+                   shared_counters(q.device, num_seqs, hk))
     check_device(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, *scratch)
     if num_seqs == 0:
         return out

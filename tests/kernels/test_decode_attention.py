@@ -89,6 +89,29 @@ def test_decode_scratch_is_reusable_interpreter():
         assert int(scratch[2].abs().sum()) == 0, "split counters were not reset to zero"
 
 
+@pytest.mark.interpreter
+def test_decode_without_scratch_shares_zeroed_counters_interpreter():
+    # Calls without scratch share one counter buffer per device and KV heads (no zero-fill launch per call); each
+    # call leaves it at zero, so calls of any batch size in a row are right, and an outgrown buffer stays alive (a
+    # CUDA graph captured on it still runs).
+    from kernels.decode_attention import _COUNTERS, shared_counters
+
+    torch.manual_seed(4)
+    _COUNTERS.pop((torch.device("cpu"), 2), None)  # this test's own history of the (cpu, 2 KV heads) buffers
+    for lens in ([130], [130, 70, 5], [70], [1] * 70):
+        k_cache, v_cache, block_table, seq_lens = make_paged_cache(lens, 16, 2, 16, torch.float16)
+        q = torch.randn(len(lens), 4, 16).half()
+        cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+        want = ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu, 1, 0.25)
+        base = ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu, 1, 0.25, fp32=False)
+        out = decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu, 0.25, num_splits=3)
+        assert_close_to_ref(out, want, baseline=base, factor=2.0, atol=torch.finfo(torch.float16).eps / 2)
+        bufs = _COUNTERS[(torch.device("cpu"), 2)]
+        assert all(int(b.abs().sum()) == 0 for b in bufs), "split counters were not left at zero"
+    assert [b.shape[0] for b in bufs] == [64, 128]  # grown once (70 sequences), the first kept
+    assert shared_counters("cpu", 3, 2).data_ptr() == bufs[-1].data_ptr()
+
+
 def test_num_splits_heuristic():
     assert decode_num_splits(64, 8, 16384) == 1  # 512 programs already fill the GPU
     assert decode_num_splits(1, 8, 16384) == 33  # 8 programs: split to ~264, 496 tokens each
