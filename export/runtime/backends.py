@@ -67,10 +67,20 @@ class TorchBackend:
         return max(1, blocks)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
+    @property
+    def supports_device_tokens(self) -> bool:
+        """``forward`` takes ``input_ids`` on the device (the generation loop's pipelined decode): on CUDA."""
+        return self.device.type == "cuda"
+
+    def forward(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of each sequence's last new token. ``input_ids``: the step's tokens as a tensor on the model's
+        device, used instead of ``batch.input_ids`` (the previous step's sampled tokens, never read by the host)."""
         if self.cuda_graphs and batch.max_seqlen_q == 1 and batch.num_seqs <= self.graph_batch_sizes[-1]:
-            return self._decode_graph(batch)
-        return self.model.forward(batch.to(self.device), self.kv_cache)
+            return self._decode_graph(batch, input_ids)
+        dev = batch.to(self.device)
+        if input_ids is not None:
+            dev.input_ids = input_ids
+        return self.model.forward(dev, self.kv_cache)
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -100,7 +110,7 @@ class TorchBackend:
         self._graphs[bs] = (graph, staged, logits)
         return self._graphs[bs]
 
-    def _decode_graph(self, batch: Batch) -> torch.Tensor:
+    def _decode_graph(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         S = batch.num_seqs
         bs = next(b for b in self.graph_batch_sizes if b >= S)
         try:
@@ -108,8 +118,10 @@ class TorchBackend:
         except RuntimeError as e:  # a kernel that syncs or allocates during capture: run eagerly from now on
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
             self.cuda_graphs = False
-            return self.model.forward(batch.to(self.device), self.kv_cache)
+            return self.forward(batch, input_ids)
         staged.load(batch)
+        if input_ids is not None:  # after the host copy, in stream order
+            staged.device_batch.input_ids[:S].copy_(input_ids)
         graph.replay()
         return logits[:S]  # a view of the graph's output buffer: valid until the next step
 

@@ -3,6 +3,13 @@
 ``Generator(backend, tokenizer).generate(prompts, SamplingParams(...), on_token=...)`` returns one
 ``GenerationResult`` per prompt (token ids, text, why it stopped). Any backend with the ``Backend`` interface
 (``export.runtime.backends``) runs it: the torch model or the TensorRT engine.
+
+Pipelined decode (backends with ``supports_device_tokens``, greedy requests): a decode step's tokens stay on the
+device as the next step's input ids, and that next step is launched before the host reads them, so the host's work
+between two steps (reading tokens, stop checks, scheduling, the graph launch) overlaps the GPU's instead of leaving
+it idle. The host learns each token one step later; a sequence that stops meanwhile has computed one discarded
+token. Only a steady decode is pipelined: a step whose batch would change (a request to admit, a sequence at its
+last token, too few free KV blocks, a sequence that just stopped) first reads the tokens in flight, as before.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
+
+import torch
 
 from .blocks import BlockManager
 from .sampling import SamplingParams, make_generator, sample
@@ -46,6 +55,20 @@ class GenerationStats:
 # on_token(request_index, token_id, text_delta): text_delta is "" without a tokenizer.
 TokenCallback = Callable[[int, int, str], None]
 
+_PENDING = -1  # an output token still on the device (pipelined decode): replaced when the host reads it
+
+
+@dataclass
+class _InFlight:
+    """A pipelined decode step: launched, its greedy tokens on their way to the host."""
+
+    seqs: list[Sequence]
+    index: list[int]  # where each sequence's token goes in its output_ids (a _PENDING placeholder until read)
+    tokens: torch.Tensor  # [S] int64 on the backend's device: the next step's input ids
+    host: torch.Tensor  # [S] int64 on the host (pinned on CUDA), filled asynchronously
+    ready: object  # torch.cuda.Event recorded after the copy (None on CPU)
+    aligned: bool = True  # the scheduler's running list is still `seqs`, in order (nothing stopped since)
+
 
 @dataclass
 class _Stream:
@@ -59,8 +82,15 @@ class Generator:
     """Generation over one backend. ``generate`` runs prompts to completion; ``add_request`` + ``step`` let new
     requests join a running batch between steps (what a server loop does)."""
 
-    def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192):
+    def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
+                 pipeline: bool | None = None):
+        """``pipeline``: pipelined greedy decode (see the module docstring); default: when the backend supports
+        device-side input ids (the torch backend on CUDA)."""
         self.backend = backend
+        self.pipeline = bool(getattr(backend, "supports_device_tokens", False)) if pipeline is None else pipeline
+        self._inflight: _InFlight | None = None
+        self._pinned: list = []  # two pinned token buffers, used in turn by consecutive in-flight steps
+        self._decode_clock = 0.0  # when the last pipelined decode step was read (or the first one launched)
         self.tokenizer = tokenizer
         # A backend with fixed limits (an engine's optimization profile) caps what one step may hold.
         max_num_seqs = min(max_num_seqs, getattr(backend, "max_num_seqs", None) or max_num_seqs)
@@ -108,15 +138,27 @@ class Generator:
         return seq.req_id
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self, on_token: TokenCallback | None = None) -> list[tuple[int, int]]:
-        """Run one model step; return ``(request_id, token)`` for every sequence that produced a token."""
+        """Run one model step; return ``(request_id, token)`` for every sequence whose token the host learnt (with
+        pipelined decode, the tokens of the step before)."""
         stats = self.stats
         if self._t_start is None:
             self._t_start = time.perf_counter()
+        inflight = self._inflight
+        if inflight is not None:
+            # Launch the next decode step on the device-side tokens first (when the batch stays the same), then read
+            # the tokens in flight while it runs.
+            self._inflight = self._launch(self.scheduler.schedule(), inflight.tokens) if self._can_speculate(
+                inflight) else None
+            return self._resolve(inflight, on_token)
         step = self.scheduler.schedule()
         if step is None:
+            return []
+        if self.pipeline and not step.is_prefill and all(s.params.greedy for s in step.seqs):
+            self._decode_clock = time.perf_counter()
+            self._inflight = self._launch(step, None)
             return []
         t0 = time.perf_counter()
         logits = self.backend.forward(step.batch)
@@ -150,6 +192,68 @@ class Generator:
                 self.scheduler.finish(seq, "stop")
             elif len(seq.output_ids) >= seq.params.max_new_tokens:
                 self.scheduler.finish(seq, "length")
+        return out
+
+    # -- pipelined decode ------------------------------------------------------------------------------------------
+    def _can_speculate(self, inflight: _InFlight) -> bool:
+        """Whether the next step is exactly the in-flight one's sequences decoding one more token: nothing stopped,
+        nothing waits for admission, no sequence is at its last token, and the new tokens' KV slots are free."""
+        sch = self.scheduler
+        if not inflight.aligned or sch.waiting or sch.running != inflight.seqs:
+            return False
+        if any(k + 1 >= s.params.max_new_tokens for s, k in zip(inflight.seqs, inflight.index)):
+            return False
+        need = sum(self.blocks.blocks_needed(s.req_id, 1) for s in inflight.seqs)
+        return need <= self.blocks.num_free_blocks
+
+    def _launch(self, step, input_ids) -> _InFlight:
+        """Run a decode ``step`` (``input_ids``: the previous step's tokens on the device, or None for the batch's
+        own) and start its greedy tokens' way to the host, without waiting for them."""
+        logits = self.backend.forward(step.batch, input_ids=input_ids) if input_ids is not None else \
+            self.backend.forward(step.batch)
+        tokens = torch.argmax(logits, dim=-1)  # the same argmax as sample()'s greedy rows
+        ready = None
+        host = tokens
+        if tokens.is_cuda:
+            if not self._pinned:
+                n = self.scheduler.max_num_seqs
+                self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._pinned.reverse()  # the other buffer than the in-flight step's (read before it is reused)
+            host = self._pinned[0][:tokens.shape[0]]
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        index = []
+        for seq, n in zip(step.seqs, step.num_tokens):
+            seq.num_cached += n
+            index.append(len(seq.output_ids))
+            seq.output_ids.append(_PENDING)
+        self.stats.steps += 1
+        return _InFlight(list(step.seqs), index, tokens, host, ready)
+
+    def _resolve(self, inflight: _InFlight, on_token) -> list[tuple[int, int]]:
+        """Read an in-flight step's tokens (waiting for them) and do what a synchronous step does after sampling."""
+        if inflight.ready is not None:
+            inflight.ready.synchronize()
+        tokens = inflight.host.tolist()
+        now = time.perf_counter()
+        self.stats.decode_s += now - self._decode_clock
+        self._decode_clock = now
+        out = []
+        for seq, k, tok in zip(inflight.seqs, inflight.index, tokens):
+            if seq.finish_reason is not None:
+                continue  # stopped at the step before: this token was computed ahead and is dropped
+            self.stats.decode_tokens += 1
+            seq.output_ids[k] = tok
+            out.append((seq.req_id, tok))
+            if on_token is not None:
+                on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok))
+            stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self._eos)
+            if tok in stops or k + 1 >= seq.params.max_new_tokens:
+                del seq.output_ids[k + 1:]  # the placeholder of a step launched after this one
+                self.scheduler.finish(seq, "stop" if tok in stops else "length")
+                if self._inflight is not None:
+                    self._inflight.aligned = False
         return out
 
     def result(self, req_id: int) -> GenerationResult:

@@ -42,15 +42,15 @@ def assert_same_tokens(hf_model, prompt_ids, ours, want):
     assert len(ours) == len(want), f"ours {len(ours)} tokens, HF {len(want)}"
 
 
-@pytest.mark.parametrize("num_blocks,block_size", [(None, 4), (24, 2)])
-def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block_size):
+@pytest.mark.parametrize("num_blocks,block_size,pipeline", [(None, 4, False), (24, 2, False), (None, 4, True)])
+def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block_size, pipeline):
     from export.model import LlamaModel
 
     tok = load_tokenizer(tiny_dir)
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
     # (24 blocks of 2 tokens cannot hold all four sequences at once: the scheduler queues and preempts.)
     backend = TorchBackend(model, num_blocks=num_blocks, block_size=block_size)
-    gen = Generator(backend, tok, max_num_seqs=4)
+    gen = Generator(backend, tok, max_num_seqs=4, pipeline=pipeline)  # pipelined: the model on device-side ids
     max_new = 16
     res = gen.generate(PROMPTS, SamplingParams(max_new_tokens=max_new))
     assert gen.stats.steps < len(PROMPTS) * max_new, "prompts were not batched"

@@ -6,6 +6,7 @@ block shared between two sequences, changes the prediction, so batched paged gen
 tiny cache) must equal the unbatched reference exactly.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -61,16 +62,37 @@ class ToyPagedBackend:
         return logits
 
 
+class ToyPipelinedBackend(ToyPagedBackend):
+    """The toy with the torch backend's device-token input: a pipelined step's host batch carries placeholders (the
+    tokens are not known on the host yet) and ``input_ids`` holds the previous step's argmax."""
+
+    supports_device_tokens = True
+    device_token_steps = 0
+
+    def forward(self, b, input_ids=None):
+        if input_ids is not None:
+            assert (b.input_ids == -1).all() and input_ids.shape == b.input_ids.shape
+            b = dataclasses.replace(b, input_ids=input_ids)
+            self.device_token_steps += 1
+        return super().forward(b)
+
+
+def toy_backend(pipeline, *args, **kw):
+    return (ToyPipelinedBackend if pipeline else ToyPagedBackend)(*args, **kw)
+
+
 # (cache blocks, block size, seed, whether the cache is small enough that a decode step must preempt)
 @pytest.mark.parametrize("num_blocks,block_size,seed,preempts", [(200, 4, 0, False), (12, 4, 1, True),
                                                                  (22, 1, 2, True), (6, 8, 3, None)])
 @pytest.mark.parametrize("token_budget", [8192, 5])  # 5 < most prompts: chunked prefill
-def test_batched_paged_generation_equals_reference(num_blocks, block_size, seed, preempts, token_budget):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_batched_paged_generation_equals_reference(num_blocks, block_size, seed, preempts, token_budget, pipeline):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 9))] for _ in range(7)]
     max_new = [rng.randint(1, 12) for _ in prompts]
-    backend = ToyPagedBackend(num_blocks, block_size)
+    backend = toy_backend(pipeline, num_blocks, block_size)
     gen = Generator(backend, max_num_seqs=5, max_num_batched_tokens=token_budget)
+    assert gen.pipeline == pipeline
     streamed = {i: [] for i in range(len(prompts))}
     res = gen.generate(prompts, [SamplingParams(max_new_tokens=m) for m in max_new],
                        on_token=lambda i, t, d: streamed[i].append(t))
@@ -83,10 +105,15 @@ def test_batched_paged_generation_equals_reference(num_blocks, block_size, seed,
     assert backend.max_tokens_seen <= token_budget, "a step exceeded the token budget"
     if preempts is not None:
         assert (sum(r.num_preemptions for r in res) > 0) == preempts, "preemption did (not) happen as designed"
+    if pipeline and num_blocks > 6:
+        assert backend.device_token_steps > 0, "no decode step ran ahead on device-side tokens"
+    gen.blocks.check_invariants()
+    assert gen.blocks.num_free_blocks == num_blocks
 
 
-def test_requests_join_between_steps():
-    backend = ToyPagedBackend(64, 2)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_requests_join_between_steps(pipeline):
+    backend = toy_backend(pipeline, 64, 2)
     gen = Generator(backend)
     a = gen.add_request([5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
     gen.step()
@@ -106,8 +133,9 @@ def test_requests_join_between_steps():
     assert gen.blocks.num_free_blocks == 64
 
 
-def test_stop_tokens_and_refusals():
-    backend = ToyPagedBackend(4, 4, max_model_len=16)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_stop_tokens_and_refusals(pipeline):
+    backend = toy_backend(pipeline, 4, 4, max_model_len=16)
     gen = Generator(backend)
     full = reference([3, 4], 8)
     stop = full[2]
@@ -127,11 +155,12 @@ def test_stop_tokens_and_refusals():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_arrivals_under_memory_pressure(seed):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_random_arrivals_under_memory_pressure(seed, pipeline):
     """Requests arrive at random steps into a small cache with a small token budget (chunking, queueing and
     preemption all happen); every request still gets exactly its unbatched reference, and no block leaks."""
     rng = random.Random(100 + seed)
-    backend = ToyPagedBackend(num_blocks=10, block_size=2)
+    backend = toy_backend(pipeline, num_blocks=10, block_size=2)
     gen = Generator(backend, max_num_seqs=5, max_num_batched_tokens=6)
     want = {}
     steps = 0
@@ -161,3 +190,22 @@ def test_sequence_tokens_is_a_slice_of_token_ids_without_building_it():
     assert seq.num_tokens == len(seq.token_ids) == 7
     twin = Sequence(0, [11, 12, 13, 14], SamplingParams(), output_ids=[21, 22, 23])
     assert seq != twin and seq in [seq] and twin not in [seq]  # identity, not field-wise equality
+
+
+def test_pipelined_decode_runs_ahead_and_drops_the_token_after_a_stop():
+    """Steady greedy decode runs every step after the first on the device-side tokens; a sequence that stops has
+    computed one token more, which is dropped (its result ends at the stop token) and whose blocks are freed."""
+    full = reference([3, 4], 40)
+    stop = next(t for t in full[3:] if t != EOS)
+    k = full.index(stop)
+    backend = ToyPipelinedBackend(64, 4)
+    gen = Generator(backend)
+    r_stop, r_long = gen.generate([[3, 4], [7]], [SamplingParams(max_new_tokens=40, stop_token_ids=(stop,)),
+                                                  SamplingParams(max_new_tokens=30, ignore_eos=True)])
+    assert r_stop.token_ids == full[:k + 1] and r_stop.finish_reason == "stop"
+    toks = [7]
+    for _ in range(30):
+        toks.append(next_token(toks))
+    assert r_long.token_ids == toks[1:] and r_long.finish_reason == "length"
+    assert backend.device_token_steps >= 30 - 4  # all but the first decode step and the batch changes
+    assert gen.blocks.num_free_blocks == 64
