@@ -125,3 +125,38 @@ def routed_op(case: Case, ins) -> torch.Tensor:
     if case.op == "W4A16Linear":
         return torch.ops.tritrt.w4a16_linear(*ins, case.group_size)
     return torch.ops.tritrt.w8a16_linear(*ins)
+
+
+def warm(sm: int = 90) -> int:
+    """Compile, in parallel (nvcc runs in subprocesses), every plugin entry ``plugin_cases`` selects for ``sm`` and
+    the torch launcher's build of the same variant (the same cache key its ``compile_variant`` makes), so the GPU
+    tier's first run does not spend minutes compiling one variant after another. No GPU needed for sm_90; returns
+    the number of builds."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernels.aot.compile import compile_cuda
+    from kernels.gemm.w4a16 import gemm_wgmma, gemv, gemv_mma
+    from kernels.gemm.w8a16 import gemv_mma as w8_gemv_mma
+    from trt_plugins.aot import compile_specialisation, target_card
+
+    torch_kernels = {"w4_gemv_mma": gemv_mma, "w4_gemv": gemv, "w4_gemm_wgmma": gemm_wgmma, "w8_gemv_mma": w8_gemv_mma}
+    card = target_card(sm)
+    jobs = []
+    for case in plugin_cases(card, ODD_SHAPES + SHAPES):
+        sp = case.specialise(case.m_hint, card)
+        b, mod = sp.cuda.build, torch_kernels[sp.cuda.route[0]]
+        flags = tuple(f for f in b.flags if not f.startswith(("-DTRITRT_PLUGIN_ENTRY", "-DTRITRT_GROUP_SIZE")))
+        jobs.append(lambda sp=sp, case=case: compile_specialisation(SPECS[case.op], sp, sm=sm))
+        jobs.append(lambda b=b, mod=mod, flags=flags: compile_cuda(b.source, mod.KERNEL, mod.PARAMS, sm=sm,
+                                                                   threads=b.threads, shared=b.shared,
+                                                                   extra_flags=flags, arch_specific=b.arch_specific))
+    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        list(ex.map(lambda job: job(), jobs))
+    return len(jobs)
+
+
+if __name__ == "__main__":  # python -m tests.trt_plugins.linear_variants [sm]: warm the AOT cache for the GPU tier
+    import sys
+
+    print(f"{warm(int(sys.argv[1]) if len(sys.argv) > 1 else 90)} builds in the AOT cache")

@@ -7,6 +7,8 @@ the CUDA driver with the plugin's argument list and grid (``trt_plugins.aot.run_
 - is as close to the fp32 reference (dequantized weights) as the torch op at that M, within 2x its error plus one
   fp16 rounding step;
 - writes every output (outputs poisoned with NaN before the call).
+
+~110 nvcc builds on a cold cache: ``python -m tests.trt_plugins.linear_variants`` compiles them in parallel first.
 """
 
 import pytest
