@@ -28,7 +28,8 @@ def _build(checkpoint, out, quant, *extra):
 def builds(tiny_dirs, tmp_path_factory):
     ckpt = tiny_dirs("llama")
     root = tmp_path_factory.mktemp("eval_builds")
-    return ckpt, _build(ckpt, root / "none", "none"), _build(ckpt, root / "int4", "int4", "--group-size", "32")
+    return ckpt, _build(ckpt, root / "none", "none"), _build(ckpt, root / "int4", "int4", "--group-size", "32",
+                                                                   "--int4-method", "rtn")
 
 
 def _eval(capsys, *argv):
