@@ -78,7 +78,7 @@ def test_build_missing_checkpoint(tmp_path):
     (["--block-size", "0"], "--block-size 0: choose a power of two in 1..128"),
     (["--block-size", "12"], "--block-size 12"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
-    (["--quant", "int4", "--int4-method", "awq"], "invalid choice: 'awq' (choose from gptq, rtn)"),
+    (["--quant", "int4", "--int4-method", "awq"], "--int4-method: invalid choice: 'awq'"),
     (["--quant", "int4", "--calib-seqs", "0"], "--calib-seqs must be >= 1"),
     (["--quant", "int4", "--calib-len", "1"], "--calib-len 1: must be >= 2"),
     (["--max-seq-len", "100000"], "--max-seq-len 100000 exceeds the model's max_position_embeddings 256"),
