@@ -33,8 +33,9 @@ import torch
 from .model import TorchOps, make_batch, rope_cache
 from .quantize import choose_group_size, is_quantizable
 
-# 16k tokens: ~250 GFLOP a layer for SmolLM2-135M (forward + Hessians), ~6 CPU-minutes in all on the 2-core machine
-# (README, quantization quality); more tokens cost time linearly.
+# 16k tokens: ~250 GFLOP a layer for SmolLM2-135M (forward + Hessians), ~3 min for 30 layers at the ~40 GFLOP/s of the
+# 2-core machine (687 s measured there under heavy load: benchmarks/results/cpu/eval_smollm2_gptq.md); time grows
+# linearly with the tokens.
 CALIB_SEQS, CALIB_LEN = 32, 512
 BLOCK = 128  # columns per lazy update (a multiple of every group size)
 DAMP = 0.01
