@@ -140,7 +140,7 @@ class CalibrationOps(TorchOps):
         return super().linear(x, weight, bias)
 
     # Calibration runs equal-length fresh sequences: causal attention over each one's own K/V, with no paged cache
-    # (the cache walk of the CPU reference costs ~10x the rest of the forward).
+    # (the CPU reference's per-sequence cache walk took 10 of the 18 s of the tiny model's 64 x 512 calibration).
     def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
         return k, v
 
