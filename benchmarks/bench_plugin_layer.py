@@ -126,7 +126,8 @@ class Recorder:
             return fn
 
         def call(*args):
-            label = {"linear": f"{name} {args[1]}", "fused_add_rms_norm": f"{name} {args[2]}"}.get(name, name)
+            label = (f"{name} {args[1]}" if name == "linear" else
+                     f"{name} {args[2]}" if name == "fused_add_rms_norm" else name)
             self.calls.append((label, fn, args))
             return fn(*args)
         return call
