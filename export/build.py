@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--int4-method", choices=INT4_METHODS, help="how int4 weights are rounded (default: gptq): gptq "
                    "calibrates them on a shipped text (As You Like It), layer by layer on the CPU; rtn rounds each "
                    "weight to the nearest grid point (instant, worse quality; GPTQ/AWQ checkpoints keep their own)")
-    p.add_argument("--calib-seqs", type=int, help="GPTQ calibration sequences (default: 32)")
+    p.add_argument("--calib-seqs", type=int, help="GPTQ calibration sequences (default: 64)")
     p.add_argument("--calib-len", type=int, help="tokens per GPTQ calibration sequence (default: 512, at most the "
                    "model's max_position_embeddings)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens, a power of two <= 128")

@@ -33,10 +33,9 @@ import torch
 from .model import TorchOps, make_batch, rope_cache
 from .quantize import choose_group_size, is_quantizable
 
-# 16k tokens: ~250 GFLOP a layer for SmolLM2-135M (forward + Hessians), ~3 min for 30 layers at the ~40 GFLOP/s of the
-# 2-core machine (687 s measured there under heavy load: benchmarks/results/cpu/eval_smollm2_gptq.md); time grows
-# linearly with the tokens.
-CALIB_SEQS, CALIB_LEN = 32, 512
+# 32k tokens: ~500 GFLOP a layer for SmolLM2-135M (forward + Hessians); 113 s for its 30 layers on the quiet 2-core
+# machine, and +15.6% perplexity against +16.4% with half the tokens (benchmarks/results/cpu/eval_smollm2_gptq.md).
+CALIB_SEQS, CALIB_LEN = 64, 512
 BLOCK = 128  # columns per lazy update (a multiple of every group size)
 DAMP = 0.01
 CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(16))  # shrink [min, max] by up to 30%
