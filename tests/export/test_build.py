@@ -109,6 +109,14 @@ def test_builtin_tiny_int4_default_group(tmp_path, capsys):
     assert build["tokenizer"] and "tokenizer.json" in build["tokenizer"]
     assert not (out / "_tiny_checkpoint").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp dir left beside OUT
+    # The config the build ran on (GPTQ builds the model from it) is the tiny checkpoint's own config.json: a default
+    # rms_norm_eps of 1e-6 against the checkpoint's 1e-5 once made every GPTQ tiny build fail export.verify.
+    from export.checkpoint import LlamaConfig
+
+    written = LlamaConfig.from_hf(json.loads((out / "config.json").read_text()))
+    assert build["config"]["rms_norm_eps"] == written.rms_norm_eps == 1e-5
+    assert all(build["config"][k] == v for k, v in vars(written).items() if k in build["config"]
+               and isinstance(v, (int, float, str, bool))), "build.json's config differs from config.json"
 
 
 def test_engine_without_tensorrt_says_what_to_do(tmp_path):
