@@ -197,10 +197,9 @@ def plan_build(args) -> Plan:
         check_weight_files(ckpt_dir)
     else:
         hf = None
-        # exactly the config.json make_tiny_llama writes (its defaults, e.g. rms_norm_eps 1e-5, under TINY_BUILD)
-        from .tiny import TINY_DEFAULTS
+        from .tiny import tiny_config  # exactly the config.json make_tiny_llama writes for TINY_BUILD
 
-        config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **{**TINY_DEFAULTS, **TINY_BUILD}))
+        config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **tiny_config(**TINY_BUILD)))
     dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=source is None)
     notes += [note] if note else []
     if args.quant != "int4" and args.group_size is not None:

@@ -46,6 +46,12 @@ def make_tokenizer(path, vocab_size: int = 320):
     return fast
 
 
+def tiny_config(**overrides) -> dict:
+    """The HF config fields of a tiny checkpoint: ``TINY_DEFAULTS`` under ``overrides`` (what ``make_tiny_llama``
+    writes to config.json, ``model_type`` aside)."""
+    return {**TINY_DEFAULTS, **overrides}
+
+
 def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", max_shard_size=None, **overrides) -> Path:
     """Write a random tiny checkpoint to ``path`` and return it.
 
@@ -60,7 +66,7 @@ def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", max_shard_si
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    fields = {**TINY_DEFAULTS, **overrides}
+    fields = tiny_config(**overrides)
     if model_type not in HF_CLASSES:
         raise ValueError(f"make_tiny_llama makes {', '.join(map(repr, HF_CLASSES))} checkpoints, not '{model_type}'")
     config_cls, model_cls = HF_CLASSES[model_type]

@@ -188,30 +188,15 @@ class StagedDecodeBatch:
 
 
 def pad_decode_batch(batch: Batch, num_seqs: int, max_blocks: int) -> Batch:
-    """A decode ``batch`` padded to ``num_seqs`` rows and ``max_blocks`` block-table columns (static graph shapes).
+    """A decode ``batch`` padded to ``num_seqs`` rows and ``max_blocks`` block-table columns (static graph shapes), as
+    host tensors: ``StagedDecodeBatch``'s layout and padding rule.
 
     Padding rows write no cache slot (slot -1) and attend to the one token at block 0, slot 0, which exists in every
     cache: their logits are garbage but finite and are dropped, and no real sequence's cache is touched.
     """
-    S, w = batch.num_seqs, batch.block_table.shape[1]
-    if batch.max_seqlen_q != 1 or batch.input_ids.shape[0] != S:
-        raise ValueError("pad_decode_batch takes a pure decode batch (one new token per sequence)")
-    if S > num_seqs or w > max_blocks:
-        raise ValueError(f"decode batch of {S} sequences x {w} blocks exceeds the padded shape {num_seqs} x "
-                         f"{max_blocks}"
-                         "; raise max_model_len or the largest graph batch size")
-    pad = num_seqs - S
-    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
-    table[:S, :w] = batch.block_table
-    return Batch(
-        input_ids=torch.cat([batch.input_ids.cpu(), torch.zeros(pad, dtype=torch.int64)]),
-        positions=torch.cat([batch.positions.cpu(), torch.zeros(pad, dtype=torch.int64)]),
-        slot_mapping=torch.cat([batch.slot_mapping.cpu(), torch.full((pad,), -1, dtype=torch.int32)]),
-        block_table=table,
-        seq_lens=torch.cat([batch.seq_lens.cpu(), torch.ones(pad, dtype=torch.int32)]),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
-        max_seqlen_q=1,
-    )
+    staged = StagedDecodeBatch(num_seqs, max_blocks, "cpu")
+    staged.load(batch)
+    return staged.device_batch
 
 
 def copy_batch_(dst: Batch, src: Batch) -> None:

@@ -181,18 +181,26 @@ class Generator:
             stats.decode_s += dt
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_cached += n
-        out = []
         for seq, tok in zip(sampling, tokens):
+            self._take(seq, len(seq.output_ids), tok, on_token)
+        return [(seq.req_id, tok) for seq, tok in zip(sampling, tokens)]
+
+    def _take(self, seq: Sequence, k: int, tok: int, on_token) -> bool:
+        """``tok`` is output ``k`` of ``seq`` (appended, or in place of its placeholder): stream it, and finish the
+        sequence at a stop token or its last token (dropping any placeholder after ``k``). Returns whether it
+        finished."""
+        if k == len(seq.output_ids):
             seq.output_ids.append(tok)
-            out.append((seq.req_id, tok))
-            if on_token is not None:
-                on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok))
-            stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self._eos)
-            if tok in stops:
-                self.scheduler.finish(seq, "stop")
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                self.scheduler.finish(seq, "length")
-        return out
+        else:
+            seq.output_ids[k] = tok
+        if on_token is not None:
+            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok))
+        stop = tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in self._eos)
+        if not stop and k + 1 < seq.params.max_new_tokens:
+            return False
+        del seq.output_ids[k + 1:]  # the placeholder of a step launched after this one (pipelined decode)
+        self.scheduler.finish(seq, "stop" if stop else "length")
+        return True
 
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
@@ -244,16 +252,9 @@ class Generator:
             if seq.finish_reason is not None:
                 continue  # stopped at the step before: this token was computed ahead and is dropped
             self.stats.decode_tokens += 1
-            seq.output_ids[k] = tok
             out.append((seq.req_id, tok))
-            if on_token is not None:
-                on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok))
-            stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self._eos)
-            if tok in stops or k + 1 >= seq.params.max_new_tokens:
-                del seq.output_ids[k + 1:]  # the placeholder of a step launched after this one
-                self.scheduler.finish(seq, "stop" if tok in stops else "length")
-                if self._inflight is not None:
-                    self._inflight.aligned = False
+            if self._take(seq, k, tok, on_token) and self._inflight is not None:
+                self._inflight.aligned = False
         return out
 
     def result(self, req_id: int) -> GenerationResult:

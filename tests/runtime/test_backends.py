@@ -72,21 +72,32 @@ def test_pad_decode_batch_refuses_what_does_not_fit():
 
 
 def test_staged_decode_batch_is_the_padded_batch_in_one_buffer():
-    """The decode graph's inputs (one buffer, filled through its host twin) hold exactly what pad_decode_batch makes,
-    step after step: a later, smaller batch leaves no trace of an earlier, larger one."""
+    """The decode graph's inputs (one buffer, filled through its host twin) hold the batch's rows, then the padding
+    rule (input 0, position 0, slot -1, one token, block 0, one query each), step after step: a later, smaller batch
+    leaves no trace of an earlier, larger one. pad_decode_batch is the same thing on the host."""
     from export.batch import TENSOR_FIELDS
     from export.runtime.backends import StagedDecodeBatch
 
+    def expect(batch, rows, width):
+        S, w = batch.num_seqs, batch.block_table.shape[1]
+        table = torch.zeros(rows, width, dtype=torch.int32)
+        table[:S, :w] = batch.block_table
+        pad = lambda t, v: torch.cat([t, torch.full((rows - S,), v, dtype=t.dtype)])  # noqa: E731
+        return dict(input_ids=pad(batch.input_ids, 0), positions=pad(batch.positions, 0),
+                    slot_mapping=pad(batch.slot_mapping, -1), block_table=table, seq_lens=pad(batch.seq_lens, 1),
+                    cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32))
+
     staged = StagedDecodeBatch(8, 5, "cpu")
-    empty = pad_decode_batch(_decode_batch([1], 4, [[0]]), 8, 5)
+    empty = expect(_decode_batch([1], 4, [[0]]), 8, 5)
     for f in TENSOR_FIELDS[2:]:  # before any load: all padding (input_ids / positions of padding rows are 0)
-        assert torch.equal(getattr(staged.device_batch, f)[1:], getattr(empty, f)[1:]), f
+        assert torch.equal(getattr(staged.device_batch, f)[1:], empty[f][1:]), f
     for batch in (_decode_batch([5, 1, 9], 4, [[3, 7], [2], [8, 1, 4]]), _decode_batch([6], 4, [[3, 7]])):
         staged.load(batch)
-        want = pad_decode_batch(batch, 8, 5)
-        for f in TENSOR_FIELDS:
-            got = getattr(staged.device_batch, f)
-            assert got.dtype == getattr(want, f).dtype and torch.equal(got, getattr(want, f)), f
+        want = expect(batch, 8, 5)
+        for got in (staged.device_batch, pad_decode_batch(batch, 8, 5)):
+            for f in TENSOR_FIELDS:
+                assert getattr(got, f).dtype == want[f].dtype and torch.equal(getattr(got, f), want[f]), f
+            assert got.max_seqlen_q == 1
     with pytest.raises(ValueError, match="exceeds the padded shape"):
         StagedDecodeBatch(1, 5, "cpu").load(_decode_batch([5, 1], 4, [[3, 7], [2]]))
 
