@@ -1,13 +1,16 @@
-"""Variant sweep of the Hopper W4A16 GEMM (``kernels/csrc/w4a16_gemm_wgmma.cu``) against fp16 cuBLAS: the data behind
-its plan (``w4a16_gemm_wgmma.gemm_plan``).
+"""Variant sweep of the Hopper weight-only GEMM (``kernels/gemm/gemm_wgmma.cu``) against fp16 cuBLAS: the data behind
+its plan (``gemm_wgmma.gemm_plan``).
 
-For the Llama-3-8B projections and 8192x8192 (as ``bench_gemm.py``), M = 64, 128 (``BENCH_MS``), W4A16 g128 fp16:
+For the Llama-3-8B projections and 8192x8192 (as ``bench_gemm.py``), M = 64, 128 (``BENCH_MS``), W4A16 g128 fp16
+(``BENCH_BITS=8``: W8A16, the INT8 build, with the Triton W8A16 kernel and dequantize + cuBLAS as extra rows):
 cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's variant and every (wt, wgs) block shape of
 ``CANDIDATES`` with split-K 1, 2, 4, 8, each split summed through the workspace and, for tiles of at least
 ``DSMEM_MIN_TILE`` outputs, over a cluster's DSMEM (plus, at M = 64, 3 pipeline stages for two shapes; at M > 64, the
 64-row block shapes too). Each time is the median of
 CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
-the dequantized weight. H100/H200 only (sm_90). Writes benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md}.
+the dequantized weight. ``BENCH_VARIANTS=plan``: the plan's variant only (large M: is the wgmma GEMM ahead of
+dequantize + cuBLAS there?). Every variant is compiled first, in parallel. H100/H200 only (sm_90). Writes
+benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md} (W8A16: ``bench_gemm_wgmma_sweep_w8``).
 
 Run: ``python benchmarks/bench_gemm_wgmma_sweep.py``
 """
@@ -29,8 +32,8 @@ SHAPES = [(4096, 6144, "qkv"), (4096, 4096, "o"), (4096, 28672, "gate_up"), (143
 GROUP = 128
 
 
-def variants(M: int) -> list[dict]:
-    from kernels.gemm.w4a16 import gemm_wgmma as wg
+def variants(M: int, bits: int = 4) -> list[dict]:
+    from kernels.gemm import gemm_wgmma as wg
 
     bm = 64 if M <= 64 else 128
 
@@ -42,7 +45,7 @@ def variants(M: int) -> list[dict]:
                 out.append(base)
                 continue
             out.append(dict(base, splits=sp, dsmem=False) if sp > 1 else dict(base, splits=sp))
-            if sp > 1 and wg.dsmem_fits(bm_, wt, wgs) and bm_ * 64 * wt * wgs >= wg.DSMEM_MIN_TILE:
+            if sp > 1 and wg.dsmem_fits(bm_, wt, wgs, bits=bits) and bm_ * 64 * wt * wgs >= wg.DSMEM_MIN_TILE:
                 out.append(dict(base, splits=sp, dsmem=True))  # the same split summed over the cluster's DSMEM
         return out
 
@@ -57,46 +60,79 @@ def variants(M: int) -> list[dict]:
     return out
 
 
+def warm(plans: list[dict], bits: int) -> None:
+    """Compile every variant of ``plans`` (and its SwiGLU-less torch build) in parallel: nvcc runs in subprocesses,
+    so the sweep does not wait for one build after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernels.gemm import gemm_wgmma as wg
+
+    keys = {(p["bm"], p["wt"], p["wgs"], p["stages"], p["splits"], p["dsmem"]) for p in plans}
+    with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        list(ex.map(lambda k: wg.compile_variant(*k, bits=bits), keys))
+
+
 def main():
     import kernels.ops  # noqa: F401  (torch.ops.tritrt.*)
-    from kernels.gemm.w4a16 import gemm_wgmma as wg
-    from kernels.quant import dequantize, quantize_int4
+    from kernels.gemm import gemm_wgmma as wg
+    from kernels.gemm.dequant import dequant_matmul, dequantize_w4_kn, dequantize_w8_kn
+    from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
+    from kernels.quant import dequantize, quantize_int4, quantize_int8
 
     ms = [int(m) for m in os.environ.get("BENCH_MS", "64,128").split(",")]
+    bits = int(os.environ.get("BENCH_BITS", "4"))
+    plan_only = os.environ.get("BENCH_VARIANTS", "all") == "plan"
+
+    def swept(M):
+        return [dict()] if plan_only else variants(M, bits)
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    warm([wg.gemm_plan(M, N, K, sms, bits=bits, **v) for K, N, _ in SHAPES for M in ms for v in swept(M)
+          if N % wg.gemm_plan(M, N, K, sms, bits=bits, **v)["bn"] == 0], bits)
     torch.manual_seed(0)
     rows = []
     for K, N, name in SHAPES:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-        q4 = quantize_int4(w, GROUP)
-        w_ref = dequantize(q4, torch.float32)
+        q = quantize_int4(w, GROUP) if bits == 4 else quantize_int8(w)
+        w_ref = dequantize(q, torch.float32)
         sets16 = rotating_inputs(lambda: (w.clone(),), w.numel() * 2)
-        sets4 = rotating_inputs(lambda: (q4.qweight.clone(), q4.scales.clone(), q4.zeros.clone()), q4.nbytes())
+        setsq = rotating_inputs(lambda: (q.qweight.clone(), q.scales.clone(), q.zeros.clone() if bits == 4 else None),
+                                q.nbytes())
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
             ref = x.float() @ w_ref.t()
             t16 = bench(lambda wt: F.linear(x, wt), sets16, cuda_graph=True)
 
             def row(kernel, fn, config, plan=""):
-                err = float((fn(q4.qweight, q4.scales, q4.zeros).float() - ref).norm() / ref.norm())
-                ms_ = bench(fn, sets4, cuda_graph=True)
+                err = float((fn(q.qweight, q.scales, q.zeros).float() - ref).norm() / ref.norm())
+                ms_ = bench(fn, setsq, cuda_graph=True)
                 rows.append(dict(shape=name, K=K, N=N, M=M, kernel=kernel, config=config, plan=plan, ms=ms_,
                                  tflops=2.0 * M * N * K / ms_ * 1e-9, speedup=t16 / ms_, rel_err=err))
 
             rows.append(dict(shape=name, K=K, N=N, M=M, kernel="cublas_fp16", config="", plan="", ms=t16,
                              tflops=2.0 * M * N * K / t16 * 1e-9, speedup=1.0, rel_err=None))
-            row("w4a16_op", lambda qw, s, z: torch.ops.tritrt.w4a16_linear(x, qw, s, z, GROUP, None, None),
-                "routed")
-            for v in variants(M):
-                p = wg.gemm_plan(M, N, K, sms, **v)
+            if bits == 4:
+                row("w4a16_dequant_cublas", lambda qw, s, z: dequant_matmul(x, dequantize_w4_kn(qw, s, z, GROUP)), "")
+                row("w4a16_op", lambda qw, s, z: torch.ops.tritrt.w4a16_linear(x, qw, s, z, GROUP, None, None),
+                    "routed")
+            else:
+                row("w8a16_op", lambda qw, s, z: torch.ops.tritrt.w8a16_linear(x, qw, s, None, None), "routed")
+                row("w8a16_triton", lambda qw, s, z: w8a16_gemm(x, qw, s), "")
+                row("w8a16_dequant_cublas", lambda qw, s, z: dequant_matmul(x, dequantize_w8_kn(qw, s)), "")
+            for v in swept(M):
+                p = wg.gemm_plan(M, N, K, sms, bits=bits, **v)
+                if N % p["bn"]:
+                    continue  # a block wider than N
                 plan = (f"bm={p['bm']} wt={p['wt']} wgs={p['wgs']} stages={p['stages']} splits={p['splits']}"
                         + (" dsmem" if p["dsmem"] else ""))
-                row("w4a16_wgmma", lambda qw, s, z: wg.w4a16_gemm_wgmma(x, qw, s, z, GROUP, **v),
-                    "plan" if not v else " ".join(f"{k}={val}" for k, val in v.items()), plan)
+                fn = ((lambda qw, s, z: wg.w4a16_gemm_wgmma(x, qw, s, z, GROUP, **v)) if bits == 4
+                      else (lambda qw, s, z: wg.w8a16_gemm_wgmma(x, qw, s, **v)))
+                row(f"w{bits}a16_wgmma", fn, "plan" if not v else " ".join(f"{k}={val}" for k, val in v.items()),
+                    plan)
                 print(name, M, rows[-1]["config"], plan, f"{rows[-1]['speedup']:.2f}x", flush=True)
-    write_results("bench_gemm_wgmma_sweep", rows,
+    write_results("bench_gemm_wgmma_sweep" + ("_w8" if bits == 8 else ""), rows,
                   ["shape", "K", "N", "M", "kernel", "config", "plan", "ms", "tflops", "speedup", "rel_err"],
-                  meta=dict(group_size=GROUP, sm_count=sms),
+                  meta=dict(group_size=GROUP if bits == 4 else None, bits=bits, sm_count=sms),
                   notes="speedup = cuBLAS fp16 time / this time, same run; CUDA-graph replay over rotating weights.")
 
 

@@ -1,4 +1,4 @@
-"""What the launchers of the CUDA C++ GEMM kernels (``w4a16.gemv``, ``w4a16.gemv_mma``, ``w4a16.gemm_wgmma``,
+"""What the launchers of the CUDA C++ GEMM kernels (``w4a16.gemv``, ``w4a16.gemv_mma``, ``gemm_wgmma``,
 ``w8a16.gemv_mma``) share: each ``.cu`` beside its launcher is compiled with nvcc through ``kernels.aot.compile_cuda``
 (content-addressed cache; ``#include "..."`` headers, such as ``../mma_common.cuh``, resolve from the including file's
 folder) and launched through the CUDA driver (``kernels.aot.launcher.AotKernel``). Each .cu also has a TensorRT plugin

@@ -7,11 +7,13 @@ W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEM
 M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
 ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
 ``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``DEQUANT_MIN_M_W4`` - 1.
-W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``. Everything else below
+W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper above it the wgmma GEMM's
+INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``DEQUANT_MIN_M_W8`` - 1. Everything else below
 ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
 and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into the W4A16 tensor-core
-GEMV's, wgmma GEMM's and Triton kernel's epilogues; after the GEMM, as ``kernels.activation.swiglu`` on the pairs
-(then the residual), for dequantize + cuBLAS and every W8A16 route. No CUDA device: the fp32 torch reference.
+GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
+``kernels.activation.swiglu`` on the pairs (then the residual), for dequantize + cuBLAS and the other W8A16 routes. No
+CUDA device: the fp32 torch reference.
 
 The thresholds below are measured; each comment names the result file that holds the numbers.
 """
@@ -24,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from kernels.gemm.w4a16 import gemm_wgmma as _wg
+from kernels.gemm import gemm_wgmma as _wg
 from kernels.gemm.w4a16 import gemv as _gemv
 from kernels.gemm.w4a16 import gemv_mma as _gemv_mma
 from kernels.gemm.w8a16 import gemv_mma as _w8_gemv_mma
@@ -47,7 +49,7 @@ CUDA_GEMV_MMA_MAX_M = 32
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
-# (kernels.gemm.w4a16.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
+# (kernels.gemm.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
 # 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on
 # dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
@@ -66,10 +68,13 @@ WGMMA_MIN_WARPS = 10
 # dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
 # vs 1.72), M=4 ahead on 4 of 5, M=8 on 3 of 5 (first run).
 CUDA_W8_GEMV_MAX_M = 4
+# fp16 W8A16 (no residual) with CUDA_W8_GEMV_MAX_M < M < DEQUANT_MIN_M_W8 on sm_90 goes to the wgmma GEMM's INT8 build
+# (kernels.gemm.gemm_wgmma, bits=8) when it takes the shape, SwiGLU fused into its epilogue as in the INT4 build.
+WGMMA_W8 = True
 
 # The backends a route can name. "reference": no CUDA device (the fp32 torch reference on the dequantized weight).
 W4_BACKENDS = ("w4_gemv_mma", "w4_gemm_wgmma", "w4_gemv", "triton_w4_gemm", "dequant_cublas", "reference")
-W8_BACKENDS = ("w8_gemv_mma", "triton_w8_gemm", "dequant_cublas", "reference")
+W8_BACKENDS = ("w8_gemv_mma", "w8_gemm_wgmma", "triton_w8_gemm", "dequant_cublas", "reference")
 # SwiGLU of a route: "none" (swiglu=False), "fused" (the backend's epilogue; a residual goes to the backend too),
 # "after" (the backend runs without SwiGLU and without the residual, then kernels.activation.swiglu, then + residual).
 SWIGLU_MODES = ("none", "fused", "after")
@@ -121,9 +126,10 @@ def _route(backend: str, swiglu: str = "none", plan: Optional[dict] = None) -> R
     return Route(backend, swiglu, tuple(sorted((plan or {}).items())))
 
 
-def wgmma_plan(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, card: Card) -> Optional[dict]:
-    """The wgmma GEMM's plan for this call on ``card``, or None where it does not take it (not Hopper, shape)."""
-    return _wg.plan_for(M, N, K, group_size, dtype, card.sm, card.sm_count)[0]
+def wgmma_plan(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dtype, card: Card) -> Optional[dict]:
+    """The wgmma GEMM's plan for this call on ``card`` (``group_size`` None: the INT8 build), or None where it does
+    not take it (not Hopper, shape)."""
+    return _wg.plan_for(M, N, K, group_size, dtype, card.sm, card.sm_count, bits=4 if group_size else 8)[0]
 
 
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
@@ -138,7 +144,7 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     """The kernel ``w4a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT4 ``[K, N]`` weight with
     ``group_size`` on ``card`` (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
 
-    ``aligned``: the operands are what the wgmma GEMM needs beyond shapes (``w4a16.gemm_wgmma.operands_ok``: fp16
+    ``aligned``: the operands are what the wgmma GEMM needs beyond shapes (``gemm_wgmma.operands_ok``: fp16
     scales and bias, contiguous 16-byte aligned operands and x rows); the op checks the tensors only when a route
     names that kernel, and asks again with ``aligned=False`` where they fail. Zero points and bias do not change the
     route. Cached: an eager call pays one lookup."""
@@ -169,13 +175,15 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     """The kernel ``w8a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT8 ``[K, N]`` weight on ``card``
     (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
 
-    No W8A16 kernel fuses SwiGLU better than running it after: Triton's epilogue (a split of the MMA accumulator into
+    The wgmma GEMM fuses SwiGLU into its epilogue, as for W4A16. No other W8A16 kernel fuses it better than running
+    it after: Triton's epilogue (a split of the MMA accumulator into
     column pairs) ran at 1.33x / 0.81x of cuBLAS + F.silu * up on gate/up at M = 64 / 128 against 1.53x / 1.00x for
     the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
-    benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` the GEMM routes as without SwiGLU and without
-    the residual (added after the activation).
-    ``aligned``: the operands are what the W8A16 GEMV needs beyond shapes (``w8a16.gemv_mma.operands_ok``, and x
-    8-byte aligned once contiguous); the op checks them only when a route names that kernel, as ``route_w4a16``."""
+    benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` those routes run the GEMM without SwiGLU and
+    without the residual (added after the activation).
+    ``aligned``: the operands are what the named kernel needs beyond shapes (the GEMV: ``w8a16.gemv_mma.operands_ok``
+    and x 8-byte aligned once contiguous; the wgmma GEMM: ``gemm_wgmma.operands_ok``); the op checks them only when a
+    route names that kernel, as ``route_w4a16``."""
     if card is None:
         return _route("reference", "fused" if swiglu else "none")
     after = "after" if swiglu else "none"
@@ -184,4 +192,8 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
         return _route("w8_gemv_mma", after, _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
+    if not residual and aligned and WGMMA_W8 and M > CUDA_W8_GEMV_MAX_M:
+        wg = wgmma_plan(M, N, K, None, dtype, card)
+        if wg is not None:
+            return _route("w8_gemm_wgmma", "fused" if swiglu else "none", wg)
     return _route("triton_w8_gemm", after)

@@ -78,6 +78,12 @@ def _w8_gemv_mma(x2, qweight, scales, bias, r2, swiglu):
     return mma8.w8a16_gemv_mma(x2, qweight, scales, bias)
 
 
+def _w8_gemm_wgmma(x2, qweight, scales, bias, r2, swiglu):
+    from ..gemm import gemm_wgmma as wg
+
+    return wg.w8a16_gemm_wgmma(x2, qweight, scales, bias, swiglu=swiglu)
+
+
 def _w8_triton(x2, qweight, scales, bias, r2, swiglu):
     from ..gemm.w8a16 import triton_gemm as k
 
@@ -97,8 +103,8 @@ def _w8_reference(x2, qweight, scales, bias, r2, swiglu):
 
 
 # backend -> fn(x2, qweight, scales, bias, residual or None, swiglu in the kernel)
-W8_RUNNERS = {"w8_gemv_mma": _w8_gemv_mma, "triton_w8_gemm": _w8_triton, "dequant_cublas": _w8_dequant_cublas,
-              "reference": _w8_reference}
+W8_RUNNERS = {"w8_gemv_mma": _w8_gemv_mma, "w8_gemm_wgmma": _w8_gemm_wgmma, "triton_w8_gemm": _w8_triton,
+              "dequant_cublas": _w8_dequant_cublas, "reference": _w8_reference}
 
 
 def _w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Tensor] = None,
@@ -115,6 +121,12 @@ def _w8a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Optional[Ten
         if weights_ok:
             x2 = x2.contiguous()  # a copy is aligned; the GEMV's x loads are 8 bytes
         if not (weights_ok and x2.data_ptr() % 8 == 0):
+            route = routing.route_w8a16(M, N, K, x2.dtype, card, residual=r2 is not None, swiglu=swiglu,
+                                        aligned=False)
+    elif route.backend == "w8_gemm_wgmma":
+        from ..gemm import gemm_wgmma as wg
+
+        if not wg.operands_ok(x2, qweight, scales, None, bias):
             route = routing.route_w8a16(M, N, K, x2.dtype, card, residual=r2 is not None, swiglu=swiglu,
                                         aligned=False)
     return _run(route, W8_RUNNERS[route.backend], r2, x2, qweight, scales, bias).reshape(*lead, n_out)
@@ -149,7 +161,7 @@ def _w4_gemv_mma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
 
 
 def _w4_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
-    from ..gemm.w4a16 import gemm_wgmma as wg
+    from ..gemm import gemm_wgmma as wg
 
     return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, swiglu=swiglu)
 
@@ -192,7 +204,7 @@ def _w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Te
     route = routing.route_w4a16(M, N, K, x2.dtype, card, group_size=group_size, residual=r2 is not None,
                                 swiglu=swiglu)
     if route.backend == "w4_gemm_wgmma":
-        from ..gemm.w4a16 import gemm_wgmma as wg
+        from ..gemm import gemm_wgmma as wg
 
         if not wg.operands_ok(x2, qweight, scales, zeros, bias):
             route = routing.route_w4a16(M, N, K, x2.dtype, card, group_size=group_size, residual=r2 is not None,

@@ -57,7 +57,7 @@ def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
 
 def _wgmma_plan(x2: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
                 bias: Optional[Tensor]) -> Optional[dict]:
-    from kernels.gemm.w4a16 import gemm_wgmma as wg
+    from kernels.gemm import gemm_wgmma as wg
 
     if not wg.operands_ok(x2, qweight, scales, zeros, bias):
         return None
@@ -156,7 +156,7 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
             return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias,
                                       swiglu=swiglu).reshape(*lead, n_out)
     if wg_plan is not None:
-        from kernels.gemm.w4a16 import gemm_wgmma as wg
+        from kernels.gemm import gemm_wgmma as wg
 
         return wg.w4a16_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, swiglu=swiglu).reshape(*lead, n_out)
     if r2 is None and M <= CUDA_GEMV_MAX_M and not swiglu:

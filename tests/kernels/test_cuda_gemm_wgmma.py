@@ -1,8 +1,9 @@
-"""The Hopper W4A16 GEMM (kernels/gemm/w4a16/gemm_wgmma.cu): compiles to sm_90a PTX/cubin here (nvcc, no GPU) with
-warpgroup MMAs and no local memory in its SASS; its plan and input checks; on an sm_90 GPU it matches the fp32
-reference on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups, 1 to 4 tiles per
-warpgroup, no split and split-K (the plan's and forced ones, 2 to 8 blocks, summed through the workspace or over a
-cluster's DSMEM), and two launches of a split variant give bit-identical results (the workspace counters are reset)."""
+"""The Hopper weight-only GEMM (kernels/gemm/gemm_wgmma.cu), INT4 and INT8 builds: compiles to sm_90a PTX/cubin here
+(nvcc, no GPU) with warpgroup MMAs and no local memory in its SASS; its plan and input checks; on an sm_90 GPU it
+matches the fp32 reference on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups,
+1 to 4 tiles per warpgroup, no split and split-K (the plan's and forced ones, 2 to 8 blocks, summed through the
+workspace or over a cluster's DSMEM), and two launches of a split variant give bit-identical results (the workspace
+counters are reset)."""
 
 import itertools
 import re
@@ -11,9 +12,10 @@ import shutil
 import pytest
 import torch
 
-from kernels.gemm.w4a16 import gemm_wgmma as wg
+from kernels.gemm import gemm_wgmma as wg
 from kernels.gemm.w4a16.triton_gemm import w4a16_reference
-from kernels.quant import dequantize, quantize_int4
+from kernels.gemm.w8a16.triton_gemm import w8a16_reference
+from kernels.quant import dequantize, quantize_int4, quantize_int8
 from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 
 VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm=64, wt=4, wgs=2, stages=3),
@@ -23,25 +25,27 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
-@pytest.mark.parametrize("bm,wt,wgs", [(64, 1, 1), (128, 2, 2), (64, 4, 2)])
-def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bm,wt,wgs", sorted(wg.VARIANTS))
+def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
     """Unsplit, workspace-split and (where the tile fits) DSMEM-split builds, each with and without the SwiGLU
-    epilogue: sm_90a PTX/cubin with warpgroup MMAs, no spills, and the plan's register count is the most any of them
-    allocates."""
+    epilogue: sm_90a PTX/cubin with warpgroup MMAs (INT8: its A fragments from ldmatrix), no spills, and the plan's
+    register count is the most any of them allocates."""
     import subprocess
 
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
-    builds = [(1, False), (4, False)] + ([(4, True)] if wg.dsmem_fits(bm, wt, wgs) else [])
+    builds = [(1, False), (4, False)] + ([(4, True)] if wg.dsmem_fits(bm, wt, wgs, bits=bits) else [])
     most = 0
     for splits, dsmem, swiglu in [(*b, swiglu) for b in builds for swiglu in (False, True)]:
-        art = compile_cuda(wg.SOURCE, wg.KERNEL, wg.PARAMS, sm=90, threads=128 * wgs,
-                           shared=wg.shared_bytes(bm, wt, wgs), cache=AotCache(tmp_path),
-                           extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES, splits, dsmem, swiglu),
+        art = compile_cuda(wg.SOURCE, wg.KERNELS[bits], wg.PARAMS, sm=90, threads=128 * wgs,
+                           shared=wg.shared_bytes(bm, wt, wgs, bits=bits), cache=AotCache(tmp_path),
+                           extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES, splits, dsmem, swiglu, bits),
                            arch_specific=True)
         assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
-        assert len(entry_params(art.ptx, wg.KERNEL)) == len(wg.PARAMS)
+        assert len(entry_params(art.ptx, wg.KERNELS[bits])) == len(wg.PARAMS)
+        assert ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in art.ptx) == (bits == 8)
         assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
         assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
         assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
@@ -53,12 +57,14 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bm, wt, wgs, tmp_path):
         usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
         most = max(most, int(re.search(r"REG:(\d+)", usage).group(1)))
-    assert wg.REGS[(bm, wt, wgs)] == -(-most // 8) * 8  # allocation unit: 8 registers per thread
+    assert wg.REGS[bits][(bm, wt, wgs)] == -(-most // 8) * 8  # allocation unit: 8 registers per thread
 
 
 def test_wgmma_gemm_is_hopper_only():
     with pytest.raises(ValueError, match="sm_90a"):
         wg.compile_variant(128, 1, 1, wg.STAGES, sm=80)
+    with pytest.raises(ValueError, match="bits=2"):
+        wg.compile_variant(128, 1, 1, wg.STAGES, bits=2)
     assert "Hopper" in wg.unsupported_reason(128, 4096, 4096, 128, torch.float16, device_sm=80)
 
 
@@ -103,7 +109,7 @@ def test_wgmma_gemm_plan_and_support():
     assert wg.gemm_plan(128, 4096, 4096) is not wg.gemm_plan(128, 4096, 4096)  # cached, but each caller gets a copy
     # Every forced variant gets a plan, also blocks wider than N and stage counts whose shared memory does not fit
     # (the launcher refuses those): their resident warps count as 0, not a division by zero.
-    for (bm, wt, wgs), stages in itertools.product(wg.REGS, (3, 4, 6)):
+    for (bm, wt, wgs), stages in itertools.product(wg.VARIANTS, (3, 4, 6)):
         for M, N, K in [(1, 192, 256), (200, 4096, 4096)]:
             p = wg.gemm_plan(M, N, K, bm=bm, wt=wt, wgs=wgs, stages=stages)
             fits = wg.blocks_per_sm(bm, wt, wgs, stages) > 0
@@ -111,6 +117,12 @@ def test_wgmma_gemm_plan_and_support():
     # Split-K only where the tiles leave SMs idle.
     assert wg.gemm_plan(512, 28672, 4096)["splits"] == 1
     assert wg.gemm_plan(128, 4096, 4096)["splits"] > 1
+    # INT8: no group size to check; its stage holds 64 padded byte rows instead of 8 packed int32 rows + scale rows.
+    assert wg.unsupported_reason(128, 4096, 4096, None, torch.float16, 90) is None
+    assert wg.shared_bytes(128, 1, 2, bits=8) == 4 * (16384 + 64 * (128 + 16)) + 1024
+    assert wg.shared_bytes(128, 1, 2) == 4 * (16384 + 4096 + 256 + 128 + 640) + 1024  # stages rounded to 1 KB
+    p8 = wg.gemm_plan(128, 4096, 4096, bits=8)
+    assert p8["shared"] == wg.shared_bytes(p8["bm"], p8["wt"], p8["wgs"], p8["stages"], 8)
 
 
 def test_wgmma_gemm_rejects_unsupported_input():
@@ -118,6 +130,11 @@ def test_wgmma_gemm_rejects_unsupported_input():
     qw = quantize_int4(torch.randn(64, 128, dtype=torch.float16), 64)
     with pytest.raises(ValueError, match="CUDA tensors"):
         wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 64)
+    q8 = quantize_int8(torch.randn(64, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match="wgmma W8A16 GEMM needs CUDA tensors"):
+        wg.w8a16_gemm_wgmma(x, q8.qweight, q8.scales)
+    with pytest.raises(ValueError, match="qweight is for K=128 but x has K=64"):
+        wg.w8a16_gemm_wgmma(x[:, :64], q8.qweight, q8.scales)
 
 
 @pytest.mark.gpu
@@ -170,3 +187,45 @@ def test_wgmma_gemm_swiglu_epilogue(M):
         # output before the activation) plus half an ulp of the largest output.
         assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
                             float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [5, 33, 64, 100, 128, 200, 511])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 14336), (192, 256)])
+def test_wgmma_w8_gemm_matches_reference(M, N, K):
+    """The INT8 build: every variant of VARIANTS (both tile heights, 1-4 tiles per warpgroup, workspace and DSMEM
+    split sums) against the fp32 reference on the dequantized weight, deterministic, with and without bias; SwiGLU
+    on the same weight read as (gate, up) pairs."""
+    from kernels._utils import device_sm
+
+    if device_sm() != 90:
+        pytest.skip("the wgmma GEMM is sm_90 (Hopper) code")
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    x = torch.randn(M, K, generator=g).half().cuda()
+    qw = quantize_int8(torch.randn(N, K, generator=g).half() * 0.05).to("cuda")
+    qw.qweight[0, :5] = torch.tensor([-127, 127, -1, 0, 1], dtype=torch.int8)  # the ends of the int8 range
+    bias = torch.randn(N, generator=g).half().cuda()
+    ref = w8a16_reference(x, qw.qweight, qw.scales, bias)
+    base = x @ dequantize(qw).t() + bias  # PyTorch on the fp16 weight q * s
+    # The sum of q x in fp32 scaled once (no fp16 rounding of q * s): at most twice cuBLAS's error on the rounded
+    # weight plus half an ulp of the largest output.
+    atol = 0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max())
+    for v in VARIANTS:
+        if N % wg.gemm_plan(M, N, K, bits=8, **v)["bn"]:
+            continue  # a block wider than N
+        out = poisoned((M, N), torch.float16, "cuda")
+        y = wg.w8a16_gemm_wgmma(x, qw.qweight, qw.scales, bias, out=out, **v)
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=atol)
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, v
+        assert torch.equal(wg.w8a16_gemm_wgmma(x, qw.qweight, qw.scales, bias, **v), y), v
+    y = wg.w8a16_gemm_wgmma(x, qw.qweight, qw.scales)  # no bias
+    assert_close_to_ref(y, w8a16_reference(x, qw.qweight, qw.scales), baseline=x @ dequantize(qw).t(), factor=2.0,
+                        atol=atol)
+    ref_sw = w8a16_reference(x, qw.qweight, qw.scales, bias, None, True)
+    for v in (dict(), dict(splits=3, dsmem=False), dict(bm=128, wt=1, wgs=2, splits=2, dsmem=True)):
+        if N % wg.gemm_plan(M, N, K, bits=8, **v)["bn"]:
+            continue
+        y = wg.w8a16_gemm_wgmma(x, qw.qweight, qw.scales, bias, out=poisoned((M, N // 2), torch.float16, "cuda"),
+                                swiglu=True, **v)
+        assert_close_to_ref(y, ref_sw, baseline=torch.nn.functional.silu(base[:, 0::2]) * base[:, 1::2], factor=2.0,
+                            atol=0.5 * torch.finfo(torch.float16).eps * float(ref_sw.abs().max()))

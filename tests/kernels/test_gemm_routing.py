@@ -2,9 +2,11 @@
 
 Equivalence: on every M up to 1024 and the Llama-family shapes, the route is the kernel the ops' cascade called before
 the routing existed (``gemm_routing_legacy.py``, a frozen copy), and the ops now make exactly the calls it made (same
-kernels, same arguments), both run with stand-ins for every kernel on CPU tensors. Then the routes of the measured
-shapes on an H100 as a readable table, plans and cards; on the GPU, the op's result is the routed kernel's, bit for
-bit."""
+kernels, same arguments), both run with stand-ins for every kernel on CPU tensors. The one route added since, W8A16's
+wgmma GEMM (Hopper, fp16, no residual, M = 5..511, operands aligned), is checked against its own rule there: the op
+calls that kernel alone, with the op's operands; everywhere else W8A16 still makes the cascade's calls. Then the
+routes of the measured shapes on an H100 as a readable table, plans and cards; on the GPU, the op's result is the
+routed kernel's, bit for bit."""
 
 import importlib
 import inspect
@@ -13,7 +15,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from kernels.gemm.w4a16 import gemm_wgmma as wg
+from kernels.gemm import gemm_wgmma as wg
 from kernels.gemm.w4a16 import gemv as cu
 from kernels.gemm.w4a16 import gemv_mma as mma
 from kernels.gemm.w8a16 import gemv_mma as mma8
@@ -61,11 +63,12 @@ MAX_M = 1024
 # Every kernel the ops may call, by module and attribute, and the name its calls are recorded under.
 KERNELS = {
     ("kernels.gemm.w4a16.gemv_mma", "w4a16_gemv_mma"): "w4_gemv_mma",
-    ("kernels.gemm.w4a16.gemm_wgmma", "w4a16_gemm_wgmma"): "w4_gemm_wgmma",
+    ("kernels.gemm.gemm_wgmma", "w4a16_gemm_wgmma"): "w4_gemm_wgmma",
     ("kernels.gemm.w4a16.gemv", "w4a16_gemv"): "w4_gemv",
     ("kernels.gemm.w4a16.triton_gemm", "w4a16_gemm"): "triton_w4_gemm",
     ("kernels.gemm.w4a16.triton_gemm", "w4a16_reference"): "reference",
     ("kernels.gemm.w8a16.gemv_mma", "w8a16_gemv_mma"): "w8_gemv_mma",
+    ("kernels.gemm.gemm_wgmma", "w8a16_gemm_wgmma"): "w8_gemm_wgmma",
     ("kernels.gemm.w8a16.triton_gemm", "w8a16_gemm"): "triton_w8_gemm",
     ("kernels.gemm.w8a16.triton_gemm", "w8a16_reference"): "reference",
     ("kernels.gemm.dequant", "dequant_matmul"): "dequant_cublas",
@@ -242,10 +245,28 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
     assert (got.backend, got.swiglu) == kernels.route_of(calls), where
 
 
+# x layouts whose rows the wgmma GEMM takes as they are (16-byte aligned rows and row stride)
+WGMMA_X_OK = {"contiguous": True, "misaligned": False, "strided": True, "strided_odd": False, "3d": True}
+
+
 def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=False, swiglu=False, bias=None,
                op=True):
     name, N, K, _ = shape
     args = w8_args(M, N, K, dtype, layout, residual, swiglu, bias=bias)
+    where = (card, name, M, dtype, layout, residual, swiglu, bias)
+    route = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu)
+    if route.backend == "w8_gemm_wgmma":  # the route added since the cascade: its operands decide, then the op
+        aligned = WGMMA_X_OK[layout] and bias != "misaligned"
+        got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=aligned)
+        if got.backend == "w8_gemm_wgmma":
+            assert (M > routing.CUDA_W8_GEMV_MAX_M and M < routing.DEQUANT_MIN_M_W8 and card.sm == 90
+                    and dtype == torch.float16 and not residual), where
+            calls = kernels.run(ops_gemm._w8a16_linear, *args)
+            assert [c[0] for c in calls] == ["w8_gemm_wgmma"], where
+            a = dict(calls[0][1])
+            assert (a["x"], a["qweight"], a["scales"], a["swiglu"]) == ("arg0", "arg1", "arg2", swiglu), where
+            assert a["bias"] == ("arg3" if bias else None) and a["out"] is None, where
+            return
     calls = kernels.run(legacy.w8a16_linear, *args)
     if layout.startswith("strided") and calls[0][0] == "triton_w8_gemm":
         # The one intended difference: the cascade made x contiguous before asking whether the GEMV takes the
@@ -253,9 +274,9 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         # 608 here); the op copies it for the GEMV only. Same result: the Triton kernel reads x by its row stride.
         triton = calls[0][0], tuple((k, "arg0" if k == "x" else v) for k, v in calls[0][1])
         calls = [triton, *calls[1:]]
-    where = (card, name, M, dtype, layout, residual, swiglu, bias)
     assert not op or kernels.run(ops_gemm._w8a16_linear, *args) == calls, where
-    got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=W8_ALIGNED[layout])
+    aligned = W8_ALIGNED[layout] and (route.backend != "w8_gemm_wgmma")  # wgmma refused: the cascade's kernel
+    got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=aligned)
     assert (got.backend, got.swiglu) == kernels.route_of(calls), where
 
 
@@ -328,9 +349,14 @@ W4_H100 = {
     "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 255, WGMMA), (256, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
+# W8A16: the GEMV up to 4 rows, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
+# 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
 W8_H100 = {
-    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
+    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 511, "w8_gemm_wgmma"), (512, 1024, DEQUANT)],
+    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 511, "w8_gemm_wgmma"), (512, 1024, DEQUANT)],
+    "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 511, "w8_gemm_wgmma"), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],  # K = 608: no multiple of 64
+    "N 1000": [(1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
 }
 
 
@@ -355,10 +381,13 @@ def test_h100_routes_of_the_measured_shapes():
         (1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
     assert _ranges(lambda M, s: w4(M, s, residual=True), qkv) == [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
     assert _ranges(lambda M, s: w8(M, s, residual=True), qkv) == [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
-    # SwiGLU: fused where the kernel has the epilogue, after the GEMM otherwise; W8A16 always after.
+    # SwiGLU: fused where the kernel has the epilogue (W8A16: the wgmma GEMM), after the GEMM otherwise.
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
     assert w4(256, qkv, swiglu=True).swiglu == "after" and w4(1, qkv).swiglu == "none"
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 5, 512)} == {"after"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 512)} == {"after"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (5, 511)} == {"fused"}
+    assert _ranges(lambda M, s: route_w8a16(M, *s[:2], torch.float16, A100), qkv) == [
+        (1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.
     assert _ranges(lambda M, s: route_w4a16(M, *s[:2], torch.float16, A100, group_size=128), qkv) == [
         (1, 32, GEMV), (33, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
@@ -496,8 +525,8 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 8, 9])
-def test_op_routes_small_fp16_w8_to_gemv_and_agrees_with_triton(M):
+@pytest.mark.parametrize("M", [1, 4, 8, 9, 100])
+def test_op_routes_fp16_w8_to_its_kernel_and_agrees_with_triton(M):
     g = torch.Generator().manual_seed(100 + M)
     w = torch.randn(2048, 4096, generator=g).half()
     x = torch.randn(M, 4096, generator=g).half().cuda()
@@ -506,10 +535,17 @@ def test_op_routes_small_fp16_w8_to_gemv_and_agrees_with_triton(M):
     y_op = torch.ops.tritrt.w8a16_linear(x, q.qweight, q.scales, bias, None)
     y_tr = w8a16_gemm(x, q.qweight, q.scales, bias)
     backend = _gpu_route("w8", M, 2048, 4096).backend
-    assert backend == ("w8_gemv_mma" if M <= routing.CUDA_W8_GEMV_MAX_M else "triton_w8_gemm")
-    assert torch.equal(y_op, mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias) if backend == "w8_gemv_mma" else y_tr)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert backend == ("w8_gemv_mma" if M <= routing.CUDA_W8_GEMV_MAX_M else
+                       "w8_gemm_wgmma" if hopper else "triton_w8_gemm")
+    routed = {"w8_gemv_mma": lambda: mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias),
+              "w8_gemm_wgmma": lambda: wg.w8a16_gemm_wgmma(x, q.qweight, q.scales, bias),
+              "triton_w8_gemm": lambda: y_tr}
+    assert torch.equal(y_op, routed[backend]())
     ref = w8a16_reference(x, q.qweight, q.scales, bias)
-    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())  # two independent roundings: one ulp apart at most
+    # Two independent roundings of the output (the wgmma GEMM scales the fp32 sum of q x, Triton rounds q s to fp16
+    # first: relative 2^-12 per weight, averaging out over K): one ulp of the largest output apart at most.
+    tol = torch.finfo(torch.float16).eps * float(ref.abs().max())
     assert float((y_op.float() - y_tr.float()).abs().max()) <= tol
     # With a residual the op keeps the Triton kernel (the GEMV has no residual input).
     r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)

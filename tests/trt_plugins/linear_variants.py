@@ -94,7 +94,8 @@ def make_inputs(case: Case, m: int, device="cuda", scale=0.05):
 
 def same_variant(case: Case, sp, ins) -> torch.Tensor:
     """The plugin's kernel variant through the torch launcher (the JIT path's kernel, forced to the same plan)."""
-    from kernels.gemm.w4a16 import gemm_wgmma, gemv, gemv_mma
+    from kernels.gemm import gemm_wgmma
+    from kernels.gemm.w4a16 import gemv, gemv_mma
     from kernels.gemm.w8a16 import gemv_mma as w8_gemv_mma
 
     backend, plan = sp.cuda.route
@@ -108,6 +109,9 @@ def same_variant(case: Case, sp, ins) -> torch.Tensor:
     if backend == "w4_gemm_wgmma":
         return gemm_wgmma.w4a16_gemm_wgmma(*ins, case.group_size, bm=p["bm"], wt=p["wt"], wgs=p["wgs"],
                                            stages=p["stages"], splits=p["splits"], dsmem=p["dsmem"])
+    if backend == "w8_gemm_wgmma":
+        return gemm_wgmma.w8a16_gemm_wgmma(*ins, bm=p["bm"], wt=p["wt"], wgs=p["wgs"], stages=p["stages"],
+                                           splits=p["splits"], dsmem=p["dsmem"])
     if backend == "w4_gemv":  # row tiles of gemv_m rows, as the plugin entry walks them over grid z
         rows = p["gemv_m"]
         return torch.cat([gemv.w4a16_gemv(x[i:i + rows], *ins[1:], case.group_size, tn=p["tn"])
@@ -136,21 +140,26 @@ def warm(sm: int = 90) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from kernels.aot.compile import compile_cuda
-    from kernels.gemm.w4a16 import gemm_wgmma, gemv, gemv_mma
+    from kernels.gemm import gemm_wgmma
+    from kernels.gemm.w4a16 import gemv, gemv_mma
     from kernels.gemm.w8a16 import gemv_mma as w8_gemv_mma
     from trt_plugins.aot import compile_specialisation, target_card
 
-    torch_kernels = {"w4_gemv_mma": gemv_mma, "w4_gemv": gemv, "w4_gemm_wgmma": gemm_wgmma, "w8_gemv_mma": w8_gemv_mma}
+    # route -> the torch launcher's module and its kernel's entry
+    torch_kernels = {"w4_gemv_mma": (gemv_mma, gemv_mma.KERNEL), "w4_gemv": (gemv, gemv.KERNEL),
+                     "w4_gemm_wgmma": (gemm_wgmma, gemm_wgmma.KERNELS[4]),
+                     "w8_gemm_wgmma": (gemm_wgmma, gemm_wgmma.KERNELS[8]),
+                     "w8_gemv_mma": (w8_gemv_mma, w8_gemv_mma.KERNEL)}
     card = target_card(sm)
     jobs = []
     for case in plugin_cases(card, ODD_SHAPES + SHAPES):
         sp = case.specialise(case.m_hint, card)
-        b, mod = sp.cuda.build, torch_kernels[sp.cuda.route[0]]
+        b, (mod, kernel) = sp.cuda.build, torch_kernels[sp.cuda.route[0]]
         flags = tuple(f for f in b.flags if not f.startswith(("-DTRITRT_PLUGIN_ENTRY", "-DTRITRT_GROUP_SIZE")))
         jobs.append(lambda sp=sp, case=case: compile_specialisation(SPECS[case.op], sp, sm=sm))
-        jobs.append(lambda b=b, mod=mod, flags=flags: compile_cuda(b.source, mod.KERNEL, mod.PARAMS, sm=sm,
-                                                                   threads=b.threads, shared=b.shared,
-                                                                   extra_flags=flags, arch_specific=b.arch_specific))
+        jobs.append(lambda b=b, mod=mod, kernel=kernel, flags=flags: compile_cuda(
+            b.source, kernel, mod.PARAMS, sm=sm, threads=b.threads, shared=b.shared, extra_flags=flags,
+            arch_specific=b.arch_specific))
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
         list(ex.map(lambda job: job(), jobs))
     return len(jobs)

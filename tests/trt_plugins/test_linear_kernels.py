@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.gemm import routing
-from kernels.gemm.w4a16 import gemm_wgmma
+from kernels.gemm import gemm_wgmma
 from trt_plugins.specs import SPECS
 from trt_plugins.specs.linear import TACTICS
 
@@ -20,6 +20,7 @@ SHAPES = [(4096, 6144, "8B qkv"), (4096, 4096, "8B o"), (4096, 28672, "8B gate_u
 GROUPS = (32, 64, 128)
 DTYPES = ("fp16", "bf16")
 CUDA_W4 = ("w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma")
+CUDA_W8 = ("w8_gemv_mma", "w8_gemm_wgmma")
 
 
 def _w4_case(K, N, g, dt, m):
@@ -41,15 +42,15 @@ def _z_tiles(route, m):
 def _check(sp, torch_route, m):
     """The specialisation runs ``torch_route`` (the op's route at M = m) where a plugin can; its grid at M = m is the
     launcher's plan grid (plus the row tiles over z)."""
-    if torch_route.backend not in (*CUDA_W4, "w8_gemv_mma"):
+    if torch_route.backend not in (*CUDA_W4, *CUDA_W8):
         assert sp.cuda is None, f"route {torch_route.backend}: the plugin must keep its Triton entry"
         return
     assert sp.cuda is not None, f"route {torch_route.backend}: the plugin runs Triton instead"
     backend, plan = sp.cuda.route
     p = torch_route.params
-    if backend == "w4_gemm_wgmma" and p["splits"] > 1 and not p["dsmem"]:
+    if backend.endswith("gemm_wgmma") and p["splits"] > 1 and not p["dsmem"]:
         # The documented substitution: the same kernel, its K splits summed over DSMEM (no workspace in a plugin).
-        want = gemm_wgmma.gemm_plan(m, *_nk(sp), 132, dsmem=True)
+        want = gemm_wgmma.gemm_plan(m, *_nk(sp), 132, dsmem=True, bits=8 if backend == "w8_gemm_wgmma" else 4)
         assert dict(plan) == want and (want["splits"] == 1 or want["dsmem"])
     else:
         assert (backend, plan) == (torch_route.backend, torch_route.plan)
@@ -59,7 +60,7 @@ def _check(sp, torch_route, m):
     assert sp.grid[:len(want)] == want and all(d == 1 for d in sp.grid[len(want):]), (sp.grid, want)
     assert sp.num_warps * 32 == sp.cuda.build.threads and sp.constexprs == {}
     assert "-DTRITRT_PLUGIN_ENTRY" in sp.cuda.build.flags
-    assert sp.cuda.build.arch_specific == (backend == "w4_gemm_wgmma")
+    assert sp.cuda.build.arch_specific == backend.endswith("gemm_wgmma")
 
 
 def _nk(sp):
@@ -107,9 +108,10 @@ def test_the_cuda_kernels_are_selected_where_the_op_uses_them():
                     r = routing.route_w4a16(m, N, K, torch.float16, routing.H100, group_size=g)
                     if r.plan != sp.cuda.route[1]:
                         substituted.append((what, g, m))
-        sp = SPECS["W8A16Linear"].specialise(*_w8_case(K, N, "fp16", 1), {"m_hint": 1}, card=routing.H100)
-        seen.add(sp.cuda.route[0] if sp.cuda else "triton")
-    assert set(CUDA_W4) | {"w8_gemv_mma"} <= seen
+        for m in TACTICS:
+            sp = SPECS["W8A16Linear"].specialise(*_w8_case(K, N, "fp16", m), {"m_hint": m}, card=routing.H100)
+            seen.add(sp.cuda.route[0] if sp.cuda else "triton")
+    assert set(CUDA_W4) | set(CUDA_W8) <= seen
     assert all(m == 128 for _, _, m in substituted)
 
 
@@ -155,6 +157,8 @@ def test_workspace_split_wgmma_has_no_plugin_entry():
     plan = gemm_wgmma.gemm_plan(128, 4096, 4096, 132, splits=4, dsmem=False)
     with pytest.raises(ValueError, match="no workspace"):
         gemm_wgmma.plugin_build(plan, 128)
+    with pytest.raises(ValueError, match="no workspace"):
+        gemm_wgmma.plugin_build(gemm_wgmma.gemm_plan(128, 4096, 4096, 132, splits=4, dsmem=False, bits=8), None, 8)
 
 
 def _sample_builds():
@@ -178,7 +182,7 @@ def test_cuda_plugin_entries_compile_for_sm90():
     from trt_plugins.aot import compile_specialisation
 
     cases = _sample_builds()
-    assert {sp.cuda.route[0] for _, sp in cases} == {*CUDA_W4, "w8_gemv_mma"}
+    assert {sp.cuda.route[0] for _, sp in cases} == {*CUDA_W4, *CUDA_W8}
     for op, sp in cases:
         spec = SPECS[op]
         art = compile_specialisation(spec, sp, sm=90)
@@ -224,7 +228,7 @@ def test_compile_all_writes_the_cuda_variants(tmp_path):
     assert m["card"] == routing.H100.name and not m["failed"]
     kinds = {}
     for e in m["kernels"]:
-        assert e["kind"] == "cuda" and e["cuda"]["backend"] in (*CUDA_W4, "w8_gemv_mma"), e
+        assert e["kind"] == "cuda" and e["cuda"]["backend"] in (*CUDA_W4, *CUDA_W8), e
         assert "-DTRITRT_PLUGIN_ENTRY" in e["cuda"]["nvcc_flags"] and e["kernel"].startswith("tritrt_")
         assert (tmp_path / e["ptx"]).read_text() == (tmp_path / e["trt_ptx"]).read_text()
         assert (tmp_path / e["cubin"]).read_bytes()[:4] == b"\x7fELF"

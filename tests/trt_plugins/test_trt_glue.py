@@ -80,7 +80,7 @@ def test_glue_embeds_the_routed_cuda_kernels(fake_run):
         if sp.cuda:
             assert case["shared"] == sp.cuda.build.shared
             kinds.add(sp.cuda.route[0])
-    assert {"w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma", "w8_gemv_mma"} <= kinds, kinds
+    assert {"w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma", "w8_gemv_mma", "w8_gemm_wgmma"} <= kinds, kinds
 
 
 def test_without_tensorrt_the_glue_says_what_to_do():

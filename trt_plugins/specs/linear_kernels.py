@@ -9,13 +9,13 @@ the same kernel body, parameters in plugin order). Where the route names somethi
   ranges): the spec's Triton entry, as before.
 - ``dequant_cublas`` (M >= ``DEQUANT_MIN_M_W4`` / ``_W8``: dequantize, then cuBLAS; two launches and a weight-sized
   temporary): the Triton entry. No tactic reaches it today (``TACTICS`` stop at 128 < 256).
-- ``w4_gemm_wgmma`` with a plan that sums its K splits through the global workspace (``splits > 1`` and not
-  ``dsmem``): that sum needs per-tile counters that start at zero and persist from launch to launch, which a plugin
-  (no workspace in TensorRT's AOT plugin contract, scratch only as graph inputs) does not have. The plugin runs the
-  launcher's plan with DSMEM sums only (``gemm_plan(..., dsmem=True)``): the same kernel, its splits summed over the
-  cluster's shared memory. Measured on H100 (benchmarks/results/dev-logs/h100/bench_gemm_wgmma_dsmem.log): on 64 x 64
-  tiles 2-26% slower than the workspace sum, on 128 x 128 tiles with 8 splits 1.14x vs 1.38x cuBLAS (down, M = 128);
-  still the wgmma GEMM, which ran ahead of Triton (0.56-0.74x) at M = 128.
+- ``w4_gemm_wgmma`` / ``w8_gemm_wgmma`` with a plan that sums its K splits through the global workspace
+  (``splits > 1`` and not ``dsmem``): that sum needs per-tile counters that start at zero and persist from launch to
+  launch, which a plugin (no workspace in TensorRT's AOT plugin contract, scratch only as graph inputs) does not have.
+  The plugin runs the launcher's plan with DSMEM sums only (``gemm_plan(..., dsmem=True)``): the same kernel, its
+  splits summed over the cluster's shared memory. Measured on H100 (INT4; benchmarks/results/dev-logs/h100/
+  bench_gemm_wgmma_dsmem.log): on 64 x 64 tiles 2-26% slower than the workspace sum, on 128 x 128 tiles with 8 splits
+  1.14x vs 1.38x cuBLAS (down, M = 128); still the wgmma GEMM, which ran ahead of Triton (0.56-0.74x) at M = 128.
 
 The CUDA GEMVs that take at most 8 rows (``w4_gemv``: ``gemv_m``, ``w8_gemv_mma``: 8) walk row tiles over grid z in
 their plugin entry, so like the Triton tiles every variant is correct for any M of the engine's profile, tuned for M
@@ -29,33 +29,40 @@ from __future__ import annotations
 from ._base import CudaKernel, cdiv, torch_dtype
 
 W4_CUDA = ("w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma")
-W8_CUDA = ("w8_gemv_mma",)
+W8_CUDA = ("w8_gemv_mma", "w8_gemm_wgmma")
+
+
+def _without_workspace(route, m_hint: int, N: int, K: int, dt, card, group_size):
+    """``route`` with a wgmma plan that sums its K splits through the workspace replanned with DSMEM sums (None where
+    the kernel then does not take the shape); any other route as it is."""
+    from kernels.gemm import gemm_wgmma, routing
+
+    if not route.backend.endswith("gemm_wgmma") or route.params["splits"] == 1 or route.params["dsmem"]:
+        return route
+    plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True,
+                                  bits=4 if group_size else 8)
+    return None if plan is None else routing.Route(route.backend, route.swiglu, tuple(sorted(plan.items())))
 
 
 def plugin_route_w4a16(m_hint: int, N: int, K: int, dtype: str, card, group_size: int):
     """The ``kernels.gemm.routing.Route`` a W4A16Linear tactic runs (see the module doc for where it differs from
     ``route_w4a16``); ``dtype`` is our dtype name of x."""
     from kernels.gemm import routing
-    from kernels.gemm.w4a16 import gemm_wgmma
 
     dt = torch_dtype(dtype)
-    route = routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size)
-    if route.backend == "w4_gemm_wgmma" and route.params["splits"] > 1 and not route.params["dsmem"]:
-        plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True)
-        if plan is None:
-            return routing.Route("triton_w4_gemm")
-        return routing.Route("w4_gemm_wgmma", "none", tuple(sorted(plan.items())))
-    if route.backend not in W4_CUDA:
-        return routing.Route("triton_w4_gemm")
-    return route
+    route = _without_workspace(routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size), m_hint, N, K, dt,
+                               card, group_size)
+    return route if route is not None and route.backend in W4_CUDA else routing.Route("triton_w4_gemm")
 
 
 def plugin_route_w8a16(m_hint: int, N: int, K: int, dtype: str, card):
-    """The ``Route`` a W8A16Linear tactic runs: ``route_w8a16``'s, with Triton for what is not a CUDA kernel."""
+    """The ``Route`` a W8A16Linear tactic runs: ``route_w8a16``'s (wgmma plans without workspace sums, as W4A16), with
+    Triton for what is not a CUDA kernel."""
     from kernels.gemm import routing
 
-    route = routing.route_w8a16(m_hint, N, K, torch_dtype(dtype), card)
-    return route if route.backend in W8_CUDA else routing.Route("triton_w8_gemm")
+    dt = torch_dtype(dtype)
+    route = _without_workspace(routing.route_w8a16(m_hint, N, K, dt, card), m_hint, N, K, dt, card, None)
+    return route if route is not None and route.backend in W8_CUDA else routing.Route("triton_w8_gemm")
 
 
 def _m(shapes):
@@ -64,7 +71,8 @@ def _m(shapes):
 
 def cuda_kernel_w4a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     """``PluginSpec.cuda_kernel`` of W4A16Linear: the CUDA kernel of its tactic's route, or None (Triton)."""
-    from kernels.gemm.w4a16 import gemm_wgmma, gemv, gemv_mma
+    from kernels.gemm import gemm_wgmma
+    from kernels.gemm.w4a16 import gemv, gemv_mma
 
     K, N, g = shapes["x"][1], shapes["qweight"][1], attrs["group_size"]
     route = plugin_route_w4a16(attrs["m_hint"], N, K, dtypes["x"], card, g)
@@ -86,12 +94,18 @@ def cuda_kernel_w4a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
 
 def cuda_kernel_w8a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     """``PluginSpec.cuda_kernel`` of W8A16Linear: the CUDA kernel of its tactic's route, or None (Triton)."""
+    from kernels.gemm import gemm_wgmma
     from kernels.gemm.w8a16 import gemv_mma
 
     K, N = shapes["x"][1], shapes["qweight"][1]
     route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card)
-    if route.backend != "w8_gemv_mma":
-        return None
     p = route.params
-    grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8))  # noqa: E731
-    return CudaKernel(build=gemv_mma.plugin_build(p), grid=grid, route=(route.backend, route.plan))
+    if route.backend == "w8_gemv_mma":
+        grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8))  # noqa: E731
+        build = gemv_mma.plugin_build(p)
+    elif route.backend == "w8_gemm_wgmma":
+        grid = lambda s, a: (cdiv(_m(s), p["bm"]) * (N // p["bn"]), p["splits"])  # noqa: E731
+        build = gemm_wgmma.plugin_build(p, None, bits=8)
+    else:
+        return None
+    return CudaKernel(build=build, grid=grid, route=(route.backend, route.plan))

@@ -1,8 +1,10 @@
-"""Launcher for the Hopper W4A16 GEMM (``gemm_wgmma.cu``): fp16 activations, M above the GEMV's range, sm_90.
+"""Launchers for the Hopper weight-only GEMM (``gemm_wgmma.cu``), W4A16 and W8A16 (``bits`` 4 / 8: one kernel body,
+the weight format a compile flag): fp16 activations, M above the GEMVs' range, sm_90.
 
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
-of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the packed weight, its scales
-and zeros are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64. Split-K over grid y
+of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the weight (and the INT4 scales
+and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64; INT8's per-column scales
+are applied to the fp32 sums in the epilogue. Split-K over grid y
 (``splits`` blocks per tile) when the tiles alone leave SMs idle, the fp32 partial tiles summed in a fixed order either
 by the last block of each tile through a global workspace, or (``dsmem``) by all the tile's blocks, as one
 thread-block cluster, over distributed shared memory. Compiled for sm_90a with nvcc by ``kernels.aot.compile_cuda``
@@ -25,7 +27,8 @@ from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 from kernels.gemm.cuda import plugin_build as _plugin_build
 
 SOURCE = Path(__file__).with_name("gemm_wgmma.cu")
-KERNEL = "w4a16_gemm_wgmma"
+KERNELS = {4: "w4a16_gemm_wgmma", 8: "w8a16_gemm_wgmma"}  # the torch entry by weight bits
+PLUGIN_KERNELS = {4: "tritrt_w4a16_gemm_wgmma", 8: "tritrt_w8a16_gemm_wgmma"}  # the TensorRT plugin entries
 PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*i8"), ("bias", "*fp16"),
           ("out", "*fp16"), ("workspace", "*fp32"), ("counters", "*i32"), ("M", "i32"), ("N", "i32"), ("K", "i32"),
           ("group_size", "i32"), ("stride_xm", "i32"), ("has_zeros", "i32"), ("has_bias", "i32")]
@@ -34,10 +37,14 @@ STAGES = 4
 SM = 90  # wgmma: sm_90a code, Hopper only
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may have (sm_90)
 SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also takes 1 KB reserved by the system
-# ptxas registers per thread by (bm, wt, wgs), the most of the unsplit, workspace-split and DSMEM-split builds, rounded
-# up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate (the compile test checks them against ptxas).
-REGS = {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 152, (64, 2, 2): 152, (64, 4, 1): 248, (64, 4, 2): 248,
-        (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216}
+# ptxas registers per thread by weight bits and (bm, wt, wgs), the most of the unsplit, workspace-split and DSMEM-split
+# builds, rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate (the compile test checks them against
+# ptxas).
+REGS = {4: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 152, (64, 2, 2): 152, (64, 4, 1): 248, (64, 4, 2): 248,
+            (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216},
+        8: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 136, (64, 2, 2): 136, (64, 4, 1): 224, (64, 4, 2): 216,
+            (128, 1, 1): 136, (128, 1, 2): 112, (128, 2, 1): 216, (128, 2, 2): 200}}
+VARIANTS = tuple(REGS[4])  # the (bm, wt, wgs) block shapes built
 # Plan search space: (wt, wgs) block shapes by bm (at most 128 accumulators per thread: wt * bm <= 256), split
 # factors, and the fewest K stages a split may have (H100 sweep: o at M = 128 with 8 stages per split ran at
 # 0.58-0.75x cuBLAS, with 16 at 0.88-1.00x; qkv at M = 64 1.11-1.18x vs 1.20-1.53x).
@@ -67,22 +74,30 @@ _KERNELS: dict = {}
 _COUNTERS: dict = {}
 
 
-def shared_bytes(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
-    """Dynamic shared memory of a variant (mirrors the .cu: 1024-byte aligned stages, plus 1024 for the alignment)."""
+def shared_bytes(bm: int, wt: int, wgs: int, stages: int = STAGES, bits: int = 4) -> int:
+    """Dynamic shared memory of a variant (mirrors the .cu: 1024-byte aligned stages of x, the weight slice -- INT4
+    packed rows plus a scale and a zero row, INT8 64 byte rows padded by 16 -- plus 1024 for the alignment)."""
     bn = 64 * wt * wgs
-    stage = bm * 128 + (BK // 8) * bn * 4 + bn * 2 + bn
+    weight = (BK // 8) * bn * 4 + bn * 2 + bn if bits == 4 else BK * (bn + 16)
+    stage = bm * 128 + weight
     return stages * (-(-stage // 1024) * 1024) + 1024
 
 
-def dsmem_fits(bm: int, wt: int, wgs: int, stages: int = STAGES) -> bool:
+def dsmem_fits(bm: int, wt: int, wgs: int, stages: int = STAGES, bits: int = 4) -> bool:
     """Whether the variant can sum split-K partials over DSMEM: its fp32 partial tile (rows padded by 4 floats) fits
     in its stage buffers."""
-    return bm * (64 * wt * wgs + 4) * 4 <= shared_bytes(bm, wt, wgs, stages) - 1024
+    return bm * (64 * wt * wgs + 4) * 4 <= shared_bytes(bm, wt, wgs, stages, bits) - 1024
 
 
-def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device_sm: int = SM,
+def _check_bits(bits: int) -> None:
+    if bits not in KERNELS:
+        raise ValueError(f"wgmma GEMM: bits={bits}; the kernel takes INT4 (4) and INT8 (8) weights")
+
+
+def unsupported_reason(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dtype, device_sm: int = SM,
                        bn: int = 64) -> Optional[str]:
-    """None if this GEMM handles the shape on a GPU of compute capability ``device_sm``, else why not."""
+    """None if this GEMM handles the shape on a GPU of compute capability ``device_sm``, else why not
+    (``group_size`` None: INT8, one scale per column)."""
     if device_sm != SM:
         return f"sm_{device_sm}: the wgmma GEMM runs on sm_90 (Hopper) only"
     if dtype != torch.float16:
@@ -93,20 +108,20 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
         return f"N={N} is not a multiple of {bn} (the block's columns)"
     if K % BK:
         return f"K={K} is not a multiple of {BK} (one pipeline stage)"
-    if group_size % BK:
+    if group_size is not None and group_size % BK:
         return f"group_size={group_size} is not a multiple of {BK} (a stage must not span two scale groups)"
     return None
 
 
-def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES) -> int:
+def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES, bits: int = 4) -> int:
     """Blocks of a variant that fit on one SM at once (shared memory and registers)."""
-    regs = REGS.get((bm, wt, wgs), 255)
-    return max(1, min(SM_SHARED // (shared_bytes(bm, wt, wgs, stages) + 1024), 65536 // (regs * 128 * wgs)))
+    regs = REGS[bits].get((bm, wt, wgs), 255)
+    return max(1, min(SM_SHARED // (shared_bytes(bm, wt, wgs, stages, bits) + 1024), 65536 // (regs * 128 * wgs)))
 
 
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
               wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None,
-              dsmem: Optional[bool] = None) -> dict:
+              dsmem: Optional[bool] = None, bits: int = 4) -> dict:
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
     that an eager call pays a dictionary lookup, not the search (~50 us of Python).
 
@@ -124,11 +139,12 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
     vs 1.59, o 1.37 (best), gate_up 1.83 vs 2.05, down 1.76 vs 1.77, 8k 1.92 vs 1.96.
     """
-    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem))
+    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits))
 
 
 @lru_cache(maxsize=4096)
-def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
+def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
+    _check_bits(bits)
     if M < 1 or K < BK:
         raise ValueError(f"wgmma W4A16 GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
     if splits is not None and not 1 <= splits <= 8:
@@ -141,12 +157,12 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
             if (wt and a != wt) or (wgs and b != wgs) or N % bn:
                 continue
             tiles = -(-M // bm_) * (N // bn)
-            cap = sm_count * blocks_per_sm(bm_, a, b, stages)
+            cap = sm_count * blocks_per_sm(bm_, a, b, stages, bits)
             for s in [splits] if splits else [s for s in SPLITS if s == 1 or (
                     ktiles // s >= MIN_K_TILES and tiles * s <= cap)]:
-                if dsmem and s > 1 and not dsmem_fits(bm_, a, b, stages):
+                if dsmem and s > 1 and not dsmem_fits(bm_, a, b, stages, bits):
                     continue  # asked for DSMEM sums: only blocks whose partial tile fits
-                key = (_resident_warps(tiles * s, b, cap, sm_count), bm_ == 128, -s, -b, bn)
+                key = (_resident_warps(tiles * s, b, cap, sm_count), bm_ == 128, -s, b if bits == 8 else -b, bn)
                 if best is None or key > best[0]:
                     best = (key, bm_, a, b, s)
     if best is None:  # no candidate block divides N: the narrowest (unsupported_reason names the problem)
@@ -157,14 +173,14 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem) -> tuple:
     s = max(1, min(int(s), ktiles))
     per = -(-ktiles // s)
     s = -(-ktiles // per)  # no empty split
-    if (bm, a, b) not in REGS:
-        raise ValueError(f"wgmma W4A16 GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS)}")
-    ctas, cap = -(-M // bm) * -(-N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages)
+    if (bm, a, b) not in REGS[bits]:
+        raise ValueError(f"wgmma GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS[bits])}")
+    ctas, cap = -(-M // bm) * -(-N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages, bits)
     if dsmem is None:
-        dsmem = (s > 1 and dsmem_fits(bm, a, b, stages) and bm * bn >= DSMEM_MIN_TILE
+        dsmem = (s > 1 and dsmem_fits(bm, a, b, stages, bits) and bm * bn >= DSMEM_MIN_TILE
                  and (s <= 2 or ctas <= DSMEM_MAX_FILL * cap))
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
-                      grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages),
+                      grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
 
 
@@ -178,7 +194,7 @@ def _resident_warps(ctas: int, wgs: int, cap: int, sm_count: int) -> float:
 
 
 def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                bias: Optional[torch.Tensor]) -> bool:
+                bias: Optional[torch.Tensor]) -> bool:  # INT8: zeros None
     """What the kernel needs beyond shapes (the op falls back to another kernel otherwise): fp16 scales and bias,
     contiguous operands and x rows, all 16-byte aligned (cp.async copies)."""
     tensors = (qweight, scales, zeros, bias)
@@ -187,10 +203,12 @@ def operands_ok(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             and all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors))
 
 
-def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, sm: int, sm_count: int, **variant):
+def plan_for(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dtype, sm: int, sm_count: int,
+             **variant):
     """``(plan, None)`` if this GEMM takes the call on a GPU of compute capability ``sm`` with ``sm_count`` SMs, else
     ``(None, why not)``: the shape checks first (the plan search needs a shape it can tile), then the plan's block
-    width against N. A pure function (``kernels.gemm.routing`` asks it for a ``Card``)."""
+    width against N. ``group_size`` None is INT8 (``bits=8`` in ``variant``). A pure function
+    (``kernels.gemm.routing`` asks it for a ``Card``)."""
     reason = unsupported_reason(M, N, K, group_size, dtype, sm)
     if reason is None:
         plan = gemm_plan(M, N, K, sm_count, **variant)
@@ -199,36 +217,40 @@ def plan_for(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, sm: in
 
 
 def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
-                  swiglu: bool = False) -> tuple:
-    return (f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}", f"-DWG_SPLITS={splits}",
+                  swiglu: bool = False, bits: int = 4) -> tuple:
+    return (f"-DWG_BITS={bits}", f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}",
+            f"-DWG_SPLITS={splits}",
             f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}", f"-DWG_SWIGLU={int(swiglu)}")
 
 
 def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
-                    swiglu: bool = False, sm: int = SM):
+                    swiglu: bool = False, bits: int = 4, sm: int = SM):
     """The PTX/cubin artifact (sm_90a) for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
+    _check_bits(bits)
     if sm != SM:
-        raise ValueError(f"the wgmma W4A16 GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
-    return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages),
-                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu), arch_specific=True)
+        raise ValueError(f"the wgmma GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
+    return compile_cuda(SOURCE, KERNELS[bits], PARAMS, sm=sm, threads=128 * wgs,
+                        shared=shared_bytes(bm, wt, wgs, stages, bits),
+                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits), arch_specific=True)
 
 
-PLUGIN_KERNEL = "tritrt_w4a16_gemm_wgmma"  # the .cu's TensorRT plugin entry
-
-
-def plugin_build(plan: dict, group_size: int):
-    """The plugin entry of ``plan``'s variant (a ``gemm_plan`` without workspace sums: ``splits == 1`` or ``dsmem``;
-    the entry has no workspace) for ``trt_plugins``: (x, qweight, scales, zeros, M, N, K, unused, y), zero points, no
-    bias, no SwiGLU, sm_90a; grid ``(cdiv(M, bm) * N / bn, splits)``."""
+def plugin_build(plan: dict, group_size: Optional[int], bits: int = 4):
+    """The plugin entry of ``plan``'s variant (a ``gemm_plan(..., bits=bits)`` without workspace sums: ``splits == 1``
+    or ``dsmem``; the entry has no workspace) for ``trt_plugins``: W4 (x, qweight, scales, zeros, M, N, K, unused, y)
+    with zero points and ``group_size`` baked in, W8 (x, qweight, scales, M, N, K, unused, y); no bias, no SwiGLU,
+    sm_90a; grid ``(cdiv(M, bm) * N / bn, splits)``."""
+    _check_bits(bits)
     if plan["splits"] > 1 and not plan["dsmem"]:
-        raise ValueError("wgmma W4A16 GEMM: the plugin entry has no workspace; plan with dsmem=True "
+        raise ValueError("wgmma GEMM: the plugin entry has no workspace; plan with dsmem=True "
                          "(gemm_plan(..., dsmem=True)) for a K split")
-    flags = variant_flags(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], plan["splits"], plan["dsmem"])
-    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=128 * plan["wgs"],
-                         shared=shared_bytes(plan["bm"], plan["wt"], plan["wgs"], plan["stages"]), arch_specific=True,
-                         group_size=group_size)
+    flags = variant_flags(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], plan["splits"], plan["dsmem"],
+                          bits=bits)
+    return _plugin_build(SOURCE, PLUGIN_KERNELS[bits], flags, threads=128 * plan["wgs"],
+                         shared=shared_bytes(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], bits),
+                         arch_specific=True, group_size=group_size if bits == 4 else None)
+
 
 def _counters(device, n: int) -> torch.Tensor:
     c = _COUNTERS.get(device)
@@ -240,30 +262,47 @@ def _counters(device, n: int) -> torch.Tensor:
 def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                      swiglu: bool = False, **variant) -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper); with ``swiglu`` (W's columns
-    interleaved gate/up pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``variant``
-    (``bm``, ``wt``, ``wgs``, ``stages``, ``splits``, ``dsmem``) overrides the plan (benchmarks, tests)."""
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 with warpgroup MMAs (Hopper), W in kernels.quant's INT4 layout; with
+    ``swiglu`` (W's columns interleaved gate/up pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up ->
+    [M, N / 2]``. ``variant`` (``bm``, ``wt``, ``wgs``, ``stages``, ``splits``, ``dsmem``) overrides the plan
+    (benchmarks, tests)."""
     from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
+    return _launch("W4A16", 4, x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, variant)
+
+
+def w8a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None, swiglu: bool = False,
+                     **variant) -> torch.Tensor:
+    """``w4a16_gemm_wgmma`` for kernels.quant's INT8 layout (qweight int8 ``[K, N]``, one scale per column)."""
+    from kernels.gemm.w8a16.triton_gemm import check_w8_weight
+
+    K, N = check_w8_weight(qweight, scales, x.shape[-1])
+    return _launch("W8A16", 8, x, qweight, scales, None, None, bias, out, swiglu, N, K, variant)
+
+
+def _launch(fmt, bits, x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, variant) -> torch.Tensor:
+    name = f"wgmma {fmt} GEMM"
     M = x.shape[0]
     if not x.is_cuda:
-        raise ValueError("wgmma W4A16 GEMM needs CUDA tensors")
+        raise ValueError(f"{name} needs CUDA tensors")
     from kernels._utils import device_sm
 
-    plan, reason = plan_for(M, N, K, group_size, x.dtype, device_sm(x.device), device_sm_count(x.device), **variant)
+    plan, reason = plan_for(M, N, K, group_size, x.dtype, device_sm(x.device), device_sm_count(x.device), bits=bits,
+                            **variant)
     if reason:
-        raise ValueError(f"wgmma W4A16 GEMM: {reason}; use kernels.gemm.w4a16.triton_gemm.w4a16_gemm")
+        raise ValueError(f"{name}: {reason}; use kernels.gemm.{fmt.lower()}.triton_gemm.{fmt.lower()}_gemm")
     if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"wgmma W4A16 GEMM: bias must have shape [{N}], got {tuple(bias.shape)}")
-    check_operands("wgmma W4A16 GEMM", x, 16,  # 16-byte cp.async copies of every operand; 8-byte output stores
-                   tuple((name, t, 16) for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
-                                                        ("bias", bias), ("out", out))),
+        raise ValueError(f"{name}: bias must have shape [{N}], got {tuple(bias.shape)}")
+    check_operands(name, x, 16,  # 16-byte cp.async copies of every operand; 8-byte output stores
+                   tuple((n, t, 16) for n, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
+                                                 ("bias", bias), ("out", out))),
                    scales, bias, out, (M, N // 2 if swiglu else N))
     if plan["shared"] > SHARED_LIMIT:
-        raise ValueError(f"wgmma W4A16 GEMM: variant needs {plan['shared']} B of shared memory (> {SHARED_LIMIT})")
-    if plan["dsmem"] and not dsmem_fits(plan["bm"], plan["wt"], plan["wgs"], plan["stages"]):
-        raise ValueError(f"wgmma W4A16 GEMM: variant bm={plan['bm']}, wt={plan['wt']}, wgs={plan['wgs']}, "
+        raise ValueError(f"{name}: variant needs {plan['shared']} B of shared memory (> {SHARED_LIMIT})")
+    if plan["dsmem"] and not dsmem_fits(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], bits):
+        raise ValueError(f"{name}: variant bm={plan['bm']}, wt={plan['wt']}, wgs={plan['wgs']}, "
                          f"stages={plan['stages']} cannot sum its splits over DSMEM (the partial tile does not fit in "
                          f"shared memory); use dsmem=False")
     out = torch.empty((M, N // 2 if swiglu else N), dtype=torch.float16, device=x.device) if out is None else out
@@ -272,8 +311,8 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                  else out)  # unused otherwise (any valid pointer)
     counters = _counters(x.device, plan["grid"][0])
     cached_kernel(_KERNELS, compile_variant, plan["bm"], plan["wt"], plan["wgs"], plan["stages"], splits,
-                  plan["dsmem"], bool(swiglu)).launch(
+                  plan["dsmem"], bool(swiglu), bits).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
-        bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size, x.stride(0),
+        bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size or 0, x.stride(0),
         int(zeros is not None), int(bias is not None))
     return out

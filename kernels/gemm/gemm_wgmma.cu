@@ -1,23 +1,33 @@
-// W4A16 GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~32 to a few hundred:
+// Weight-only GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~32 to a few hundred:
 // y[M, N] = x[M, K] @ W^T (+ bias), or with WG_SWIGLU (W's columns interleaved gate/up pairs) silu(gate) * up ->
-// [M, N / 2]; W in kernels.quant's INT4 layout (qweight int32 [K/8, N], nibble j of packed row r is k = 8r + j;
-// scales fp16 [K/G, N]; zeros int8 [K/G, N], 0..16, read as bytes, or none = 8).
+// [M, N / 2]. One kernel for both of kernels.quant's layouts (WG_BITS):
+//   4: INT4, qweight int32 [K/8, N], nibble j of packed row r is k = 8r + j; scales fp16 [K/G, N]; zeros int8 [K/G, N],
+//      0..16, read as bytes, or none = 8. The weight is rounded once to fp16, (q - z) s, as cuBLAS would see it.
+//   8: INT8, qweight int8 [K, N], one fp16 scale per column: the MMAs run on q itself (exact in fp16) and the fp32
+//      sums are scaled per column in the epilogue, s * sum_k q x (one rounding fewer than the dequantized weight).
 //
 // The product is computed transposed, y^T = W x^T, so that the weight is wgmma's A operand, which may come from
 // registers: each thread dequantizes its own A fragment and nothing dequantized goes through shared memory. x is the
 // B operand, read by the tensor cores straight from shared memory (K-major rows, 128-byte swizzle).
 //   * Block: WG_WGS warpgroups, each owning WG_WT tiles of 64 output columns (wgmma M = 64; BN = 64 WT WGS columns
 //     per block), times BM = WG_BM rows of x (wgmma N). A stage is BK = 64 values of k: x [BM, 64] (one 128-byte row
-//     per x row), the packed weight [8, BN] int32, and one row of scales (and zeros) -- group_size % 64 == 0, so a
-//     stage never spans two groups. The stages form a WG_STAGES-deep cp.async ring filled STAGES - 2 stages ahead;
-//     each thread's copy pointers are computed once and advance one stage per load.
+//     per x row), the weight's [64 k, BN] slice (INT4: 8 packed int32 rows; INT8: 64 byte rows, each padded by 16
+//     bytes in shared memory so that 8 consecutive rows start in 8 different bank groups) and, INT4, one row of
+//     scales (and zeros) -- group_size % 64 == 0, so a stage never spans two groups. The stages form a
+//     WG_STAGES-deep cp.async ring filled STAGES - 2 stages ahead; each thread's copy pointers are computed once and
+//     advance one stage per load.
 //   * A fragment of warp w in a 64-column tile (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4;
 //     k = 2t, 2t+1, 2t+8, 2t+9 of each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of
-//     the tile, so that one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s
-//     and 2s + 1 of a 32-k step holds exactly the nibble pairs (k = 16 s + 2t, + 1) and (16 s + 2t + 8, + 9) of k16
-//     step s: one PRMT puts byte t in both halves, one LOP3 makes {1024 + q_lo, 1024 + 16 q_hi}, one HFMA2 by
-//     {1, 1/16} with {-(1024 + z), -(64 + z)} gives q - z exactly, and one HMUL2 scales it: the weight is rounded
-//     once to fp16, (q - z) s, as cuBLAS would see the dequantized weight.
+//     the tile.
+//     INT4: one 8-byte shared load gives both rows' int32 of a packed row. Byte t of the packed rows 2s and 2s + 1
+//     of a 32-k step holds exactly the nibble pairs (k = 16 s + 2t, + 1) and (16 s + 2t + 8, + 9) of k16 step s: one
+//     PRMT puts byte t in both halves, one LOP3 makes {1024 + q_lo, 1024 + 16 q_hi}, one HFMA2 by {1, 1/16} with
+//     {-(1024 + z), -(64 + z)} gives q - z exactly, and one HMUL2 scales it.
+//     INT8: the warp's 16 columns are 16 bytes of each k row, so one ldmatrix.x4.trans per 32-k half hands lane
+//     (g, t) the 16-bit column pair g at k rows 2t and 2t + 1 of each 8-row quarter: bytes {q(2t, n), q(2t, n+1),
+//     q(2t+1, n), q(2t+1, n+1)}. Bytes 0, 2 are row g's A register, bytes 1, 3 row g + 8's: one LOP3 (SHF + LOP3
+//     for the odd bytes) makes {1024 + 128 + q, ...} (sign bit flipped, 0x64 exponent bytes), one HSUB2 of 1152
+//     leaves q exactly.
 //   * Async: each k16 step's wgmmas (one per tile) are committed as one group, and after step j only step
 //     j - ASETS + 1 is waited for, so the dequantization of the next steps runs while the tensor cores work; the A
 //     registers cycle through WG_ASETS sets (2 or 4). A stage's buffer is refilled two iterations after its wgmmas
@@ -29,12 +39,16 @@
 //     sharing them must not run concurrently). WG_DSMEM 1: the tile's blocks form a thread-block cluster; each writes
 //     its partial tile to its own shared memory (the drained stage buffers), and after a cluster barrier block r sums
 //     rows r * BM / SPLITS .. of all of them over DSMEM: no global traffic, and the sum is spread over the blocks.
-// Launcher checks: N % BN == 0, K % 64 == 0, group_size % 64 == 0, x rows and all operands 16-byte aligned.
+// Launcher checks: N % BN == 0, K % 64 == 0, INT4 group_size % 64 == 0, x rows and all operands 16-byte aligned.
 #include <cooperative_groups.h>
+#include <type_traits>
 
-#include "../plugin_entry.cuh"
-#include "w4_dequant.cuh"
+#include "plugin_entry.cuh"
+#include "w4a16/w4_dequant.cuh"
 
+#ifndef WG_BITS
+#define WG_BITS 4  // weight bits: 4 (INT4, group scales and zeros) or 8 (INT8, one scale per column)
+#endif
 #ifndef WG_BM
 #define WG_BM 128  // rows of x per block: the wgmma N (64 or 128)
 #endif
@@ -67,13 +81,20 @@
 
 namespace {
 using namespace tritrt;
+constexpr int kBits = WG_BITS;
 constexpr int kBM = WG_BM, kWGs = WG_WGS, kWT = WG_WT, kStages = WG_STAGES, kSplits = WG_SPLITS, kASets = WG_ASETS;
 constexpr bool kSwiglu = WG_SWIGLU;
 constexpr int kThreads = 128 * kWGs;
 constexpr int kBN = 64 * kWT * kWGs, kBK = 64;
 constexpr int kXBytes = kBM * 128;                     // x tile, 128-byte swizzled rows
-constexpr int kWBytes = (kBK / 8) * kBN * 4;           // packed weight rows
-constexpr int kSBytes = kBN * 2, kZBytes = kBN;        // one scale / zero row
+// The stage's weight slice: INT4 8 packed rows of BN int32, INT8 64 rows of BN bytes (pitch + 16: conflict-free
+// ldmatrix). kColBytes: bytes per column of a global row.
+constexpr int kColBytes = kBits == 4 ? 4 : 1;
+constexpr int kWRows = kBits == 4 ? kBK / 8 : kBK, kWPitch = kBits == 4 ? kBN * 4 : kBN + 16;
+constexpr int kWBytes = kWRows * kWPitch;
+constexpr int kSBytes = kBits == 4 ? kBN * 2 : 0, kZBytes = kBits == 4 ? kBN : 0;  // INT4: one scale / zero row
+static_assert(kBits == 4 || kBits == 8, "WG_BITS is 4 or 8");
+using QWord = std::conditional_t<kBits == 4, int, int8_t>;  // qweight's element
 constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + kZBytes + 1023) / 1024 * 1024;  // x stays 1024-aligned
 static_assert(kBM == 64 || kBM == 128, "WG_BM must be 64 or 128");
 static_assert(kWT * kBM <= 256, "at most 128 fp32 accumulators per thread (WG_WT * WG_BM / 2)");
@@ -139,10 +160,30 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t word, uint32_t sel, ui
   const uint32_t v = lop3_and_or(y, 0x00F0000Fu, 0x64006400u);  // {1024 + q_lo, 1024 + 16 q_hi}
   return hmul2_u(hfma2_u(v, 0x2C003C00u, zc), s2);               // ({1, 1/16} v - {1024 + z, 64 + z}) s
 }
+
+// Four 8x8 16-bit matrices from shared memory, transposed (lanes 8j .. 8j + 7 give matrix j's row addresses).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// {q0, q2} as half2 of the int8 bytes 0 and 2 of v, exactly: the sign bit flipped under exponent byte 0x64 is
+// 1024 + 128 + q, then minus 1152.
+__device__ __forceinline__ uint32_t i8_pair(uint32_t v) {
+  return hsub2_u(lop3_and_xor(v, 0x00FF00FFu, 0x64806480u), 0x64806480u);
+}
 }  // namespace
 
+// The torch launcher's entry, one name per weight format; INT8 ignores zeros and group_size.
+#if WG_BITS == 8
+#define WG_KERNEL w8a16_gemm_wgmma
+#else
+#define WG_KERNEL w4a16_gemm_wgmma
+#endif
 TRITRT_ENTRY(WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1))
-w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
+WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const half* __restrict__ scales,
                  const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                  float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K, int group_size,
                  int stride_xm, int has_zeros, int has_bias) {
@@ -167,11 +208,11 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   // Each thread's share of a stage's copies is the same every stage; stages are loaded in order kb, kb + 1, ..., so
   // its source pointers start at stage kb and advance by one stage per load (a 64-bit add each: no index math in the
   // loop; recomputing them from k cost 131 of the 266 SASS instructions of a bm = 128 stage). x: 16-byte chunk column
-  // tid % 8 of rows tid / 8 + j (threads / 8); weight: 16-byte column tid % (BN / 4) of packed rows tid / (BN / 4) + j
-  // (threads / (BN / 4)); scales (zeros): 16-byte chunk tid of the stage's group row, which moves on every
+  // tid % 8 of rows tid / 8 + j (threads / 8); weight: 16-byte chunk tid % kWCols of its rows tid / kWCols + j
+  // (threads / kWCols); INT4 scales (zeros): 16-byte chunk tid of the stage's group row, which moves on every
   // group_size / 64 stages.
-  constexpr int kXPer = kBM * 8 / kThreads, kWCols = kBN / 4, kWPer = (kBK / 8) * kWCols / kThreads;
-  static_assert(kBM * 8 % kThreads == 0 && kThreads % kWCols == 0 && (kBK / 8) * kWCols % kThreads == 0,
+  constexpr int kXPer = kBM * 8 / kThreads, kWCols = kBN * kColBytes / 16, kWPer = kWRows * kWCols / kThreads;
+  static_assert(kBM * 8 % kThreads == 0 && kThreads % kWCols == 0 && kWRows * kWCols % kThreads == 0,
                 "a stage's copies must split evenly over the block");
   const char* xsrc[kXPer];
   uint32_t xdst[kXPer];
@@ -188,11 +229,11 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 #pragma unroll
   for (int j = 0; j < kWPer; ++j) {
     const int r = tid / kWCols + j * (kThreads / kWCols), c = tid % kWCols;
-    wsrc[j] = reinterpret_cast<const char*>(qweight + (size_t)(kb * (kBK / 8) + r) * N + n0 + 4 * c);
-    wdst[j] = r * kBN * 4 + 16 * c;
+    wsrc[j] = reinterpret_cast<const char*>(qweight + (size_t)(kb * kWRows + r) * N + n0) + 16 * c;
+    wdst[j] = r * kWPitch + 16 * c;
   }
-  const size_t w_step = (size_t)(kBK / 8) * N * 4;  // bytes of packed weight per stage
-  const int gstages = group_size / kBK;             // stages per scale group (launcher: group_size % 64 == 0)
+  const size_t w_step = (size_t)kWRows * N * kColBytes;  // bytes of weight per stage
+  const int gstages = kBits == 4 ? group_size / kBK : 1;  // INT4: stages per scale group (group_size % 64 == 0)
   int gleft = gstages - kb % gstages;               // stages left in the current group, this one included
   const size_t grow = (size_t)(kb / gstages) * N + n0;
   const half* ssrc = scales + grow + 8 * tid;
@@ -211,12 +252,14 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
       cp_async16(ws + wdst[j], wsrc[j], true);
       wsrc[j] += w_step;
     }
-    if (tid < kSBytes / 16) cp_async16(ss + 16 * tid, ssrc, true);
-    if (has_zeros && tid < kZBytes / 16) cp_async16(zs + 16 * tid, zsrc, true);
-    if (--gleft == 0) {
-      gleft = gstages;
-      ssrc += N;
-      zsrc += N;
+    if constexpr (kBits == 4) {
+      if (tid < kSBytes / 16) cp_async16(ss + 16 * tid, ssrc, true);
+      if (has_zeros && tid < kZBytes / 16) cp_async16(zs + 16 * tid, zsrc, true);
+      if (--gleft == 0) {
+        gleft = gstages;
+        ssrc += N;
+        zsrc += N;
+      }
     }
   };
 
@@ -226,57 +269,88 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) d[wt][i] = 0.f;
 
-  const uint32_t sel = t | (4u << 4) | (t << 8) | (4u << 12);
+  const uint32_t sel = t | (4u << 4) | (t << 8) | (4u << 12);  // INT4: byte t of a packed row, in both halves
   // A fragments [k16 step % ASETS][tile][register]: a step's A stays intact while its wgmmas are in flight (up to
   // ASETS - 1 step groups may be outstanding while the next step is dequantized).
   uint32_t a[kASets][kWT][4];
 
-  auto compute_stage = [&](int buf) {
-    const uint32_t xs = smem0 + buf * kStageBytes;
-    const char* ws = smem + buf * kStageBytes + kXBytes;
-    const char* ss = ws + kWBytes;
-    const char* zs = ss + kSBytes;
-    uint32_t slo[kWT], shi[kWT], zc0[kWT], zc1[kWT];
+  // The wgmmas of the stage's k16 step j (A in set j % ASETS), committed as one group; then wait until step
+  // j - ASETS + 1 is complete: its A registers are free for the next step.
+  auto issue_step = [&](uint32_t xs, int j) {
+    wgmma_fence();
 #pragma unroll
     for (int wt = 0; wt < kWT; ++wt) {
-      const int c = nl + 64 * wt;
-      const uint32_t sp = *reinterpret_cast<const uint32_t*>(ss + 2 * c);  // scales of the two rows
-      slo[wt] = prmt(sp, 0u, 0x1010u);
-      shi[wt] = prmt(sp, 0u, 0x3232u);
-      zc0[wt] = zc1[wt] = 0xD480E408u;  // z = 8: {-(1024 + 8), -(64 + 8)}
-      if (has_zeros) {
-        const uint32_t z0 = (uint8_t)zs[c], z1 = (uint8_t)zs[c + 1];
-        zc0[wt] = (0xE400u + z0) | ((0xD400u + (z0 << 4)) << 16);
-        zc1[wt] = (0xE400u + z1) | ((0xD400u + (z1 << 4)) << 16);
-      }
+      fence_acc(d[wt]);
+      wgmma_rs(d[wt], a[j % kASets][wt], sw128_desc(xs + 32 * j));
+      fence_acc(d[wt]);
     }
+    wgmma_commit();
+    wgmma_wait<kASets - 1>();
+  };
+
+  auto compute_stage = [&](int buf) {
+    const uint32_t xs = smem0 + buf * kStageBytes;
+    if constexpr (kBits == 4) {
+      const char* ws = smem + buf * kStageBytes + kXBytes;
+      const char* ss = ws + kWBytes;
+      const char* zs = ss + kSBytes;
+      uint32_t slo[kWT], shi[kWT], zc0[kWT], zc1[kWT];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // 32-k halves of the stage
-      uint2 w[kWT][4];
-#pragma unroll
-      for (int wt = 0; wt < kWT; ++wt)
-#pragma unroll
-        for (int p = 0; p < 4; ++p)
-          w[wt][p] = *reinterpret_cast<const uint2*>(ws + (4 * h + p) * kBN * 4 + 4 * (nl + 64 * wt));
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {  // k16 step j = 2h + s of the stage
-#pragma unroll
-        for (int wt = 0; wt < kWT; ++wt) {
-          uint32_t* f = a[(2 * h + s) % kASets][wt];
-          f[0] = dequant_pair(w[wt][2 * s].x, sel, zc0[wt], slo[wt]);      // row g,     k 2t, 2t+1
-          f[1] = dequant_pair(w[wt][2 * s].y, sel, zc1[wt], shi[wt]);      // row g + 8, k 2t, 2t+1
-          f[2] = dequant_pair(w[wt][2 * s + 1].x, sel, zc0[wt], slo[wt]);  // row g,     k 2t+8, 2t+9
-          f[3] = dequant_pair(w[wt][2 * s + 1].y, sel, zc1[wt], shi[wt]);  // row g + 8, k 2t+8, 2t+9
+      for (int wt = 0; wt < kWT; ++wt) {
+        const int c = nl + 64 * wt;
+        const uint32_t sp = *reinterpret_cast<const uint32_t*>(ss + 2 * c);  // scales of the two rows
+        slo[wt] = prmt(sp, 0u, 0x1010u);
+        shi[wt] = prmt(sp, 0u, 0x3232u);
+        zc0[wt] = zc1[wt] = 0xD480E408u;  // z = 8: {-(1024 + 8), -(64 + 8)}
+        if (has_zeros) {
+          const uint32_t z0 = (uint8_t)zs[c], z1 = (uint8_t)zs[c + 1];
+          zc0[wt] = (0xE400u + z0) | ((0xD400u + (z0 << 4)) << 16);
+          zc1[wt] = (0xE400u + z1) | ((0xD400u + (z1 << 4)) << 16);
         }
-        wgmma_fence();
+      }
 #pragma unroll
-        for (int wt = 0; wt < kWT; ++wt) {
-          fence_acc(d[wt]);
-          wgmma_rs(d[wt], a[(2 * h + s) % kASets][wt], sw128_desc(xs + 32 * (2 * h + s)));
-          fence_acc(d[wt]);
+      for (int h = 0; h < 2; ++h) {  // 32-k halves of the stage
+        uint2 w[kWT][4];
+#pragma unroll
+        for (int wt = 0; wt < kWT; ++wt)
+#pragma unroll
+          for (int p = 0; p < 4; ++p)
+            w[wt][p] = *reinterpret_cast<const uint2*>(ws + (4 * h + p) * kBN * 4 + 4 * (nl + 64 * wt));
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {  // k16 step j = 2h + s of the stage
+#pragma unroll
+          for (int wt = 0; wt < kWT; ++wt) {
+            uint32_t* f = a[(2 * h + s) % kASets][wt];
+            f[0] = dequant_pair(w[wt][2 * s].x, sel, zc0[wt], slo[wt]);      // row g,     k 2t, 2t+1
+            f[1] = dequant_pair(w[wt][2 * s].y, sel, zc1[wt], shi[wt]);      // row g + 8, k 2t, 2t+1
+            f[2] = dequant_pair(w[wt][2 * s + 1].x, sel, zc0[wt], slo[wt]);  // row g,     k 2t+8, 2t+9
+            f[3] = dequant_pair(w[wt][2 * s + 1].y, sel, zc1[wt], shi[wt]);  // row g + 8, k 2t+8, 2t+9
+          }
+          issue_step(xs, 2 * h + s);
         }
-        wgmma_commit();
-        wgmma_wait<kASets - 1>();  // step j - ASETS + 1 is complete: its A registers are free for the next step
+      }
+    } else {
+      // INT8: one ldmatrix.x4.trans per tile and 32-k half: lane L addresses k row 32 h + L (quarter L / 8) at the
+      // warp's 16 columns; q[wt][i] holds quarter i's rows 2t, 2t + 1 of column pair g.
+      const uint32_t wsa = xs + kXBytes;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t q[kWT][4];
+#pragma unroll
+        for (int wt = 0; wt < kWT; ++wt)
+          ldmatrix_x4_trans(q[wt], wsa + (32 * h + lane) * kWPitch + (nl - 2 * g) + 64 * wt);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {  // k16 step j = 2h + s of the stage
+#pragma unroll
+          for (int wt = 0; wt < kWT; ++wt) {
+            uint32_t* f = a[(2 * h + s) % kASets][wt];
+            f[0] = i8_pair(q[wt][2 * s]);           // row g,     k 2t, 2t+1
+            f[1] = i8_pair(q[wt][2 * s] >> 8);      // row g + 8, k 2t, 2t+1
+            f[2] = i8_pair(q[wt][2 * s + 1]);       // row g,     k 2t+8, 2t+9
+            f[3] = i8_pair(q[wt][2 * s + 1] >> 8);  // row g + 8, k 2t+8, 2t+9
+          }
+          issue_step(xs, 2 * h + s);
+        }
       }
     }
   };
@@ -310,13 +384,15 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
   for (int wt = 0; wt < kWT; ++wt) {
     const int col = n0 + nl + 64 * wt;
     const float b0 = has_bias ? __half2float(bias[col]) : 0.f, b1 = has_bias ? __half2float(bias[col + 1]) : 0.f;
+    // INT8: the columns' scales (INT4 sums are already scaled)
+    const float s0 = kBits == 8 ? __half2float(scales[col]) : 1.f, s1 = kBits == 8 ? __half2float(scales[col + 1]) : 1.f;
 #pragma unroll
     for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int row = m0 + 8 * i + 2 * t + e;
         if (row >= M) continue;
-        const float y0 = d[wt][4 * i + e] + b0, y1 = d[wt][4 * i + 2 + e] + b1;
+        const float y0 = d[wt][4 * i + e] * s0 + b0, y1 = d[wt][4 * i + 2 + e] * s1 + b1;
         if (kSwiglu)  // (gate, up) = columns (col, col + 1) -> out [M, N / 2] column col / 2
           out[(size_t)row * (N / 2) + col / 2] = __float2half_rn(silu_mul(y0, y1));
         else
@@ -326,6 +402,15 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 #else
   // Split-K. One quad (4 adjacent columns) of a tile's sum: + bias, to fp16 (with SwiGLU: 2 outputs), stored.
   auto store_quad = [&](int row, int col, float4 sum) {
+    if constexpr (kBits == 8) {  // the columns' scales (INT4 sums are already scaled)
+      const uint2 ss = *reinterpret_cast<const uint2*>(scales + col);
+      const float2 s01 = __half22float2(*reinterpret_cast<const half2*>(&ss.x));
+      const float2 s23 = __half22float2(*reinterpret_cast<const half2*>(&ss.y));
+      sum.x *= s01.x;
+      sum.y *= s01.y;
+      sum.z *= s23.x;
+      sum.w *= s23.y;
+    }
     if (has_bias) {
       const uint2 bb = *reinterpret_cast<const uint2*>(bias + col);
       const float2 b01 = __half22float2(*reinterpret_cast<const half2*>(&bb.x));
@@ -438,21 +523,29 @@ w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, co
 }
 
 #ifdef TRITRT_PLUGIN_ENTRY
-// TensorRT plugin entry (W4A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
-// int32 extra args, then the outputs: (x, qweight, scales, zeros, M, N, K, unused, y); the unused int is the Triton
-// entry's residual stride (0). The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
-// the group size baked in (TRITRT_GROUP_SIZE), no SwiGLU,
-// and no workspace: a plugin has no zeroed counters that persist from launch to launch, so only variants that do
-// not sum their K splits through the workspace (no split, or the DSMEM sum) have this entry.
-#ifndef TRITRT_GROUP_SIZE
-#error "the plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
-#endif
+// TensorRT plugin entries (W4A16Linear / W8A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the
+// inputs, the int32 extra args, then the outputs: W4 (x, qweight, scales, zeros, M, N, K, unused, y), W8 (x, qweight,
+// scales, M, N, K, unused, y); the unused int is the Triton entry's residual stride (0). The kernel above runs with
+// what a plugin has: W4 with zero points and the group size baked in (TRITRT_GROUP_SIZE), no bias, x rows of K
+// halves, no SwiGLU, and no workspace: a plugin has no zeroed counters that persist from launch to launch, so only
+// variants that do not sum their K splits through the workspace (no split, or the DSMEM sum) have this entry.
 static_assert(kSplits == 1 || WG_DSMEM, "the plugin entry has no workspace: split K over DSMEM (WG_DSMEM 1) or not");
 static_assert(!kSwiglu, "the plugin entry has no SwiGLU");
+#if WG_BITS == 4
+#ifndef TRITRT_GROUP_SIZE
+#error "the W4 plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
+#endif
 extern "C" __global__ void WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1)
 tritrt_w4a16_gemm_wgmma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                         const uint8_t* __restrict__ zeros, int M, int N, int K, int /*unused*/,
                         half* __restrict__ y) {
   w4a16_gemm_wgmma(x, qweight, scales, zeros, scales, y, nullptr, nullptr, M, N, K, TRITRT_GROUP_SIZE, K, 1, 0);
 }
+#else
+extern "C" __global__ void WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1)
+tritrt_w8a16_gemm_wgmma(const half* __restrict__ x, const int8_t* __restrict__ qweight,
+                        const half* __restrict__ scales, int M, int N, int K, int /*unused*/, half* __restrict__ y) {
+  w8a16_gemm_wgmma(x, qweight, scales, nullptr, scales, y, nullptr, nullptr, M, N, K, 0, K, 0, 0);
+}
+#endif
 #endif  // TRITRT_PLUGIN_ENTRY
