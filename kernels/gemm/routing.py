@@ -6,9 +6,9 @@ activation dtype, the GPU (a ``Card``) and the few flags that change the choice.
 W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEMV_MMA_MAX_M`` rows (M > 8 tiled in
 M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
 ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
-``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``DEQUANT_MIN_M_W4`` - 1.
+``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M``.
 W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper above it the wgmma GEMM's
-INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``DEQUANT_MIN_M_W8`` - 1. Everything else below
+INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Everything else below
 ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
 and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into the W4A16 tensor-core
 GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
@@ -41,19 +41,27 @@ CUDA_GEMV_MAX_M = 1
 # (h200/bench_gemm_gemv.md, dev sweep): M=16 1.60-2.06x (Triton 0.94-1.07x), M=32 1.08-1.45x (Triton
 # 0.60-0.79x); at M=64 Triton is ahead on 4 of 5 shapes (0.66-0.84x against 0.66-0.81x), so M > 32 stays on Triton.
 CUDA_GEMV_MMA_MAX_M = 32
-# M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm.dequant): compute-bound sizes,
-# where the fused kernels lose. H100 (benchmarks/results/h100/bench_gemm_routed.md), speed-up over cuBLAS: W4A16 at
-# M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton ahead on 4 of 5; W8A16 at
-# M=256 Triton still ahead on 4 of 5 (0.52-0.63x vs 0.47-0.62x); at M=512 dequant+cuBLAS ahead on all 5 (0.58-0.66x
-# vs 0.42-0.59x).
+# M from which W4A16 / W8A16 dequantize the weight once and call cuBLAS (kernels.gemm.dequant) instead of the Triton
+# kernels: compute-bound sizes, where the fused kernels lose. H100 (benchmarks/results/h100/bench_gemm_routed.md),
+# speed-up over cuBLAS: W4A16 at M=256 dequant+cuBLAS 0.52-0.62x vs Triton 0.38-0.49x (all 5 shapes), at M=128 Triton
+# ahead on 4 of 5; W8A16 at M=256 Triton still ahead on 4 of 5 (0.52-0.63x vs 0.47-0.62x); at M=512 dequant+cuBLAS
+# ahead on all 5 (0.58-0.66x vs 0.42-0.59x). The wgmma GEMM, where it takes the call, runs beyond them up to
+# WGMMA_W4_MAX_M / WGMMA_W8_MAX_M.
 DEQUANT_MIN_M_W4 = 256
 DEQUANT_MIN_M_W8 = 512
+# The largest M the wgmma GEMM takes before dequantize + cuBLAS: H100, its plan (both builds) vs dequant+cuBLAS,
+# speed-up over cuBLAS fp16 on the five Llama shapes, same run (benchmarks/results/dev-logs/h100/
+# bench_gemm_wgmma_large_m_w{4,8}.md): W4A16 M=256 0.78-0.93x vs 0.52-0.55x (all 5), M=512 ahead on 4 of 5 but
+# gate_up 0.48x vs 0.64x, M=1024 behind on all 5 (0.50-0.77x vs 0.77-0.81x); W8A16 M=512 ahead on 4 of 5 (0.73-0.84x
+# vs 0.61-0.67x; gate_up 0.57x vs 0.58x), M=1024 even but qkv 0.58x vs 0.77x, M=2048 behind on all 5 (0.77-0.80x vs
+# 0.85-0.89x).
+WGMMA_W4_MAX_M = 511
+WGMMA_W8_MAX_M = 1023
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
 # (kernels.gemm.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
-# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan). M >= 256 stays on
-# dequantize + cuBLAS (0.51-0.62x): the wgmma GEMM's plan was not swept there (an earlier build of it measured
-# 0.44-0.73x at M=256).
+# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan); M=256: see
+# DEQUANT_MIN_M_W4.
 WGMMA_W4 = True
 # ... and, for GEMV_ONLY_MAX_M < M <= CUDA_GEMV_MMA_MAX_M, instead of the tiled tensor-core GEMV where the wgmma plan
 # keeps at least WGMMA_MIN_WARPS warps per SM resident (``warps_per_sm`` of its plan). H100
@@ -70,6 +78,9 @@ WGMMA_MIN_WARPS = 10
 CUDA_W8_GEMV_MAX_M = 4
 # fp16 W8A16 (no residual) with CUDA_W8_GEMV_MAX_M < M < DEQUANT_MIN_M_W8 on sm_90 goes to the wgmma GEMM's INT8 build
 # (kernels.gemm.gemm_wgmma, bits=8) when it takes the shape, SwiGLU fused into its epilogue as in the INT4 build.
+# H200, same run (benchmarks/results/h200/bench_gemm_wgmma_sweep_w8.md), its plan vs Triton W8A16, speed-up over cuBLAS
+# fp16 on the five Llama shapes: M=64 1.00-1.31x vs 0.72-1.11x, M=128 0.86-1.21x vs 0.52-0.71x, M=256 0.73-0.89x vs
+# 0.47-0.59x (all 5 ahead); M=16 1.12-1.58x vs 1.26-1.40x (ahead on 3 of 5, both above cuBLAS).
 WGMMA_W8 = True
 
 # The backends a route can name. "reference": no CUDA device (the fp32 torch reference on the dequantized weight).
@@ -150,19 +161,19 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     route. Cached: an eager call pays one lookup."""
     if card is None:
         return _route("reference", "fused" if swiglu else "none")
-    if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
-        # SwiGLU after the matmul: at M = 512 on gate/up (H100, benchmarks/results/h100/bench_gemm_swiglu.md) 0.74x
-        # of cuBLAS + F.silu * up, where the Triton kernel's fused epilogue ran at 0.38x.
-        return _route("dequant_cublas", "after" if swiglu else "none")
     fused = "fused" if swiglu else "none"
     wg = (wgmma_plan(M, N, K, group_size, dtype, card)
-          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M < DEQUANT_MIN_M_W4 else None)
+          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M <= WGMMA_W4_MAX_M else None)
     if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
                                                                       clusters=card.sm >= 90))
     if wg is not None:
         return _route("w4_gemm_wgmma", fused, wg)
+    if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:
+        # SwiGLU after the matmul: at M = 512 on gate/up (H100, benchmarks/results/h100/bench_gemm_swiglu.md) 0.74x
+        # of cuBLAS + F.silu * up, where the Triton kernel's fused epilogue ran at 0.38x.
+        return _route("dequant_cublas", "after" if swiglu else "none")
     if (not residual and M <= CUDA_GEMV_MAX_M and not swiglu
             and _gemv.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv", "none", _gemv.gemv_plan(M, N))
@@ -187,13 +198,13 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if card is None:
         return _route("reference", "fused" if swiglu else "none")
     after = "after" if swiglu else "none"
-    if M >= DEQUANT_MIN_M_W8:
-        return _route("dequant_cublas", after)
     if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
         return _route("w8_gemv_mma", after, _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
-    if not residual and aligned and WGMMA_W8 and M > CUDA_W8_GEMV_MAX_M:
+    if not residual and aligned and WGMMA_W8 and CUDA_W8_GEMV_MAX_M < M <= WGMMA_W8_MAX_M:
         wg = wgmma_plan(M, N, K, None, dtype, card)
         if wg is not None:
             return _route("w8_gemm_wgmma", "fused" if swiglu else "none", wg)
+    if M >= DEQUANT_MIN_M_W8:
+        return _route("dequant_cublas", after)
     return _route("triton_w8_gemm", after)

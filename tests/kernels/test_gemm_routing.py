@@ -3,7 +3,8 @@
 Equivalence: on every M up to 1024 and the Llama-family shapes, the route is the kernel the ops' cascade called before
 the routing existed (``gemm_routing_legacy.py``, a frozen copy), and the ops now make exactly the calls it made (same
 kernels, same arguments), both run with stand-ins for every kernel on CPU tensors. The one route added since, W8A16's
-wgmma GEMM (Hopper, fp16, no residual, M = 5..511, operands aligned), is checked against its own rule there: the op
+wgmma GEMM (Hopper, fp16, no residual, M = 5..1023, operands aligned), and W4A16's wgmma GEMM past the cascade's
+range (M = 256..511), are checked against its own rule there: the op
 calls that kernel alone, with the op's operands; everywhere else W8A16 still makes the cascade's calls. Then the
 routes of the measured shapes on an H100 as a readable table, plans and cards; on the GPU, the op's result is the
 routed kernel's, bit for bit."""
@@ -51,7 +52,7 @@ SHAPES = [
 M_ALL = range(0, 1025)
 # Every M at which some rule changes, and its neighbours.
 M_EDGES = (0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257,
-           300, 511, 512, 513, 1000, 1024)
+           300, 511, 512, 513, 1000, 1023, 1024)
 # x as the op may get it: contiguous; 2 bytes off 16-byte alignment; rows padded to K + 8 (aligned) or K + 1 (not);
 # 3-D. ``aligned``: what the route's ``aligned`` is for it (the wgmma GEMM needs aligned rows; the W8 GEMV copies a
 # strided x to contiguous first).
@@ -237,12 +238,27 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
     exactly the calls the cascade made."""
     name, N, K, gs = shape
     args = w4_args(M, N, K, gs, dtype, layout, residual, swiglu, bias=bias)
-    calls = kernels.run(legacy.w4a16_linear, *args)
     where = (card, name, M, dtype, layout, residual, swiglu, bias)
+    aligned = W4_ALIGNED[layout] and bias != "misaligned"
+    if M >= legacy.DEQUANT_MIN_M_W4:  # the wgmma GEMM's range was extended past the cascade's (WGMMA_W4_MAX_M)
+        got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu, aligned=aligned)
+        if got.backend == "w4_gemm_wgmma":
+            _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemm_wgmma", swiglu, bias, where)
+            assert M <= routing.WGMMA_W4_MAX_M and card.sm == 90 and not residual, where
+            return
+    calls = kernels.run(legacy.w4a16_linear, *args)
     assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
-    got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu,
-                      aligned=W4_ALIGNED[layout] and bias != "misaligned")
+    got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu, aligned=aligned)
     assert (got.backend, got.swiglu) == kernels.route_of(calls), where
+
+
+def _only_call(kernels, op, args, backend, swiglu, bias, where):
+    """``op(*args)`` calls the ``backend`` kernel alone, with the op's own x, weight tensors, bias and SwiGLU flag."""
+    calls = kernels.run(op, *args)
+    assert [c[0] for c in calls] == [backend], where
+    a = dict(calls[0][1])
+    assert (a["x"], a["qweight"], a["scales"], a["swiglu"]) == ("arg0", "arg1", "arg2", swiglu), where
+    assert a["bias"] == ((f"arg{len(args) - 3}") if bias else None) and a["out"] is None, where
 
 
 # x layouts whose rows the wgmma GEMM takes as they are (16-byte aligned rows and row stride)
@@ -259,13 +275,9 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         aligned = WGMMA_X_OK[layout] and bias != "misaligned"
         got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=aligned)
         if got.backend == "w8_gemm_wgmma":
-            assert (M > routing.CUDA_W8_GEMV_MAX_M and M < routing.DEQUANT_MIN_M_W8 and card.sm == 90
+            assert (routing.CUDA_W8_GEMV_MAX_M < M <= routing.WGMMA_W8_MAX_M and card.sm == 90
                     and dtype == torch.float16 and not residual), where
-            calls = kernels.run(ops_gemm._w8a16_linear, *args)
-            assert [c[0] for c in calls] == ["w8_gemm_wgmma"], where
-            a = dict(calls[0][1])
-            assert (a["x"], a["qweight"], a["scales"], a["swiglu"]) == ("arg0", "arg1", "arg2", swiglu), where
-            assert a["bias"] == ("arg3" if bias else None) and a["out"] is None, where
+            _only_call(kernels, ops_gemm._w8a16_linear, args, "w8_gemm_wgmma", swiglu, bias, where)
             return
     calls = kernels.run(legacy.w8a16_linear, *args)
     if layout.startswith("strided") and calls[0][0] == "triton_w8_gemm":
@@ -340,21 +352,21 @@ GEMV, WGMMA, DEQUANT = "w4_gemv_mma", "w4_gemm_wgmma", "dequant_cublas"
 # of 128, which the tensor-core GEMV needs (the scalar GEMV takes M = 1, Triton up to 16); odd_dims' down has 32-wide
 # groups, which the wgmma GEMM does not take (64), and K = 608 (Triton up to 255).
 W4_H100 = {
-    "l3-8b qkv": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
-    "l3-8b o": [(1, 32, GEMV), (33, 255, WGMMA), (256, 1024, DEQUANT)],
-    "l3-8b gate_up": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
-    "l3-8b down": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
-    "8k": [(1, 16, GEMV), (17, 255, WGMMA), (256, 1024, DEQUANT)],
-    "l3-70b/8 o": [(1, 32, GEMV), (33, 255, WGMMA), (256, 1024, DEQUANT)],
-    "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 255, WGMMA), (256, 1024, DEQUANT)],
+    "l3-8b qkv": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
+    "l3-8b o": [(1, 32, GEMV), (33, 511, WGMMA), (512, 1024, DEQUANT)],
+    "l3-8b gate_up": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
+    "l3-8b down": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
+    "8k": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
+    "l3-70b/8 o": [(1, 32, GEMV), (33, 511, WGMMA), (512, 1024, DEQUANT)],
+    "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
 # W8A16: the GEMV up to 4 rows, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
 # 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
 W8_H100 = {
-    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 511, "w8_gemm_wgmma"), (512, 1024, DEQUANT)],
-    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 511, "w8_gemm_wgmma"), (512, 1024, DEQUANT)],
-    "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 511, "w8_gemm_wgmma"), (512, 1024, DEQUANT)],
+    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
+    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
+    "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
     "odd_dims down": [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],  # K = 608: no multiple of 64
     "N 1000": [(1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
 }
@@ -383,9 +395,10 @@ def test_h100_routes_of_the_measured_shapes():
     assert _ranges(lambda M, s: w8(M, s, residual=True), qkv) == [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # SwiGLU: fused where the kernel has the epilogue (W8A16: the wgmma GEMM), after the GEMM otherwise.
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
-    assert w4(256, qkv, swiglu=True).swiglu == "after" and w4(1, qkv).swiglu == "none"
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 512)} == {"after"}
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (5, 511)} == {"fused"}
+    assert w4(512, qkv, swiglu=True).swiglu == "after" and w4(256, qkv, swiglu=True).swiglu == "fused"
+    assert w4(1, qkv).swiglu == "none"
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 1024)} == {"after"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (5, 1023)} == {"fused"}
     assert _ranges(lambda M, s: route_w8a16(M, *s[:2], torch.float16, A100), qkv) == [
         (1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.
@@ -420,7 +433,7 @@ def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
     # The SM count counts: down at M = 24 keeps 15.5 warps per SM resident on 132 SMs, 9.0 (< 10) on 114.
     assert route_w4a16(24, 4096, 14336, torch.float16, H100, group_size=128).backend == WGMMA
     assert route_w4a16(24, 4096, 14336, torch.float16, H100_PCIE, group_size=128).backend == GEMV
-    assert route_w4a16(300, 4096, 4096, torch.float16, H100, group_size=128).plan == ()
+    assert route_w4a16(600, 4096, 4096, torch.float16, H100, group_size=128).plan == ()  # dequantize + cuBLAS
     assert route_w4a16(8, 4096, 4096, torch.float16, H200, group_size=128) == \
         route_w4a16(8, 4096, 4096, torch.float16, H100, group_size=128)
 
@@ -487,11 +500,12 @@ def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 64, 128, 300])
+@pytest.mark.parametrize("M", [1, 16, 64, 128, 300, 600])
 def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
-    below DEQUANT_MIN_M_W4, from there dequantize + cuBLAS + the SwiGLU kernel on interleaved pairs; with a residual
-    the Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the reference."""
+    up to WGMMA_W4_MAX_M, from there (and from DEQUANT_MIN_M_W4 where the wgmma GEMM does not run: a residual, not
+    Hopper) dequantize + cuBLAS + the SwiGLU kernel on interleaved pairs; with a residual the Triton kernel below
+    DEQUANT_MIN_M_W4. All within tolerance of the reference."""
     from kernels.activation import swiglu
 
     N, K = 2048, 1024
@@ -506,9 +520,14 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     y = torch.ops.tritrt.w4a16_linear(*args, None, True)
     y_res = torch.ops.tritrt.w4a16_linear(*args, r, True)
     route, route_res = (_gpu_route("w4", M, N, K, group_size=128, swiglu=True, residual=res) for res in (False, True))
+    hopper = torch.cuda.get_device_capability()[0] == 9
     if M >= routing.DEQUANT_MIN_M_W4:
-        assert (route.backend, route.swiglu) == (route_res.backend, route_res.swiglu) == (DEQUANT, "after")
-        assert torch.equal(y, dequant_route(None)) and torch.equal(y_res, dequant_route(r))
+        assert (route_res.backend, route_res.swiglu) == (DEQUANT, "after") and torch.equal(y_res, dequant_route(r))
+        if hopper and M <= routing.WGMMA_W4_MAX_M:
+            assert (route.backend, route.swiglu) == (WGMMA, "fused")
+            assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
+        else:
+            assert (route.backend, route.swiglu) == (DEQUANT, "after") and torch.equal(y, dequant_route(None))
     else:
         assert (route_res.backend, route_res.swiglu) == ("triton_w4_gemm", "fused")
         assert torch.equal(y_res, w4a16_gemm(*args, r, swiglu=True))  # a residual: the Triton epilogue
