@@ -105,6 +105,8 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
     ms = bench(lambda backend=backend: backend.forward(prefill), [()])  # bound: del-ed below
     rows.append(dict(impl=impl, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
                      tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
+    profiles[f"{quant} prefill"] = profile_step(backend, prefill)
+    print_profile(f"{quant} prefill", profiles[f"{quant} prefill"])
     gen = Generator(backend, max_num_seqs=max(BATCHES), max_num_batched_tokens=PREFILL_LEN)
     prompt = torch.randint(0, config.vocab_size, (PREFILL_LEN,)).tolist()
     gen.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm: JIT + graph capture
@@ -126,10 +128,8 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
                                  [()])
             rows.append(dict(impl="tritrt torch eager", quant=quant, phase="decode step", batch=1, ctx=DECODE_CTX,
                              ms=ms_eager, tok_s=1e3 / ms_eager, vs_hf=ratio(ref, ms_eager)))
-            profiles[quant] = profile_decode(backend, batch)
-            print(f"{quant} bs1 decode step, top kernels (eager):", flush=True)
-            for p in profiles[quant]:
-                print(f"  {p['ms_per_step']:.3f} ms  x{p['calls_per_step']}  {p['kernel']}", flush=True)
+            profiles[f"{quant} decode"] = profile_step(backend, batch)
+            print_profile(f"{quant} bs1 decode step", profiles[f"{quant} decode"])
         rows.append(dict(impl=impl, quant=quant, phase="decode step", batch=bs, ctx=DECODE_CTX, ms=ms,
                          tok_s=bs / ms * 1e3, vs_hf=ratio(ref, ms)))
         prompts = [torch.randint(0, config.vocab_size, (DECODE_CTX,)).tolist() for _ in range(bs)]
@@ -231,8 +231,15 @@ def run_hf_compiled(config, weights, rows: list, deadline: float) -> None:
     torch.cuda.empty_cache()
 
 
-def profile_decode(backend, batch, top: int = 8) -> list[dict]:
-    """Where one eager decode step's GPU time goes (kernel name -> ms): the graph replays these same kernels."""
+def print_profile(what: str, rows: list[dict]) -> None:
+    print(f"{what}, top kernels (eager):", flush=True)
+    for p in rows:
+        print(f"  {p['ms_per_step']:.3f} ms  x{p['calls_per_step']}  {p['kernel']}", flush=True)
+
+
+def profile_step(backend, batch, top: int = 8) -> list[dict]:
+    """Where one eager forward of ``batch`` (a decode step or a prefill) spends its GPU time (kernel name -> ms): the
+    decode graph replays these same kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
@@ -289,15 +296,15 @@ def main():
     notes = ("vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). decode step: one step, "
              "device-event median; decode loop: whole generation loop, wall clock.")
     if profiles:
-        notes += ("\n\nbs=1 decode step, top kernels by GPU time (eager profile; the graph replays the same "
-                  "kernels):\n\n")
-        notes += "| quant | ms/step | calls | kernel |\n|---|---|---|---|\n"
+        notes += ("\n\nbs=1 prefill and decode step, top kernels by GPU time (eager profile; the decode graph "
+                  "replays the same kernels):\n\n")
+        notes += "| quant, phase | ms/step | calls | kernel |\n|---|---|---|---|\n"
         notes += "\n".join(f"| {q} | {p['ms_per_step']:.3f} | {p['calls_per_step']} | {p['kernel'][:70]} |"
                             for q, ps in profiles.items() for p in ps)
     md = write_results("bench_e2e", rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf",
                                            "peak_gib", "note"], meta, notes=notes)
     payload = json.loads(md.with_suffix(".json").read_text())
-    payload["decode_bs1_top_kernels"] = profiles
+    payload["bs1_top_kernels"] = profiles
     md.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
 
 
