@@ -134,7 +134,9 @@ def warm_routed(shapes, ms_list) -> None:
         torch.cuda.synchronize()
 
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        list(ex.map(one, shapes))
+        for shape, f in zip(shapes, [ex.submit(one, s) for s in shapes]):
+            if f.exception() is not None:  # the timed run below compiles (and reports) it again
+                print(f"warm-up of {shape[2]} failed: {f.exception()!r}", flush=True)
 
 
 def main():
