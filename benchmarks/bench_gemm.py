@@ -300,9 +300,9 @@ def main():
 
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
             "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep,
-            "routing": {k: getattr(ops_gemm, k) for k in ("CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M",
-                                                         "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
-                                                         "WGMMA_W4")}}
+            "routing": {k: getattr(ops_gemm, k) for k in (
+                "CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
+                "WGMMA_W4", "GEMV_ONLY_MAX_M", "WGMMA_W4_MAX_M", "WGMMA_W8", "WGMMA_W8_MIN_M", "WGMMA_W8_MAX_M")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "target", "rel_err",
             "ms_eager", "speedup_eager"]
     met = [r for r in rows if "target" in r]

@@ -7,8 +7,8 @@ W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEM
 M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
 ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
 ``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M``.
-W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper above it the wgmma GEMM's
-INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Everything else below
+W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper from ``WGMMA_W8_MIN_M`` the
+wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Everything else below
 ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
 and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into the W4A16 tensor-core
 GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
@@ -76,12 +76,15 @@ WGMMA_MIN_WARPS = 10
 # dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
 # vs 1.72), M=4 ahead on 4 of 5, M=8 on 3 of 5 (first run).
 CUDA_W8_GEMV_MAX_M = 4
-# fp16 W8A16 (no residual) with CUDA_W8_GEMV_MAX_M < M < DEQUANT_MIN_M_W8 on sm_90 goes to the wgmma GEMM's INT8 build
+# fp16 W8A16 (no residual) with WGMMA_W8_MIN_M <= M <= WGMMA_W8_MAX_M on sm_90 goes to the wgmma GEMM's INT8 build
 # (kernels.gemm.gemm_wgmma, bits=8) when it takes the shape, SwiGLU fused into its epilogue as in the INT4 build.
-# H200, same run (benchmarks/results/h200/bench_gemm_wgmma_sweep_w8.md), its plan vs Triton W8A16, speed-up over cuBLAS
-# fp16 on the five Llama shapes: M=64 1.00-1.31x vs 0.72-1.11x, M=128 0.86-1.21x vs 0.52-0.71x, M=256 0.73-0.89x vs
-# 0.47-0.59x (all 5 ahead); M=16 1.12-1.58x vs 1.26-1.40x (ahead on 3 of 5, both above cuBLAS).
+# H200, same run (benchmarks/results/h200/bench_gemm_wgmma_sweep_w8.md), its plan (2 warpgroups per block) vs Triton
+# W8A16, speed-up over cuBLAS fp16 on the five Llama shapes: M=64 0.98-1.52x vs 0.72-1.11x, M=128 0.86-1.21x vs
+# 0.52-0.71x, M=256 0.73-0.89x vs 0.47-0.59x (all 5 ahead); at M=16 Triton is ahead on o, qkv and down (1.30-1.37x vs
+# 1.12-1.38x), so M <= 16 stays on Triton. (The H100 generalization sweep at a43bdac, wgmma from M = 5, agrees: at
+# M=16 Triton ahead on 11 of 16 shapes, at M=64 the wgmma GEMM on 15 of 16.)
 WGMMA_W8 = True
+WGMMA_W8_MIN_M = 17
 
 # The backends a route can name. "reference": no CUDA device (the fp32 torch reference on the dequantized weight).
 W4_BACKENDS = ("w4_gemv_mma", "w4_gemm_wgmma", "w4_gemv", "triton_w4_gemm", "dequant_cublas", "reference")
@@ -201,7 +204,7 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
         return _route("w8_gemv_mma", after, _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
-    if not residual and aligned and WGMMA_W8 and CUDA_W8_GEMV_MAX_M < M <= WGMMA_W8_MAX_M:
+    if not residual and aligned and WGMMA_W8 and WGMMA_W8_MIN_M <= M <= WGMMA_W8_MAX_M:
         wg = wgmma_plan(M, N, K, None, dtype, card)
         if wg is not None:
             return _route("w8_gemm_wgmma", "fused" if swiglu else "none", wg)

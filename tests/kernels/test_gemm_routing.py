@@ -3,7 +3,7 @@
 Equivalence: on every M up to 1024 and the Llama-family shapes, the route is the kernel the ops' cascade called before
 the routing existed (``gemm_routing_legacy.py``, a frozen copy), and the ops now make exactly the calls it made (same
 kernels, same arguments), both run with stand-ins for every kernel on CPU tensors. The one route added since, W8A16's
-wgmma GEMM (Hopper, fp16, no residual, M = 5..1023, operands aligned), and W4A16's wgmma GEMM past the cascade's
+wgmma GEMM (Hopper, fp16, no residual, M = 17..1023, operands aligned), and W4A16's wgmma GEMM past the cascade's
 range (M = 256..511), are checked against its own rule there: the op
 calls that kernel alone, with the op's operands; everywhere else W8A16 still makes the cascade's calls. Then the
 routes of the measured shapes on an H100 as a readable table, plans and cards; on the GPU, the op's result is the
@@ -275,7 +275,7 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         aligned = WGMMA_X_OK[layout] and bias != "misaligned"
         got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=aligned)
         if got.backend == "w8_gemm_wgmma":
-            assert (routing.CUDA_W8_GEMV_MAX_M < M <= routing.WGMMA_W8_MAX_M and card.sm == 90
+            assert (routing.WGMMA_W8_MIN_M <= M <= routing.WGMMA_W8_MAX_M and card.sm == 90
                     and dtype == torch.float16 and not residual), where
             _only_call(kernels, ops_gemm._w8a16_linear, args, "w8_gemm_wgmma", swiglu, bias, where)
             return
@@ -364,9 +364,12 @@ W4_H100 = {
 # W8A16: the GEMV up to 4 rows, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
 # 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
 W8_H100 = {
-    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
-    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
-    "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
+    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
+                  (1024, 1024, DEQUANT)],
+    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
+                  (1024, 1024, DEQUANT)],
+    "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
+                  (1024, 1024, DEQUANT)],
     "odd_dims down": [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],  # K = 608: no multiple of 64
     "N 1000": [(1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
 }
@@ -397,8 +400,8 @@ def test_h100_routes_of_the_measured_shapes():
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
     assert w4(512, qkv, swiglu=True).swiglu == "after" and w4(256, qkv, swiglu=True).swiglu == "fused"
     assert w4(1, qkv).swiglu == "none"
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 1024)} == {"after"}
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (5, 1023)} == {"fused"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 5, 16, 1024)} == {"after"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (17, 1023)} == {"fused"}
     assert _ranges(lambda M, s: route_w8a16(M, *s[:2], torch.float16, A100), qkv) == [
         (1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.
@@ -556,7 +559,7 @@ def test_op_routes_fp16_w8_to_its_kernel_and_agrees_with_triton(M):
     backend = _gpu_route("w8", M, 2048, 4096).backend
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert backend == ("w8_gemv_mma" if M <= routing.CUDA_W8_GEMV_MAX_M else
-                       "w8_gemm_wgmma" if hopper else "triton_w8_gemm")
+                       "w8_gemm_wgmma" if hopper and M >= routing.WGMMA_W8_MIN_M else "triton_w8_gemm")
     routed = {"w8_gemv_mma": lambda: mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias),
               "w8_gemm_wgmma": lambda: wg.w8a16_gemm_wgmma(x, q.qweight, q.scales, bias),
               "triton_w8_gemm": lambda: y_tr}
