@@ -124,10 +124,13 @@ def test_w8a16_gpu_epilogue(M):
 @pytest.mark.parametrize("M", [1, 4, 64, 600])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_w8a16_op_swiglu_runs_the_activation_after_the_gemm(M, dtype):
-    """The op with ``swiglu=True``: the GEMM routed as without it, then the SwiGLU kernel on the interleaved pairs,
-    then the residual; within tolerance of the fp32 reference."""
+    """The op with ``swiglu=True`` and a residual: the routed GEMM without either, then the SwiGLU kernel on the
+    interleaved pairs, then the residual. Without a residual (the wgmma GEMM fuses SwiGLU on Hopper, fp16, M >= 17):
+    whichever route, within tolerance of the fp32 reference."""
     import kernels.ops  # noqa: F401
     from kernels.activation import swiglu
+    from kernels.gemm import routing
+    from kernels.ops.gemm import W8_RUNNERS
 
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, 1024, generator=g).to(dtype).cuda()
@@ -135,6 +138,10 @@ def test_w8a16_op_swiglu_runs_the_activation_after_the_gemm(M, dtype):
     b = torch.randn(2048, generator=g).to(dtype).cuda()
     r = torch.randn(M, 1024, generator=g).to(dtype).cuda()
     y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, b, r, True)
-    plain = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, b, None, False)
+    route = routing.route_w8a16(M, 2048, 1024, dtype, routing.card_of(), residual=True, swiglu=True)
+    assert route.swiglu == "after"
+    plain = W8_RUNNERS[route.backend](x, qw.qweight, qw.scales, b, None, False)  # that kernel, no epilogue
     assert torch.equal(y, swiglu(plain, interleaved=True) + r)
     check(y, w8a16_reference(x, qw.qweight, qw.scales, b, r, True), dequant_baseline(x, qw, b, r, True))
+    y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, b, None, True)
+    check(y, w8a16_reference(x, qw.qweight, qw.scales, b, None, True), dequant_baseline(x, qw, b, None, True))
