@@ -2,9 +2,10 @@
 
 - ``routing``: which kernel runs for (M, N, K, dtype, card, flags) -- a pure function, used by the torch ops
   (``kernels.ops.gemm``) and meant for the TensorRT plugins alike.
-- ``w4a16``: INT4 group-wise weights -- the Triton GEMM (``triton_gemm``, also the plugins' kernel), the CUDA GEMVs
-  (``gemv``: scalar; ``gemv_mma``: tensor cores, tiled in M up to 32 rows) and the Hopper wgmma GEMM (``gemm_wgmma``).
+- ``w4a16``: INT4 group-wise weights -- the Triton GEMM (``triton_gemm``, also the plugins' kernel) and the CUDA GEMVs
+  (``gemv``: scalar; ``gemv_mma``: tensor cores, tiled in M up to 32 rows).
 - ``w8a16``: INT8 per-channel weights -- the Triton GEMM (``triton_gemm``) and the tensor-core CUDA GEMV (``gemv_mma``).
+- ``gemm_wgmma``: the Hopper warpgroup-MMA GEMM for both formats (one kernel body, the weight format a compile flag).
 - shared: ``common`` (the Triton kernels' split-K finish and epilogue), ``dequant`` (prefill M: dequantize once, then
   cuBLAS), ``cuda`` (compile / launch / operand checks of the CUDA kernels), ``mma_common.cuh``.
 
