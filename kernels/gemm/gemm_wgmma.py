@@ -4,12 +4,12 @@ the weight format a compile flag): fp16 activations, M above the GEMVs' range, s
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
 of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the weight (and the INT4 scales
 and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64; INT8's per-column scales
-are applied to the fp32 sums in the epilogue. Split-K over grid y
-(``splits`` blocks per tile) when the tiles alone leave SMs idle, the fp32 partial tiles summed in a fixed order either
-by the last block of each tile through a global workspace, or (``dsmem``) by all the tile's blocks, as one
-thread-block cluster, over distributed shared memory. Compiled for sm_90a with nvcc by ``kernels.aot.compile_cuda``
-(one build per variant, ``splits`` included) and launched with ``kernels.aot.launcher.AotKernel`` on torch's current
-stream; the plan is a pure function of shapes and the SM count.
+are applied to the fp32 sums in the epilogue. Split-K over grid y (``splits`` blocks per tile) when the tiles alone
+leave SMs idle, the fp32 partial tiles summed in a fixed order either by the last block of each tile through a global
+workspace, or (``dsmem``) by all the tile's blocks, as one thread-block cluster, over distributed shared memory.
+Compiled for sm_90a with nvcc by ``kernels.aot.compile_cuda`` (one build per variant, ``splits`` included) and launched
+with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan is a pure function of shapes and the SM
+count.
 
 The per-tile counters of the workspace sum live in one zeroed int32 buffer per device; the kernel leaves them at 0,
 so launches must not run concurrently on two streams of one device (the same rule as Marlin's workspace).
@@ -131,8 +131,9 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     bound by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible,
     SM, L2 and DRAM throughput under 30%; benchmarks/results/dev-logs/h100/ncu_w4a16.log), so more independent warps is
     what speeds it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer
-    splits (each split's fp32 partial tile is written and read once more), one warpgroup per block (fewer warps wait
-    at each block barrier), the widest block (x crosses L2 N / bn times). A split is summed over DSMEM or through
+    splits (each split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer
+    warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
+    block (x crosses L2 N / bn times). A split is summed over DSMEM or through
     the workspace by the rule at ``DSMEM_MIN_TILE``.
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
@@ -146,9 +147,9 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
 def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     _check_bits(bits)
     if M < 1 or K < BK:
-        raise ValueError(f"wgmma W4A16 GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
+        raise ValueError(f"wgmma GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
     if splits is not None and not 1 <= splits <= 8:
-        raise ValueError(f"wgmma W4A16 GEMM: splits={splits} must be 1..8 (a DSMEM sum makes them one cluster)")
+        raise ValueError(f"wgmma GEMM: splits={splits} must be 1..8 (a DSMEM sum makes them one cluster)")
     ktiles = K // BK
     best = None
     for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
@@ -207,11 +208,11 @@ def plan_for(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dty
              **variant):
     """``(plan, None)`` if this GEMM takes the call on a GPU of compute capability ``sm`` with ``sm_count`` SMs, else
     ``(None, why not)``: the shape checks first (the plan search needs a shape it can tile), then the plan's block
-    width against N. ``group_size`` None is INT8 (``bits=8`` in ``variant``). A pure function
+    width against N. ``group_size`` None is the INT8 build (one scale per column), else INT4. A pure function
     (``kernels.gemm.routing`` asks it for a ``Card``)."""
     reason = unsupported_reason(M, N, K, group_size, dtype, sm)
     if reason is None:
-        plan = gemm_plan(M, N, K, sm_count, **variant)
+        plan = gemm_plan(M, N, K, sm_count, bits=8 if group_size is None else 4, **variant)
         reason = unsupported_reason(M, N, K, group_size, dtype, sm, plan["bn"])
     return (None, reason) if reason else (plan, None)
 
@@ -219,8 +220,8 @@ def plan_for(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dty
 def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
                   swiglu: bool = False, bits: int = 4) -> tuple:
     return (f"-DWG_BITS={bits}", f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}",
-            f"-DWG_SPLITS={splits}",
-            f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}", f"-DWG_SWIGLU={int(swiglu)}")
+            f"-DWG_SPLITS={splits}", f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}",
+            f"-DWG_SWIGLU={int(swiglu)}")
 
 
 def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
@@ -269,7 +270,7 @@ def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
-    return _launch("W4A16", 4, x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, variant)
+    return _launch(x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, variant)
 
 
 def w8a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -279,18 +280,20 @@ def w8a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     from kernels.gemm.w8a16.triton_gemm import check_w8_weight
 
     K, N = check_w8_weight(qweight, scales, x.shape[-1])
-    return _launch("W8A16", 8, x, qweight, scales, None, None, bias, out, swiglu, N, K, variant)
+    return _launch(x, qweight, scales, None, None, bias, out, swiglu, N, K, variant)
 
 
-def _launch(fmt, bits, x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, variant) -> torch.Tensor:
+def _launch(x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, variant) -> torch.Tensor:
+    """Both launchers' checks and launch; ``group_size`` None is the INT8 build (as in ``plan_for``)."""
+    bits = 8 if group_size is None else 4
+    fmt = f"W{bits}A16"
     name = f"wgmma {fmt} GEMM"
     M = x.shape[0]
     if not x.is_cuda:
         raise ValueError(f"{name} needs CUDA tensors")
     from kernels._utils import device_sm
 
-    plan, reason = plan_for(M, N, K, group_size, x.dtype, device_sm(x.device), device_sm_count(x.device), bits=bits,
-                            **variant)
+    plan, reason = plan_for(M, N, K, group_size, x.dtype, device_sm(x.device), device_sm_count(x.device), **variant)
     if reason:
         raise ValueError(f"{name}: {reason}; use kernels.gemm.{fmt.lower()}.triton_gemm.{fmt.lower()}_gemm")
     if bias is not None and tuple(bias.shape) != (N,):

@@ -57,11 +57,11 @@ DEQUANT_MIN_M_W8 = 512
 # 0.85-0.89x).
 WGMMA_W4_MAX_M = 511
 WGMMA_W8_MAX_M = 1023
-# fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M < DEQUANT_MIN_M_W4 on sm_90 goes to the wgmma GEMM
+# fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M <= WGMMA_W4_MAX_M on sm_90 goes to the wgmma GEMM
 # (kernels.gemm.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
-# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan); M=256: see
-# DEQUANT_MIN_M_W4.
+# 0.56-0.74x; qkv 0.96x there, 0.99-1.02x with the 64-row plan it takes since, see gemm_plan); M >= 256: see
+# WGMMA_W4_MAX_M.
 WGMMA_W4 = True
 # ... and, for GEMV_ONLY_MAX_M < M <= CUDA_GEMV_MMA_MAX_M, instead of the tiled tensor-core GEMV where the wgmma plan
 # keeps at least WGMMA_MIN_WARPS warps per SM resident (``warps_per_sm`` of its plan). H100
@@ -143,7 +143,7 @@ def _route(backend: str, swiglu: str = "none", plan: Optional[dict] = None) -> R
 def wgmma_plan(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dtype, card: Card) -> Optional[dict]:
     """The wgmma GEMM's plan for this call on ``card`` (``group_size`` None: the INT8 build), or None where it does
     not take it (not Hopper, shape)."""
-    return _wg.plan_for(M, N, K, group_size, dtype, card.sm, card.sm_count, bits=4 if group_size else 8)[0]
+    return _wg.plan_for(M, N, K, group_size, dtype, card.sm, card.sm_count)[0]
 
 
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:

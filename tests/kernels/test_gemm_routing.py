@@ -258,7 +258,8 @@ def _only_call(kernels, op, args, backend, swiglu, bias, where):
     assert [c[0] for c in calls] == [backend], where
     a = dict(calls[0][1])
     assert (a["x"], a["qweight"], a["scales"], a["swiglu"]) == ("arg0", "arg1", "arg2", swiglu), where
-    assert a["bias"] == ((f"arg{len(args) - 3}") if bias else None) and a["out"] is None, where
+    # the op's bias argument is the third from the end, before residual and swiglu (w4_args / w8_args)
+    assert a["bias"] == (f"arg{len(args) - 3}" if bias else None) and a["out"] is None, where
 
 
 # x layouts whose rows the wgmma GEMM takes as they are (16-byte aligned rows and row stride)

@@ -39,8 +39,7 @@ def _without_workspace(route, m_hint: int, N: int, K: int, dt, card, group_size)
 
     if not route.backend.endswith("gemm_wgmma") or route.params["splits"] == 1 or route.params["dsmem"]:
         return route
-    plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True,
-                                  bits=4 if group_size else 8)
+    plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True)
     return None if plan is None else routing.Route(route.backend, route.swiglu, tuple(sorted(plan.items())))
 
 
