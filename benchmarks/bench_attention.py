@@ -182,12 +182,75 @@ def sweep(rows_out, prefill: bool):
         torch.cuda.empty_cache()
 
 
+def sweep_small_batch(rows_out):
+    """Decode as a Llama-3-8B decode step runs it: 32 layers' calls back to back in one CUDA graph, each on its own
+    cache (fp16, 32q/8kv d128, block 16), the block table as wide as the runtime's (137 blocks: a 2k prompt + 128 new
+    tokens), at small batches where a call is a chain of memory round trips rather than bandwidth. Times the default
+    launch and variants of splits / BLOCK_N / warps / stages (and, while the file exists, the previous kernel)."""
+    import importlib.util
+
+    from kernels._launch import LaunchConfig
+
+    hq, hk, d, page, width, layers = 32, 8, 128, 16, 137, 32
+    old = None
+    if importlib.util.find_spec("benchmarks._old_decode_attention"):
+        from benchmarks import _old_decode_attention as old
+    for bs, ctx in ((1, 512), (1, 2048), (8, 512), (32, 512)):
+        sets = []
+        for _ in range(layers):
+            nblk = bs * width + 8
+            kc = torch.randn(nblk, page, hk, d, device="cuda", dtype=torch.float16)
+            bt = torch.randperm(nblk, device="cuda", dtype=torch.int32)[: bs * width].view(bs, width).contiguous()
+            q = torch.randn(bs, hq, d, device="cuda", dtype=torch.float16)
+            sets.append((q, kc, torch.randn_like(kc), torch.empty_like(q), bt,
+                         torch.full((bs,), ctx, dtype=torch.int32, device="cuda"),
+                         torch.arange(bs + 1, dtype=torch.int32, device="cuda")))
+        scratch = alloc_decode_scratch(bs, hq, hk, d, "cuda")
+        q0, kc0, vc0, _, bt0, sl0, cu0 = sets[0]
+        ref = _gather_sdpa(q0, kc0, vc0, bt0[:, :ctx // page], sl0, cu0, None, None)  # the blocks holding ctx
+
+        def timed(cfg, tag, sets=sets):
+            def f(q, kc, vc, out, bt, sl, cu):
+                cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.stride(0), out.stride(0), bt.stride(0))
+            try:
+                us = bench(f, sets, cuda_graph=True) * 1e3
+            except Exception as e:  # out of registers / shared memory: record, keep sweeping
+                rows_out.append(dict(shape=f"bs{bs} ctx{ctx}", cfg=tag, error=f"{type(e).__name__}: {str(e)[:60]}"))
+                return
+            f(*sets[0])
+            err = float((sets[0][3].float() - ref.view(bs, hq, d).float()).abs().max())
+            rows_out.append(dict(shape=f"bs{bs} ctx{ctx}", cfg=tag, us=us, max_diff_vs_sdpa=err))
+            print(rows_out[-1], flush=True)
+
+        base = decode_attention_launch_config(bs, hq, hk, d, page, width, d ** -0.5)
+        timed(base, f"default splits{base.grid[2]}")
+        if old is not None:
+            ob = old.decode_attention_launch_config(bs, hq, hk, d, page, width, d ** -0.5)
+            timed(ob, f"previous kernel splits{ob.grid[2]}")
+        for splits in (1, 2, 4, 8, 16, 32):
+            for bn, warps, stages in ((64, 4, 2), (64, 4, 1), (32, 4, 2), (32, 2, 2), (16, 2, 2), (128, 8, 2)):
+                c = decode_attention_launch_config(bs, hq, hk, d, page, width, d ** -0.5, num_splits=splits)
+                cfg = LaunchConfig(c.kernel, c.grid, {**c.constexprs, "BLOCK_N": bn}, warps, stages)
+                timed(cfg, f"splits{splits} N{bn} w{warps} s{stages}")
+        sets.clear()
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time decode tile configurations")
     parser.add_argument("--sweep-prefill", action="store_true", help="with --sweep: prefill tiles too")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--sweep-small", action="store_true",
+                        help="only the small-batch decode sweep (32 layers' calls in one graph)")
     args = parser.parse_args()
+    if args.sweep_small:
+        rows = []
+        sweep_small_batch(rows)
+        write_results("bench_attention_sweep_small", rows, ["shape", "cfg", "us", "max_diff_vs_sdpa", "error"],
+                      notes="us: one call, = a CUDA graph of 32 calls (one per layer cache) / 32, fp16 32q/8kv d128, "
+                            "block 16, block table 137 wide.")
+        return
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
     if args.sweep:

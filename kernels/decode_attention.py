@@ -27,6 +27,9 @@ from .prefill_attention import LOG2E
 TARGET_PROGRAMS = 264  # ~2 resident programs per SM on a 132-SM H100; a constant, not a device query (AOT rule)
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (q load, merge) outweighs the parallelism it adds
 MAX_SPLITS = 64
+# fp32 elements of one merge tile [heads, splits, D]: 64 registers a thread at 4 warps, what one head of 64 splits at
+# D 128 always took; fewer splits merge several heads per load.
+MERGE_TILE = 8192
 
 
 @triton.jit
@@ -36,16 +39,19 @@ def _decode_attention_kernel(
     stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # The three metadata loads are issued together, before the branch: a load after it would wait for the branch's
+    # operands, one more memory round trip on a latency-bound path (bs 1 x 512 tokens is ~10 us of round trips).
     q_row = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
-        return  # no new token for this sequence (every split returns, so the counter is untouched)
+    q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
     kv_len = tl.load(seq_lens_ptr + seq)
+    if q_end == q_row:
+        return  # no new token for this sequence (every split returns, so the counter is untouched)
 
     chunks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
     lo = split * chunks_per_split * BLOCK_N
@@ -106,23 +112,27 @@ def _decode_attention_kernel(
         counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == num_splits - 1:
-            # One vector load per head of all its splits' partials (independent loads, issued together): a loop
-            # over splits would pay one L2 round trip per split, ~20 us at 33 splits on H200 (first sweep).
+            # All splits' partials of MERGE_HEADS heads in one [heads, splits, D] load (independent loads, issued
+            # together): a loop over splits, or over heads with a store between, pays one L2 round trip each
+            # (~20 us at 33 splits on H200, first sweep; 4 heads in turn were ~3 us of a bs 1 x 512 decode call).
             offs_s = tl.arange(0, SPLITS_POW2)
             smask = offs_s < num_splits
-            for g in tl.static_range(GROUP):
-                head_g = kv_head * GROUP + g
-                row = ((seq * (NUM_KV_HEADS * GROUP) + head_g) * MAX_SPLITS + offs_s).to(tl.int64)
+            for h0 in tl.static_range(0, GROUP, MERGE_HEADS):
+                offs_h = h0 + tl.arange(0, MERGE_HEADS)
+                hmask = offs_h < GROUP
+                head_h = kv_head * GROUP + offs_h
+                row = ((seq * (NUM_KV_HEADS * GROUP) + head_h)[:, None] * MAX_SPLITS + offs_s[None, :]).to(tl.int64)
+                hs_mask = hmask[:, None] & smask[None, :]
                 # .cg: read other programs' partials from L2, never a stale L1 line.
-                lses = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                parts = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None],
-                                other=0.0, cache_modifier=".cg")
-                m_all = tl.max(lses, 0)
-                w = tl.math.exp2(lses - tl.where(m_all > float("-inf"), m_all, 0.0))
-                w_sum = tl.sum(w, 0)
-                merged = tl.sum(w[:, None] * parts, 0) / tl.where(w_sum > 0, w_sum, 1.0)
-                tl.store(o_ptr + q_row.to(tl.int64) * stride_ot + head_g * HEAD_DIM + offs_d,
-                         merged.to(o_ptr.dtype.element_ty))
+                lses = tl.load(part_lse_ptr + row, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
+                parts = tl.load(part_o_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                                mask=hs_mask[:, :, None], other=0.0, cache_modifier=".cg")
+                m_all = tl.max(lses, 1)
+                w = tl.math.exp2(lses - tl.where(m_all > float("-inf"), m_all, 0.0)[:, None])
+                w_sum = tl.sum(w, 1)
+                merged = tl.sum(w[:, :, None] * parts, 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+                tl.store(o_ptr + q_row.to(tl.int64) * stride_ot + head_h[:, None] * HEAD_DIM + offs_d[None, :],
+                         merged.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
             tl.store(counter, 0)
 
 
@@ -154,10 +164,12 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
     splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq * block_size)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}; got {splits}")
+    splits_pow2 = triton.next_power_of_2(splits)
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                       NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=64,
-                      MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=triton.next_power_of_2(splits),
-                      PREFETCH_PAGES=True)  # +1-5% over per-iteration page loads (third H200 sweep)
+                      MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=splits_pow2,
+                      PREFETCH_PAGES=True,  # +1-5% over per-iteration page loads (third H200 sweep)
+                      MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))))
     # 4 warps, 2 stages (64 KB of K/V tiles in flight per program, 3 programs per SM): 4157 GB/s vs 3286 with 3
     # stages at bs 64 x 4k on H200 (first sweep).
     return LaunchConfig(_decode_attention_kernel, (num_seqs, num_kv_heads, splits), constexprs,

@@ -14,7 +14,8 @@ import torch
 
 import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
 from kernels import attention_ref as ref
-from kernels.decode_attention import MAX_SPLITS, alloc_decode_scratch, decode_attention, decode_num_splits
+from kernels.decode_attention import (MAX_SPLITS, alloc_decode_scratch, decode_attention,
+                                     decode_attention_launch_config, decode_num_splits)
 from tests.helpers import assert_close_to_ref, poisoned
 
 
@@ -66,11 +67,15 @@ def test_decode_interpreter(seq_lens, block_size, hq, hk):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_decode_split_kv_interpreter(num_splits):
+@pytest.mark.parametrize("hq,hk,num_splits,merge_heads", [(4, 2, 2, 2), (4, 2, 5, 2), (6, 1, 5, 8), (6, 1, 33, 2)])
+def test_decode_split_kv_interpreter(hq, hk, num_splits, merge_heads):
     # 5 splits over 17 tokens leaves empty splits (BLOCK_N = 64): their -inf LSE must drop out of the merge.
+    # Group 6 merges its heads in one masked tile of 8 at 5 splits and in 3 tiles of 2 heads at 33 splits
+    # (MERGE_TILE // (64 splits x D 64)).
+    cfg = decode_attention_launch_config(3, hq, hk, 64, 16, 13, 1.0, num_splits)
+    assert cfg.constexprs["MERGE_HEADS"] == merge_heads
     torch.manual_seed(num_splits)
-    _check_decode([1, 17, 197], 16, 4, 2, 64, torch.float16, num_splits=num_splits)
+    _check_decode([1, 17, 197], 16, hq, hk, 64, torch.float16, num_splits=num_splits)
 
 
 @pytest.mark.interpreter
