@@ -9,9 +9,20 @@ AOT rules every plugin kernel follows (TensorRT AOT plugins: trt_plugins/specs/_
 - floats (eps, softmax scale) and layout choices are ``tl.constexpr`` (baked in at compile time);
 - scratch memory (e.g. split-KV partials) is an explicit tensor argument, never allocated inside the kernel;
 - the grid is a function of tensor shapes and attributes only (no value read back from the device).
+
+Programmatic dependent launch (PDL, sm_90+): a kernel whose config carries the constexpr ``PDL`` (False there: what
+the AOT artifact and a TensorRT plugin get) is launched from torch with ``PDL=True`` and Triton's ``launch_pdl``
+when ``pdl_enabled()``. Such a kernel first calls ``gdc_launch_dependents()`` (the next kernel in the stream may be
+scheduled now; it still waits for this one) and ``gdc_wait()`` (this kernel waits for the previous one to finish and
+its writes to be visible) before it reads or writes any tensor an earlier kernel may touch: weights may be read
+before the wait, nothing else. On a decode step, where a kernel is a few microseconds, this overlaps each kernel's
+launch and ramp-up with the tail of the one before (``benchmarks/results/dev-logs/h100/pdl_probe.md``).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,5 +37,32 @@ class LaunchConfig:
     num_stages: int = 3
 
     def launch(self, *args):
-        """JIT launch with the runtime ``args`` in the kernel's parameter order (constexprs by keyword)."""
-        return self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        """JIT launch with the runtime ``args`` in the kernel's parameter order (constexprs by keyword); a kernel with
+        the ``PDL`` constexpr is launched as a programmatic dependent when ``pdl_enabled()``."""
+        constexprs, extra = self.constexprs, {}
+        if "PDL" in constexprs and pdl_enabled():
+            constexprs, extra = {**constexprs, "PDL": True}, {"launch_pdl": True}
+        return self.kernel[self.grid](*args, **constexprs, num_warps=self.num_warps, num_stages=self.num_stages,
+                                      **extra)
+
+
+PDL_ENV = "TRITRT_PDL"  # "0": launch every kernel as a plain stream-ordered launch (A/B timing, debugging)
+
+
+def pdl_enabled() -> bool:
+    """Whether torch-side launches use programmatic dependent launch: a CUDA device of compute capability >= 9 (the
+    current device), not the Triton interpreter, and ``TRITRT_PDL`` not "0"."""
+    from ._utils import interpreting
+
+    if os.environ.get(PDL_ENV, "1") == "0" or interpreting():
+        return False
+    import torch
+
+    return torch.cuda.is_available() and _capability_major(torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0]

@@ -2,6 +2,8 @@
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpreting() -> bool:
@@ -25,3 +27,13 @@ def device_sm(device=None) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor
 
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Start of a kernel launched as a programmatic dependent (``kernels._launch``, PDL): let the next kernel in the
+    stream be scheduled, then wait until the previous one has finished and its writes are visible. Call it before the
+    kernel's first read or write of anything but weights. A no-op (not compiled in) when ``PDL`` is False."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

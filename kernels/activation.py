@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, pdl_enter
 from .rms_norm import _check_float, as_rows
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu_erf")
@@ -26,7 +26,9 @@ def _gated_act_kernel(
     gate_ptr, up_ptr, y_ptr,
     up_offset, stride_gm, stride_um, stride_ym,
     N: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -68,7 +70,7 @@ def gated_act_launch_config(n_rows: int, n_cols: int, elem_bytes: int, act: str,
     return LaunchConfig(
         kernel=_gated_act_kernel,
         grid=(n_rows, triton.cdiv(n_cols, block_n)),
-        constexprs=dict(N=n_cols, ACT=act, BLOCK_N=block_n, INTERLEAVED=interleaved),
+        constexprs=dict(N=n_cols, ACT=act, BLOCK_N=block_n, INTERLEAVED=interleaved, PDL=False),
         num_warps=warps,
         num_stages=1,
     )

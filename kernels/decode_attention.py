@@ -21,11 +21,14 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, pdl_enter
 from .prefill_attention import LOG2E
 
 TARGET_PROGRAMS = 264  # ~2 resident programs per SM on a 132-SM H100; a constant, not a device query (AOT rule)
-MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (q load, merge) outweighs the parallelism it adds
+# Below this a split's fixed cost (q load, merge) outweighs the parallelism it adds. H100, 32 layers' calls in one graph
+# (benchmarks/results/dev-logs/h100/bench_attention_sweep_small.md), table 137 blocks wide: bs 1 x 2k 12.5 -> 10.2 us
+# at 128 (16 splits) against 256 (8), bs 1 x 512 6.7 -> 7.1 us.
+MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
 # fp32 elements of one merge tile [heads, splits, D]: 64 registers a thread at 4 warps, what one head of 64 splits at
 # D 128 always took; fewer splits merge several heads per load.
@@ -39,8 +42,9 @@ def _decode_attention_kernel(
     stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -169,7 +173,8 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
                       NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=64,
                       MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=splits_pow2,
                       PREFETCH_PAGES=True,  # +1-5% over per-iteration page loads (third H200 sweep)
-                      MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))))
+                      MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),
+                      PDL=False)
     # 4 warps, 2 stages (64 KB of K/V tiles in flight per program, 3 programs per SM): 4157 GB/s vs 3286 with 3
     # stages at bs 64 x 4k on H200 (first sweep).
     return LaunchConfig(_decode_attention_kernel, (num_seqs, num_kv_heads, splits), constexprs,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, pdl_enter
 
 
 @triton.jit
@@ -22,7 +22,9 @@ def _write_kv_cache_kernel(
     stride_kt, stride_vt,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
     if slot < 0:
@@ -43,7 +45,7 @@ def write_kv_cache_launch_config(num_tokens: int, num_kv_heads: int, head_dim: i
     block = triton.next_power_of_2(row)
     # 8 bf16 (16 bytes) per thread per access; 1-8 warps.
     warps = min(8, max(1, block // (8 * 32)))
-    return LaunchConfig(_write_kv_cache_kernel, (num_tokens,), dict(ROW=row, BLOCK=block), num_warps=warps,
+    return LaunchConfig(_write_kv_cache_kernel, (num_tokens,), dict(ROW=row, BLOCK=block, PDL=False), num_warps=warps,
                         num_stages=1)
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, pdl_enter
 
 # A row is held in registers: 64k fp32 values per program is already 64 per thread at 32 warps; LLaMA hidden sizes
 # stop at 16k. Beyond this a looped two-pass kernel would be needed, so refuse clearly instead.
@@ -35,12 +35,15 @@ def _rms_norm_fwd_kernel(
     stride_xm, stride_rm, stride_ym, stride_rom,
     N: tl.constexpr, EPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X_EVICT: tl.constexpr = "", W_EVICT: tl.constexpr = "",
+    PDL: tl.constexpr = False,
 ):
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)  # a weight: before
+    pdl_enter(PDL)
     # int64 row index: rows * stride overflows int32 at 32k tokens x 2 x 28672 columns and beyond.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
-    col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
 
     # X_EVICT / W_EVICT ("evict_first" / "evict_last" or "" = none): L2 hints for the rows, streamed once, and for
@@ -58,7 +61,6 @@ def _rms_norm_fwd_kernel(
     # Masked lanes are 0, so they add nothing to the sum of squares; divide by the true N.
     mean_sq = tl.sum(xf * xf, axis=1) / N
     rstd = 1.0 / tl.sqrt(mean_sq + EPS)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)
     y = xf * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -91,7 +93,7 @@ def rms_norm_launch_config(n_rows: int, n_cols: int, elem_bytes: int, eps: float
         kernel=_rms_norm_fwd_kernel,
         grid=(triton.cdiv(n_rows, block_m),),
         constexprs=dict(N=n_cols, EPS=float(eps), HAS_RESIDUAL=bool(has_residual), BLOCK_M=block_m, BLOCK_N=block_n,
-                        X_EVICT=X_EVICT, W_EVICT=W_EVICT),
+                        X_EVICT=X_EVICT, W_EVICT=W_EVICT, PDL=False),
         num_warps=warps,
         num_stages=1,  # no loop to pipeline
     )

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, pdl_enter
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
@@ -110,8 +110,9 @@ def _rope_kernel(
     n_q_heads, n_k_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
     HALF: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -153,7 +154,7 @@ def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: 
         constexprs=dict(HALF=half, D=head_dim, INTERLEAVED=bool(interleaved),
                         COPY_PASS=bool(copy_pass and rotary_dim < head_dim),
                         BLOCK_H=block_h, BLOCK_HALF=block_half,
-                        BLOCK_PASS=triton.next_power_of_2(max(1, head_dim - rotary_dim))),
+                        BLOCK_PASS=triton.next_power_of_2(max(1, head_dim - rotary_dim)), PDL=False),
         num_warps=1 << (warps.bit_length() - 1),
         num_stages=1,
     )

@@ -100,8 +100,10 @@ class AotKernel:
             values += [ctypes.c_uint64(0) for _ in range(self.art.num_hidden)]
         return values
 
-    def launch(self, grid, *args, stream=None):
-        """Launch on ``grid`` (1-3 ints) with the runtime ``args`` (tensors and ints), on torch's current stream."""
+    def launch(self, grid, *args, stream=None, pdl: bool = False):
+        """Launch on ``grid`` (1-3 ints) with the runtime ``args`` (tensors and ints), on torch's current stream.
+        ``pdl``: as a programmatic dependent of the previous kernel (``cuLaunchKernelEx``; the kernel must call
+        ``griddepcontrol.wait`` before touching anything an earlier kernel writes: ``kernels._launch``)."""
         import torch
 
         if self._func is None:
@@ -114,5 +116,18 @@ class AotKernel:
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
         drv = _driver()
+        if pdl:
+            cfg = drv.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.art.block, 1, 1
+            cfg.sharedMemBytes = self.art.shared
+            cfg.hStream = drv.CUstream(stream)
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            _check(drv.cuLaunchKernelEx(cfg, self._func, ctypes.addressof(ptrs), 0))
+            return
         _check(drv.cuLaunchKernel(self._func, g[0], g[1], g[2], self.art.block, 1, 1, self.art.shared,
                                   drv.CUstream(stream), ctypes.addressof(ptrs), 0))

@@ -7,6 +7,20 @@
 #include <stdint.h>
 
 namespace tritrt {
+// Programmatic dependent launch (kernels._launch): let the next kernel in the stream be scheduled, then wait for the
+// previous one to finish and its writes to be visible. Call before the first read or write of anything but weights.
+// A no-op when the kernel was not launched as a programmatic dependent (TensorRT, plain launches) and before sm_90.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Ask L2 for a line of weights (no register result): issued before pdl_enter, the first chunk's weights stream in
+// while the previous kernel finishes.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t magic) {
   uint32_t r;
   // (a & mask) | magic in one instruction: immLut = (0xF0 & 0xCC) | 0xAA = 0xEA.

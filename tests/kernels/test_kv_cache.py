@@ -66,7 +66,7 @@ def test_write_kv_cache_errors():
 
 def test_launch_config_is_shape_only():
     cfg = write_kv_cache_launch_config(37, 8, 128)
-    assert cfg.grid == (37,) and cfg.constexprs == dict(ROW=1024, BLOCK=1024)
+    assert cfg.grid == (37,) and cfg.constexprs == dict(ROW=1024, BLOCK=1024, PDL=False)
 
 
 @pytest.mark.gpu

@@ -293,6 +293,12 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 
   // Two register buffers used in turn (no copies): the next chunk's loads are in flight during this chunk's math.
   Chunk ba, bb;
+  if (warp < chunks) {  // this warp's first chunk of weights, into L2 while the previous kernel finishes
+    const int4* p = qw + (size_t)(warp + cbase) * kU * N;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) prefetch_l2(p + u * q_u);
+  }
+  pdl_enter();  // x, and the output, only after the previous kernel
   if (warp < chunks) load_chunk(warp, ba);
   for (int c = warp; c < chunks; c += 2 * kWarps) {
     if (c + kWarps < chunks) load_chunk(c + kWarps, bb);

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from kernels._launch import pdl_enabled
 from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 from kernels.gemm.cuda import plugin_build as _plugin_build
 
@@ -232,5 +233,5 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
-        int(bias is not None), int(swiglu))
+        int(bias is not None), int(swiglu), pdl=pdl_enabled())
     return out

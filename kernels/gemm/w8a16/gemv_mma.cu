@@ -197,6 +197,13 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   // Two register buffers used in turn (no copies): the next chunk's loads are in flight during this chunk's math.
   // Chunks warp, warp + kWarps, ... are loaded in that order (each load_chunk advances the pointers by one).
   Chunk qa, qb;
+  if (warp < chunks) {  // this warp's first chunk of weights, into L2 while the previous kernel finishes
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) prefetch_l2(pq + (size_t)(16 * u + j) * row_n);
+  }
+  pdl_enter();  // x, and the output, only after the previous kernel
   if (warp < chunks) load_chunk(qa);
   for (int c = warp; c < chunks; c += 2 * kWarps) {
     if (c + kWarps < chunks) load_chunk(qb);

@@ -17,6 +17,7 @@ import torch
 from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 from kernels.gemm.cuda import plugin_build as _plugin_build
 
+from kernels._launch import pdl_enabled
 from kernels._utils import device_sm
 
 SOURCE = Path(__file__).with_name("gemv_mma.cu")
@@ -194,5 +195,5 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     build = (plan["warps"], plan["vec"], plan["u"], plan["ksplit"], bool(l2_128))
     cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, bias if bias is not None else scales, out, M, N, K, x.stride(0),
-        int(bias is not None))
+        int(bias is not None), pdl=pdl_enabled())
     return out
