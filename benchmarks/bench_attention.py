@@ -186,15 +186,11 @@ def sweep_small_batch(rows_out):
     """Decode as a Llama-3-8B decode step runs it: 32 layers' calls back to back in one CUDA graph, each on its own
     cache (fp16, 32q/8kv d128, block 16), the block table as wide as the runtime's (137 blocks: a 2k prompt + 128 new
     tokens), at small batches where a call is a chain of memory round trips rather than bandwidth. Times the default
-    launch and variants of splits / BLOCK_N / warps / stages (and, while the file exists, the previous kernel)."""
-    import importlib.util
-
+    launch and variants of splits / BLOCK_N / warps / stages. (The dev-log's "previous kernel" rows came from a copy of
+    the older kernel file present for that run only.)"""
     from kernels._launch import LaunchConfig
 
     hq, hk, d, page, width, layers = 32, 8, 128, 16, 137, 32
-    old = None
-    if importlib.util.find_spec("benchmarks._old_decode_attention"):
-        from benchmarks import _old_decode_attention as old
     for bs, ctx in ((1, 512), (1, 2048), (8, 512), (32, 512)):
         sets = []
         for _ in range(layers):
@@ -224,9 +220,6 @@ def sweep_small_batch(rows_out):
 
         base = decode_attention_launch_config(bs, hq, hk, d, page, width, d ** -0.5)
         timed(base, f"default splits{base.grid[2]}")
-        if old is not None:
-            ob = old.decode_attention_launch_config(bs, hq, hk, d, page, width, d ** -0.5)
-            timed(ob, f"previous kernel splits{ob.grid[2]}")
         for splits in (1, 2, 4, 8, 16, 32):
             for bn, warps, stages in ((64, 4, 2), (64, 4, 1), (32, 4, 2), (32, 2, 2), (16, 2, 2), (128, 8, 2)):
                 c = decode_attention_launch_config(bs, hq, hk, d, page, width, d ** -0.5, num_splits=splits)

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import functools
 import os
-
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from ._utils import device_sm, interpreting
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,14 @@ class LaunchConfig:
     def launch(self, *args):
         """JIT launch with the runtime ``args`` in the kernel's parameter order (constexprs by keyword); a kernel with
         the ``PDL`` constexpr is launched as a programmatic dependent when ``pdl_enabled()``."""
-        constexprs, extra = self.constexprs, {}
-        if "PDL" in constexprs and pdl_enabled():
-            constexprs, extra = {**constexprs, "PDL": True}, {"launch_pdl": True}
-        return self.kernel[self.grid](*args, **constexprs, num_warps=self.num_warps, num_stages=self.num_stages,
-                                      **extra)
+        if "PDL" in self.constexprs and pdl_enabled():
+            return self.kernel[self.grid](*args, **self._pdl_constexprs, num_warps=self.num_warps,
+                                          num_stages=self.num_stages, launch_pdl=True)
+        return self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+    @functools.cached_property  # per config, not per launch (configs are lru-cached by their launchers)
+    def _pdl_constexprs(self) -> dict:
+        return {**self.constexprs, "PDL": True}
 
 
 PDL_ENV = "TRITRT_PDL"  # "0": launch every kernel as a plain stream-ordered launch (A/B timing, debugging)
@@ -52,17 +58,9 @@ PDL_ENV = "TRITRT_PDL"  # "0": launch every kernel as a plain stream-ordered lau
 def pdl_enabled() -> bool:
     """Whether torch-side launches use programmatic dependent launch: a CUDA device of compute capability >= 9 (the
     current device), not the Triton interpreter, and ``TRITRT_PDL`` not "0"."""
-    from ._utils import interpreting
-
     if os.environ.get(PDL_ENV, "1") == "0" or interpreting():
         return False
-    import torch
-
-    return torch.cuda.is_available() and _capability_major(torch.cuda.current_device()) >= 9
+    return torch.cuda.is_available() and _sm(torch.cuda.current_device()) >= 90
 
 
-@functools.lru_cache(maxsize=None)
-def _capability_major(device: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_capability(device)[0]
+_sm = functools.lru_cache(maxsize=None)(device_sm)  # a device query per launch otherwise

@@ -28,7 +28,6 @@ def device_sm(device=None) -> int:
     return 10 * major + minor
 
 
-
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """Start of a kernel launched as a programmatic dependent (``kernels._launch``, PDL): let the next kernel in the

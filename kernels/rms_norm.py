@@ -39,7 +39,7 @@ def _rms_norm_fwd_kernel(
 ):
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)  # a weight: before
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy=W_EVICT).to(tl.float32)  # a weight: may precede
     pdl_enter(PDL)
     # int64 row index: rows * stride overflows int32 at 32k tokens x 2 x 28672 columns and beyond.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -12,6 +12,7 @@ artifact was compiled under are checked on every launch: a violated one would si
 from __future__ import annotations
 
 import ctypes
+import functools
 
 from .compile import AotError, Artifact, strip_hidden_params
 
@@ -25,6 +26,16 @@ def _driver():
         raise ImportError("the AOT launcher needs cuda-python's driver bindings: pip install 'tritrt[driver]' "
                           "(or pip install cuda-python)") from None
     return driver
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_attrs() -> list:
+    """The launch attribute list of a programmatic dependent launch (built once: a launch is on the hot path)."""
+    drv = _driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return [attr]
 
 
 def _check(result):
@@ -122,10 +133,7 @@ class AotKernel:
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.art.block, 1, 1
             cfg.sharedMemBytes = self.art.shared
             cfg.hStream = drv.CUstream(stream)
-            attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
+            cfg.attrs = _pdl_attrs()
             cfg.numAttrs = 1
             _check(drv.cuLaunchKernelEx(cfg, self._func, ctypes.addressof(ptrs), 0))
             return
