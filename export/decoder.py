@@ -64,20 +64,11 @@ class DecoderOps(Protocol):
     def swiglu(self, gate_up: Value, intermediate: int, name: str) -> Value:
         """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
 
-    def linear_swiglu(self, x: Value, weight: str, intermediate: int, name: str) -> Value:
-        """``swiglu(linear(x, weight))``: [T, K] @ W.T = [T, 2I] = [gate | up] -> [T, I]. A backend may run the two as
-        one kernel (the torch model's INT4 GEMV does, at decode); ``linear_then_swiglu`` is the two ops."""
-
     def last_tokens(self, h: Value, cu_seqlens_q: Value) -> Value:
         """[T, hidden] -> [S, hidden]: each sequence's last new token."""
 
     def lm_head(self, h: Value, weight: str) -> Value:
         """[*, hidden] -> logits [*, vocab]."""
-
-
-def linear_then_swiglu(ops: DecoderOps, x: Value, weight: str, intermediate: int, name: str) -> Value:
-    """``DecoderOps.linear_swiglu`` as two ops, for backends that do not fuse it."""
-    return ops.swiglu(ops.linear(x, weight), intermediate, name)
 
 
 def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value, slot_mapping: Value,
@@ -110,7 +101,7 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
                                    p + "attention")
         x = ops.linear(ops.merge_heads(attn, c.q_size), p + "wo")
         h, residual = ops.fused_add_rms_norm(x, residual, p + "mlp_norm", eps, p + "mlp_norm")
-        x = ops.linear(ops.linear_swiglu(h, p + "w13", c.intermediate_size, p + "swiglu"), p + "w2")
+        x = ops.linear(ops.swiglu(ops.linear(h, p + "w13"), c.intermediate_size, p + "swiglu"), p + "w2")
     h, _ = ops.fused_add_rms_norm(x, residual, "norm", eps, "final_norm")
     if not all_logits:
         h = ops.last_tokens(h, cu_seqlens_q)  # only the last new token of each sequence samples
@@ -164,9 +155,6 @@ class NameRecorder:
 
     def swiglu(self, gate_up, intermediate, name):
         return None
-
-    def linear_swiglu(self, x, weight, intermediate, name):
-        self._use(weight)
 
     def last_tokens(self, h, cu_seqlens_q):
         return None

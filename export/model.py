@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from .batch import Batch
 from .checkpoint import LlamaConfig, load_checkpoint
-from .decoder import decoder_forward, linear_then_swiglu, missing_weights, required_names  # noqa: F401
-# (required_names: public here)
+from .decoder import decoder_forward, missing_weights, required_names  # noqa: F401  (required_names: public here)
 
 QUANT_MODES = ("none", "int8", "int4")
 
@@ -204,16 +203,6 @@ class TorchOps:
 
     def swiglu(self, gate_up, intermediate, name):
         return self.ops.swiglu(gate_up, None)
-
-    def linear_swiglu(self, x, weight, intermediate, name):
-        # INT4: SwiGLU of the [gate | up] halves in the GEMM, where the route's kernel fuses it (the tensor-core GEMV,
-        # so decode), else the swiglu op after it as below; other weights: the two ops.
-        w = self.w[weight]
-        if not isinstance(w, torch.Tensor) and w.bits == 4:
-            from kernels.quant import linear as qlinear
-
-            return qlinear(x, w, swiglu=True, swiglu_layout="halves")
-        return linear_then_swiglu(self, x, weight, intermediate, name)
 
     def last_tokens(self, h, cu_seqlens_q):
         return h[(cu_seqlens_q[1:] - 1).long()]

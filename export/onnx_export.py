@@ -44,7 +44,7 @@ from typing import Any, Mapping, Optional
 import torch
 from onnx import TensorProto
 
-from .decoder import decoder_forward, linear_then_swiglu, missing_weights
+from .decoder import decoder_forward, missing_weights
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import OpEmitter
@@ -180,9 +180,6 @@ class OnnxOps:
 
     def swiglu(self, gate_up, intermediate, name):
         return self.em.swiglu(gate_up, intermediate, name)
-
-    def linear_swiglu(self, x, weight, intermediate, name):
-        return linear_then_swiglu(self, x, weight, intermediate, name)  # two nodes: the W4A16 and SwiGLU plugins
 
     def last_tokens(self, h, cu_seqlens_q):
         # gathered before the (large) lm_head

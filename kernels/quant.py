@@ -176,14 +176,11 @@ def dequantize(qw: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torc
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-           residual: Optional[torch.Tensor] = None, swiglu: bool = False,
-           swiglu_layout: str = "interleaved") -> torch.Tensor:
+           residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
     """``x[..., K] @ dequantize(qw).T (+ bias) (+ residual)`` through the ``torch.ops.tritrt`` GEMM op for ``qw.bits``.
 
-    ``swiglu``: ``qw`` is ``interleave_columns(gate, up)`` (and ``bias`` interleaved the same way), or with
-    ``swiglu_layout="halves"`` the two stacked as ``[gate | up]`` (a checkpoint's fused gate/up weight); returns
-    ``silu(x @ gate.T + b_gate) * (x @ up.T + b_up) (+ residual)``, computed in the GEMM's epilogue where the routed
-    kernel takes the layout (INT4: the tensor-core GEMV), else by the ``swiglu`` op after the GEMM."""
+    ``swiglu``: ``qw`` is ``interleave_columns(gate, up)`` (and ``bias`` interleaved the same way); returns
+    ``silu(x @ gate.T + b_gate) * (x @ up.T + b_up) (+ residual)``, computed in the GEMM's epilogue."""
     import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
 
     if x.shape[-1] != qw.in_features:
@@ -192,15 +189,9 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = 
         raise ValueError(f"x is {x.dtype} but the weight's scales are {qw.dtype}: quantize with scale_dtype={x.dtype}")
     if qw.perm is not None:
         x = x.index_select(-1, qw.perm)
-    if swiglu_layout not in ("interleaved", "halves"):
-        raise ValueError(f"swiglu_layout must be 'interleaved' or 'halves', got {swiglu_layout!r}")
     if qw.bits == 8:
-        if swiglu and swiglu_layout == "halves":  # no INT8 kernel fuses this layout: the GEMM, then the activation
-            y = torch.ops.tritrt.swiglu(torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, None, False),
-                                        None)
-            return y if residual is None else y + residual
         return torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, residual, swiglu)
     if qw.bits == 4:
         return torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, residual,
-                                             swiglu, swiglu_layout)
+                                             swiglu)
     raise ValueError(f"bits={qw.bits} not supported (8 or 4)")

@@ -154,32 +154,23 @@ def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
 
 @lru_cache(maxsize=4096)
 def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card], *, group_size: int,
-                residual: bool = False, swiglu: bool = False, halves: bool = False, aligned: bool = True) -> Route:
+                residual: bool = False, swiglu: bool = False, aligned: bool = True) -> Route:
     """The kernel ``w4a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT4 ``[K, N]`` weight with
     ``group_size`` on ``card`` (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
-
-    ``halves``: SwiGLU of ``[gate | up]`` columns (the model's gate/up weight as the checkpoint stores it) rather than
-    interleaved pairs. Only the tensor-core GEMV's epilogue takes that layout (where ``gemv_mma.halves_reason`` allows);
-    every other route runs the GEMM without SwiGLU and then the activation kernel ("after"), which is what a model
-    without the fusion runs.
 
     ``aligned``: the operands are what the wgmma GEMM needs beyond shapes (``gemm_wgmma.operands_ok``: fp16
     scales and bias, contiguous 16-byte aligned operands and x rows); the op checks the tensors only when a route
     names that kernel, and asks again with ``aligned=False`` where they fail. Zero points and bias do not change the
     route. Cached: an eager call pays one lookup."""
-    fused = "fused" if swiglu else "none"
-    after = "after" if swiglu else "none"
     if card is None:
-        return _route("reference", after if halves else fused)
+        return _route("reference", "fused" if swiglu else "none")
+    fused = "fused" if swiglu else "none"
     wg = (wgmma_plan(M, N, K, group_size, dtype, card)
           if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M <= WGMMA_W4_MAX_M else None)
     if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
-        gemv_fused = after if halves and _gemv_mma.halves_reason(N) else fused
-        return _route("w4_gemv_mma", gemv_fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
-                                                                           clusters=card.sm >= 90))
-    if halves:
-        fused = after
+        return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
+                                                                      clusters=card.sm >= 90))
     if wg is not None:
         return _route("w4_gemm_wgmma", fused, wg)
     if M >= DEQUANT_MIN_M_W4 and group_size % 8 == 0:

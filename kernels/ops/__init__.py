@@ -29,11 +29,9 @@ weight-only GEMM (``kernels.ops.gemm``; weights from ``kernels.quant``)
 - ``w8a16_linear(x[..., K], qweight, scales, bias: Optional, residual: Optional = None, swiglu: bool = False)
   -> y[..., N]``
 - ``w4a16_linear(x[..., K], qweight, scales, zeros: Optional, group_size: int, bias: Optional,
-  residual: Optional = None, swiglu: bool = False, swiglu_layout: str = "interleaved") -> y[..., N]``;
-  ``residual[..., N]`` is added in the epilogue (fused residual add). ``swiglu``: the weight's columns are gate/up
-  columns and ``y[..., N / 2] = silu(gate) * up`` (+ residual ``[..., N / 2]``); in interleaved pairs
-  (``kernels.quant.interleave_columns``) or, with ``swiglu_layout="halves"`` (w4a16 only), ``[gate | up]`` as a
-  checkpoint stores them (fused where the route's kernel takes that layout, else the ``swiglu`` op after the GEMM).
+  residual: Optional = None, swiglu: bool = False) -> y[..., N]``; ``residual[..., N]`` is added in the epilogue
+  (fused residual add). ``swiglu``: the weight's columns are interleaved gate/up pairs
+  (``kernels.quant.interleave_columns``) and ``y[..., N / 2] = silu(gate) * up`` (+ residual ``[..., N / 2]``).
   Layouts (int8 ``[K, N]``; int4 packed int32 ``[K // 8, N]``, scales/zeros ``[K // G, N]``) are documented in
   ``kernels.quant``; a GPTQ act-order ``perm`` is applied to x by ``kernels.quant.linear``, not by the ops.
 """

@@ -26,38 +26,21 @@ def _card(x: Tensor) -> Optional[routing.Card]:
     return routing.card_of(x.device) if x.is_cuda else None
 
 
-def _run(route: routing.Route, runner, r2: Optional[Tensor], *args, layout: str = "interleaved") -> Tensor:
+def _run(route: routing.Route, runner, r2: Optional[Tensor], *args) -> Tensor:
     """``runner(*args, residual, swiglu)`` as ``route`` says: SwiGLU (and the residual) in the kernel, or the GEMM
-    without them and then the SwiGLU kernel and the residual add. ``layout`` "halves" (gate/up columns as
-    ``[gate | up]``) is fused only by the runners that take ``layout=`` (the routing sends it nowhere else)."""
+    without them and then the SwiGLU kernel and the residual add."""
     if route.swiglu == "after":
-        return _swiglu_after(runner(*args, None, False), r2, layout)
-    if route.swiglu == "fused" and layout == "halves":
-        return runner(*args, r2, True, layout="halves")
+        return _swiglu_after(runner(*args, None, False), r2)
     return runner(*args, r2, route.swiglu == "fused")
 
 
-def _swiglu_after(y: Tensor, residual: Optional[Tensor], layout: str = "interleaved") -> Tensor:
-    """SwiGLU as a kernel of its own after a GEMM without the epilogue (+ residual): ``kernels.activation.swiglu`` on
-    ``y``'s interleaved (gate, up) pairs, or the ``swiglu`` op on ``[gate | up]`` halves (what the model runs without
-    the fusion; the op has a CPU implementation, so the reference route takes this path too)."""
-    if layout == "halves":
-        y = torch.ops.tritrt.swiglu(y, None)
-    else:
-        from ..activation import swiglu as swiglu_kernel
+def _swiglu_after(y: Tensor, residual: Optional[Tensor]) -> Tensor:
+    """SwiGLU as a kernel of its own after a GEMM without the epilogue: ``kernels.activation.swiglu`` on ``y``'s
+    interleaved (gate, up) pairs (+ residual)."""
+    from ..activation import swiglu as swiglu_kernel
 
-        y = swiglu_kernel(y, interleaved=True)
+    y = swiglu_kernel(y, interleaved=True)
     return y if residual is None else y + residual
-
-
-SWIGLU_LAYOUTS = ("interleaved", "halves")
-
-
-def _check_layout(swiglu_layout: str, op: str) -> bool:
-    """Whether ``swiglu_layout`` is "halves" (after checking it is one of ``SWIGLU_LAYOUTS``)."""
-    if swiglu_layout not in SWIGLU_LAYOUTS:
-        raise ValueError(f"{op}: swiglu_layout must be one of {SWIGLU_LAYOUTS}, got {swiglu_layout!r}")
-    return swiglu_layout == "halves"
 
 
 def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
@@ -171,11 +154,10 @@ def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_li
     return N, epilogue_width(N, swiglu, op)
 
 
-def _w4_gemv_mma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu, layout="interleaved"):
+def _w4_gemv_mma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
     from ..gemm.w4a16 import gemv_mma as mma
 
-    return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias, swiglu=swiglu,
-                              swiglu_layout=layout)
+    return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias, swiglu=swiglu)
 
 
 def _w4_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
@@ -214,23 +196,21 @@ W4_RUNNERS = {"w4_gemv_mma": _w4_gemv_mma, "w4_gemm_wgmma": _w4_gemm_wgmma, "w4_
 
 
 def _w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group_size: int,
-                 bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, swiglu: bool = False,
-                 swiglu_layout: str = "interleaved") -> Tensor:
-    halves = _check_layout(swiglu_layout, "w4a16_linear")
+                 bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, swiglu: bool = False) -> Tensor:
     N, n_out = _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu)
     lead, x2, r2 = _flatten(x, residual, n_out)
     M, K = x2.shape
     card = _card(x)
     route = routing.route_w4a16(M, N, K, x2.dtype, card, group_size=group_size, residual=r2 is not None,
-                                swiglu=swiglu, halves=halves)
+                                swiglu=swiglu)
     if route.backend == "w4_gemm_wgmma":
         from ..gemm import gemm_wgmma as wg
 
         if not wg.operands_ok(x2, qweight, scales, zeros, bias):
             route = routing.route_w4a16(M, N, K, x2.dtype, card, group_size=group_size, residual=r2 is not None,
-                                        swiglu=swiglu, halves=halves, aligned=False)
+                                        swiglu=swiglu, aligned=False)
     return _run(route, W4_RUNNERS[route.backend], r2, x2, qweight, scales, zeros, group_size,
-                bias, layout=swiglu_layout).reshape(*lead, n_out)
+                bias).reshape(*lead, n_out)
 
 
 # The op; ``_w4a16_linear`` is its implementation, which the routing tests run with stand-ins for the kernels.
@@ -238,8 +218,7 @@ w4a16_linear = torch.library.custom_op("tritrt::w4a16_linear", _w4a16_linear, mu
 
 
 @w4a16_linear.register_fake
-def _(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=False, swiglu_layout="interleaved"):
-    _check_layout(swiglu_layout, "w4a16_linear")
+def _(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=False):
     _, n_out = _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu)
     _flatten(x, residual, n_out)
     return x.new_empty((*x.shape[:-1], n_out))

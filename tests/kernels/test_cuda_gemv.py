@@ -291,34 +291,6 @@ def test_mma_gemv_swiglu_epilogue(M, N, K, group_size, symmetric):
                                                                                           "cuda"), swiglu=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 3, 8, 16, 31])
-@pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (2080, 1024, 32, True)])
-def test_mma_gemv_swiglu_epilogue_on_halves(M, N, K, group_size, symmetric):
-    """W's columns as a checkpoint stacks them, [gate | up] (``swiglu_layout="halves"``): a block pairs 16 gate
-    columns with the 16 up columns N / 2 further on; out [M, N / 2] = silu(gate + bias) * (up + bias), every output
-    written (poisoned buffer), for the GEMV, the tiled build and K split over a cluster. N / 2 not a multiple of 16 is
-    refused."""
-    x, qw, bias, _, _ = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 5 + N + K)
-    y32 = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
-    ref = torch.nn.functional.silu(y32[:, :N // 2]) * y32[:, N // 2:]
-    y16 = x @ dequantize(qw).t() + bias  # PyTorch: the GEMM rounded to fp16, then the activation
-    base = torch.nn.functional.silu(y16[:, :N // 2]) * y16[:, N // 2:]
-    for ov in ({}, dict(warps=1), dict(sz_ahead=False, x_ahead=False), dict(ksplit=2)) + (
-            (dict(mt=2), dict(mt=2, ksplit=4)) if M > 8 else ()):
-        out = poisoned((M, N // 2), torch.float16, "cuda")
-        y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True,
-                               swiglu_layout="halves", **ov)
-        # As for interleaved pairs: fp32 sums and SwiGLU, one fp16 rounding.
-        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
-                            float(ref.abs().max()))
-    x2, qw2, _, _, _ = w4_gpu_case(M, 1000, 1024, 32, True, seed=1)
-    with pytest.raises(ValueError, match="not a multiple of 16"):
-        mma.w4a16_gemv_mma(x2, qw2.qweight, qw2.scales, qw2.zeros, 32, swiglu=True, swiglu_layout="halves")
-    with pytest.raises(ValueError, match="swiglu_layout must be one of"):
-        mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, swiglu=True, swiglu_layout="pairs")
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
 @pytest.mark.parametrize("mt,wscale,warps,sz_ahead", [(2, False, 16, False), (4, True, 8, True), (8, True, 4, False)])
 def test_mma_gemm_tiled_variants_compile_without_local_memory(mt, wscale, warps, sz_ahead, tmp_path):

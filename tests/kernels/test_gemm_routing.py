@@ -411,28 +411,6 @@ def test_h100_routes_of_the_measured_shapes():
     assert route_w4a16(1, 4096, 4096, torch.float16, None, group_size=128).backend == "reference"
 
 
-def test_swiglu_of_gate_up_halves_is_fused_only_by_the_tensor_core_gemv():
-    """``halves`` ([gate | up] columns, the model's gate/up weight): fused in the tensor-core GEMV's epilogue where
-    N / 2 is a multiple of 16, with the plan of the same call without SwiGLU; every other route (and the GEMV where
-    N / 2 is not) runs the GEMM and then the activation ("after"), as the model did before the fusion."""
-    def w4(M, N, K, dtype=torch.float16, card=H100, **kw):
-        return route_w4a16(M, N, K, dtype, card, group_size=128, swiglu=True, halves=True, **kw)
-
-    for M in (1, 8, 16):
-        r = w4(M, 28672, 4096)
-        assert (r.backend, r.swiglu) == (GEMV, "fused")
-        assert r.plan == route_w4a16(M, 28672, 4096, torch.float16, H100, group_size=128).plan
-    for M, backend in ((17, WGMMA), (300, WGMMA), (600, DEQUANT)):
-        assert (w4(M, 28672, 4096).backend, w4(M, 28672, 4096).swiglu) == (backend, "after")
-    assert (w4(1, 1000, 512).backend, w4(1, 1000, 512).swiglu) == (GEMV, "after")  # N / 2 = 500
-    assert (w4(1, 28672, 4096, torch.bfloat16).backend, w4(1, 28672, 4096, torch.bfloat16).swiglu) == (
-        "triton_w4_gemm", "after")
-    assert (w4(1, 28672, 4096, card=None).backend, w4(1, 28672, 4096, card=None).swiglu) == ("reference", "after")
-    assert route_w4a16(1, 28672, 4096, torch.float16, H100, group_size=128, halves=True).swiglu == "none"
-    # Interleaved pairs keep their routes.
-    assert route_w4a16(17, 28672, 4096, torch.float16, H100, group_size=128, swiglu=True).swiglu == "fused"
-
-
 def test_wgmma_takes_over_from_the_gemv_above_16_rows_where_it_keeps_enough_warps():
     """The M = 17..32 rule on the five Llama shapes (plans only, no GPU): the wgmma GEMM for qkv, gate_up, down and
     8k (11.6-15.5 warps per SM), the GEMV for o (7.8) and for every shape at M <= 16."""
@@ -567,29 +545,6 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
         ref = w4a16_reference(*args, res, True)
         assert_close_to_ref(out, ref, baseline=dequant_baseline(x, qw, bias, res, swiglu=True), factor=2.0,
                             atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 64, 600])
-def test_op_swiglu_of_halves_runs_in_the_gemv_or_after_the_gemm(M):
-    """``w4a16_linear(..., swiglu=True, swiglu_layout="halves")`` is the GEMV with the halves epilogue where it routes
-    there, else the GEMM without SwiGLU and then the swiglu op, bit for bit; within tolerance of the reference."""
-    N, K = 2048, 1024
-    x, qw, bias, _, _ = w4_gpu_case(M, N, K, 128, False, seed=M + 11)
-    args = (x, qw.qweight, qw.scales, qw.zeros, 128, bias)
-    y = torch.ops.tritrt.w4a16_linear(*args, None, True, "halves")
-    route = _gpu_route("w4", M, N, K, group_size=128, swiglu=True, halves=True)
-    if route.backend == GEMV:
-        assert route.swiglu == "fused"
-        assert torch.equal(y, mma.w4a16_gemv_mma(*args, swiglu=True, swiglu_layout="halves"))
-    else:
-        assert route.swiglu == "after"
-        assert torch.equal(y, torch.ops.tritrt.swiglu(torch.ops.tritrt.w4a16_linear(*args, None), None))
-    y32 = w4a16_reference(*args)
-    ref = torch.nn.functional.silu(y32[:, :N // 2]) * y32[:, N // 2:]
-    y16 = dequant_baseline(x, qw, bias)
-    assert_close_to_ref(y, ref, baseline=torch.nn.functional.silu(y16[:, :N // 2]) * y16[:, N // 2:], factor=2.0,
-                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
 
 
 @pytest.mark.gpu

@@ -227,38 +227,6 @@ def test_interleave_columns_and_fused_swiglu_linear(bits):
     assert all(v == "SUCCESS" for v in res.values()), res
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_swiglu_linear_on_gate_up_halves(bits):
-    # swiglu_layout="halves": the weight is [gate | up] stacked, as a checkpoint's gate/up weight (the model's w13). On
-    # the CPU both ops run the GEMM reference and then the swiglu op: bit for bit the model's two ops before the
-    # fusion (the GPU epilogue is tested in test_cuda_gemv, the routes in test_gemm_routing).
-    import kernels.ops  # noqa: F401
-
-    K, inter = 128, 32
-    g = torch.Generator().manual_seed(10 + bits)
-    qw = quantize_int4(torch.randn(2 * inter, K, generator=g).half(), 32) if bits == 4 else quantize_int8(
-        torch.randn(2 * inter, K, generator=g).half())
-    bias = torch.randn(2 * inter, generator=g).half()
-    x, r = torch.randn(2, 3, K, generator=g).half(), torch.randn(2, 3, inter, generator=g).half()
-    y = linear(x, qw, bias, r, swiglu=True, swiglu_layout="halves")
-    assert torch.equal(y, torch.ops.tritrt.swiglu(linear(x, qw, bias), None) + r)
-    w = dequantize(qw, torch.float32)
-    want = torch.nn.functional.silu(x.float() @ w[:inter].t() + bias[:inter].float()) * (
-        x.float() @ w[inter:].t() + bias[inter:].float()) + r.float()
-    # four fp16 roundings (gate, up, the activation, the add), each at most half an ulp of its value: within 4 ulps of
-    # the largest output (the roundings of gate and up reach the output scaled by |up| and silu' <= 1.1)
-    atol = 4 * float(torch.finfo(torch.float16).eps * want.abs().max())
-    torch.testing.assert_close(y.float(), want, rtol=0, atol=atol)
-    with pytest.raises(ValueError, match="swiglu_layout"):
-        linear(x, qw, bias, swiglu=True, swiglu_layout="pairs")
-    if bits == 4:
-        args = (x.reshape(6, K), qw.qweight, qw.scales, qw.zeros, 32, bias, None, True, "halves")
-        res = torch.library.opcheck(torch.ops.tritrt.w4a16_linear.default, args)
-        assert all(v == "SUCCESS" for v in res.values()), res
-        with pytest.raises(ValueError, match="swiglu_layout must be one of"):
-            torch.ops.tritrt.w4a16_linear(*args[:-1], "pairs")
-
-
 def test_interleave_columns_rejects_mismatched_weights():
     from kernels.quant import interleave_columns
 

@@ -1,8 +1,6 @@
 // W4A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
 // INT4 layout (qweight int32 [K/8, N], nibble j of row r is k = 8r + j; scales fp16 [K/G, N]; zeros int8 [K/G, N],
-// 0..16 read as bytes, or none = 8). With `swiglu` y = silu(gate) * up, [M, N / 2], where W's columns are gate / up
-// (SWIGLU_PAIRS) interleaved pairs, or (SWIGLU_HALVES) [gate | up] as a checkpoint stores them, N / 2 a multiple of 16:
-// a block then takes 16 gate columns and the 16 up columns N / 2 further on (lanes g < 4 and g >= 4).
+// 0..16 read as bytes, or none = 8). With `swiglu` W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2].
 //
 // Why: the scalar GEMV (gemv.cu) spends ~4 ALU instructions per weight and is issue-bound. Here a weight costs
 // 9/8 instructions of dequantisation and a 1/8 share of an mma (sm_90 SASS of the loop, 256 weights per lane: LOP3
@@ -82,7 +80,6 @@
 
 namespace {
 using namespace tritrt;
-constexpr int SWIGLU_HALVES = 2;  // the kernel's `swiglu` argument: 0 none, 1 interleaved pairs, 2 halves
 constexpr int kWarps = GEMV_WARPS;
 constexpr int kU = GEMV_U;
 constexpr int kG = GEMV_GSTEPS;
@@ -135,9 +132,7 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   // 1-D grid, row tiles fastest: the blocks of one column slice run together, so its weights come from DRAM once.
   const int mtiles = (M + kRows - 1) / kRows;
   const int m0 = (blockIdx.x % mtiles) * kRows;
-  const int cblock = blockIdx.x / mtiles, half_n = N / 2;
-  const int col = swiglu == SWIGLU_HALVES ? (g < 4 ? 16 * cblock + 4 * g : half_n + 16 * cblock + 4 * (g - 4))
-                                          : 32 * cblock + 4 * g;
+  const int col = (blockIdx.x / mtiles) * 32 + 4 * g;
   const bool col_ok = col < N;              // N % 4 == 0: a lane's 4 columns are all in or all out
   // chunk = 4 * kU packed rows; with GEMV_KSPLIT the cluster's blocks (grid y) take consecutive runs of chunks
   // (the launcher checks that KSPLIT divides the chunks), so a run starts on a scale group as a chunk does.
@@ -329,9 +324,8 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
       }
     }
   __syncthreads();
-  // Outputs of this block: 32 columns per x row, or with SwiGLU 16 (out is [M, N / 2]): silu(column 2j) * column
-  // 2j + 1 of the block for pairs (N is a multiple of 4, so a pair never straddles N), silu(column j) * column 16 + j
-  // for halves (block columns 16 + j are W's columns N / 2 + 16 cblock + j).
+  // Outputs of this block: 32 columns per x row, or with SwiGLU 16 = silu(column 2j) * column 2j + 1 (out is
+  // [M, N / 2]; N is a multiple of 4, so a pair never straddles N).
   const int per_row = swiglu ? 16 : 32, n_out = swiglu ? N / 2 : N;
 #if GEMV_KSPLIT == 1
   auto column_sum = [&](int r, int cl, int n) {
@@ -364,17 +358,11 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
   const int i1 = i0 + kRows * per_row / GEMV_KSPLIT;
 #endif
   for (int i = i0 + threadIdx.x; i < i1; i += 32 * kWarps) {
-    const int r = i / per_row, m = m0 + r, j = i % per_row;
-    if (m >= M) continue;
-    if (swiglu == SWIGLU_HALVES) {  // the launcher checks N / 2 % 16 == 0: every block is whole
-      const int n = 16 * cblock + j;
-      out[(size_t)m * n_out + n] = __float2half_rn(silu_mul(column_sum(r, j, n), column_sum(r, 16 + j, half_n + n)));
-    } else {
-      const int cl = swiglu ? 2 * j : j, n = 32 * cblock + cl;
-      if (n < N) {
-        const float v = swiglu ? silu_mul(column_sum(r, cl, n), column_sum(r, cl + 1, n + 1)) : column_sum(r, cl, n);
-        out[(size_t)m * n_out + (swiglu ? n / 2 : n)] = __float2half_rn(v);
-      }
+    const int r = i / per_row, m = m0 + r, cl = swiglu ? 2 * (i % per_row) : i % per_row;
+    const int n = (blockIdx.x / mtiles) * 32 + cl;
+    if (m < M && n < N) {
+      const float v = swiglu ? silu_mul(column_sum(r, cl, n), column_sum(r, cl + 1, n + 1)) : column_sum(r, cl, n);
+      out[(size_t)m * n_out + (swiglu ? n / 2 : n)] = __float2half_rn(v);
     }
   }
 #if GEMV_KSPLIT > 1

@@ -1,8 +1,7 @@
 """Launcher for the tensor-core W4A16 kernel (``gemv_mma.cu``), fp16 activations: the GEMV for M <= 8 and,
 tiled in M (``mt`` tiles of 8 rows of x per block, row tiles of a column slice side by side in the grid), the
 small-batch GEMM for M > 8 that shares each dequantized weight fragment between ``8 * mt`` rows of x; optionally
-with SwiGLU in the epilogue (``swiglu``, a runtime flag) of gate/up columns interleaved in pairs or, as a checkpoint
-stores them, in halves ``[gate | up]`` (``swiglu_layout``).
+with SwiGLU of interleaved gate/up column pairs in the epilogue (``swiglu``, a runtime flag).
 
 Same contract as ``kernels.gemm.w4a16.gemv`` (the scalar CUDA GEMV, kept as the fallback for shapes this one does not
 take): compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
@@ -54,13 +53,6 @@ PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*
           ("has_zeros", "i32"), ("has_bias", "i32"), ("swiglu", "i32")]
 
 _KERNELS: dict = {}
-SWIGLU_LAYOUTS = {"interleaved": 1, "halves": 2}  # the kernel's `swiglu` argument (0: no SwiGLU)
-
-
-def halves_reason(N: int) -> Optional[str]:
-    """None if the epilogue takes SwiGLU of ``[gate | up]`` halves for N weight columns, else why not: a block pairs 16
-    gate columns with the 16 up columns N / 2 further on."""
-    return None if N % 32 == 0 else f"N / 2 = {N // 2} is not a multiple of 16 (SwiGLU of [gate | up] halves)"
 
 
 def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: int = U_DEFAULT,
@@ -202,22 +194,16 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
                    chains: Optional[int] = None, l2_256: bool = L2_256, mt: Optional[int] = None,
                    wscale: Optional[bool] = None, sz_ahead: Optional[bool] = None, x_ahead: Optional[bool] = None,
-                   minb: Optional[int] = None, ksplit: Optional[int] = None, swiglu: bool = False,
-                   swiglu_layout: str = "interleaved") -> torch.Tensor:
-    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 on tensor cores; with ``swiglu`` ``silu(gate) * up -> [M, N / 2]``,
-    W's columns (and bias) being gate/up pairs (``swiglu_layout="interleaved"``, ``kernels.quant.interleave_columns``)
-    or ``[gate | up]`` (``"halves"``, N / 2 a multiple of 16). ``u``/``warps``/``mmax``/
+                   minb: Optional[int] = None, ksplit: Optional[int] = None, swiglu: bool = False) -> torch.Tensor:
+    """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16 on tensor cores; with ``swiglu`` (W's columns interleaved gate/up
+    pairs, ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``u``/``warps``/``mmax``/
     ``chains``/``l2_256``/``mt``/``wscale``/``sz_ahead``/``x_ahead``/``minb``/``ksplit`` override the plan's variant
     (benchmarks, tests)."""
     from kernels.gemm.w4a16.triton_gemm import check_w4_weight
 
     K, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
     M = x.shape[0]
-    if swiglu_layout not in SWIGLU_LAYOUTS:
-        raise ValueError(f"tensor-core W4A16 GEMV: swiglu_layout must be one of {tuple(SWIGLU_LAYOUTS)}, got "
-                         f"{swiglu_layout!r}")
-    reason = unsupported_reason(M, N, K, group_size, x.dtype, u) or (
-        halves_reason(N) if swiglu and swiglu_layout == "halves" else None)
+    reason = unsupported_reason(M, N, K, group_size, x.dtype, u)
     if reason:
         raise ValueError(f"tensor-core W4A16 GEMV: {reason}; use kernels.gemm.w4a16.gemv or "
                          f"kernels.gemm.w4a16.triton_gemm.w4a16_gemm")
@@ -247,5 +233,5 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, M, N, K, group_size, x.stride(0), int(zeros is not None),
-        int(bias is not None), SWIGLU_LAYOUTS[swiglu_layout] if swiglu else 0, pdl=pdl_enabled())
+        int(bias is not None), int(swiglu), pdl=pdl_enabled())
     return out
