@@ -44,6 +44,9 @@ HF_DECODE_TOKENS = 32  # HF eager is slow; 32 tokens give a stable per-step time
 # TTFT is wall clock with the host in the loop: the median of a few generations (one sample read 76.9 ms at 03ad8f7
 # for an int8 prefill the same run timed at 58.8 ms)
 TTFT_SAMPLES = 5
+# Calls of tens of ms (prefill, the eager decode step): do_bench's default 100 ms of repetitions is one or two samples,
+# so one slow sample was the row (an int4 prefill of 90.8 ms at 674be13 whose TTFT, median of 5, was 59.4 ms).
+LONG_REP_MS = 1500
 DEVICE = "cuda"
 
 
@@ -110,7 +113,7 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
     # a call has only a few repetitions to take a median over (a 111 ms "int4 prefill" at be6337e was that).
     backend.forward(prefill)
     torch.cuda.synchronize()
-    ms = bench(lambda backend=backend: backend.forward(prefill), [()])  # bound: del-ed below
+    ms = bench(lambda backend=backend: backend.forward(prefill), [()], rep_ms=LONG_REP_MS)  # bound: del-ed below
     rows.append(dict(impl=impl, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
                      tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
     profiles[f"{quant} prefill"] = profile_step(backend, prefill)
@@ -136,7 +139,7 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
             dev_batch = batch.to(DEVICE)
             with torch.inference_mode():
                 ms_eager = bench(lambda backend=backend: backend.model.forward(dev_batch, backend.kv_cache),
-                                 [()])
+                                 [()], rep_ms=LONG_REP_MS)
             rows.append(dict(impl="tritrt torch eager", quant=quant, phase="decode step", batch=1, ctx=DECODE_CTX,
                              ms=ms_eager, tok_s=1e3 / ms_eager, vs_hf=ratio(ref, ms_eager)))
             profiles[f"{quant} decode"] = profile_step(backend, batch)
@@ -166,7 +169,7 @@ def run_hf(config, weights, rows: list, deadline: float) -> dict:
     hf = hf_model(weights, config)
     ref = {}
     ids = torch.randint(0, config.vocab_size, (1, PREFILL_LEN), device=DEVICE)
-    ms = bench(lambda hf=hf: hf(ids, use_cache=False, logits_to_keep=1), [()])  # hf bound: del-ed below
+    ms = bench(lambda hf=hf: hf(ids, use_cache=False, logits_to_keep=1), [()], rep_ms=LONG_REP_MS)  # hf: del-ed below
     ref[("prefill", 1)] = ms
     rows.append(dict(impl="hf eager", quant="none", phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
                      tok_s=PREFILL_LEN / ms * 1e3))
