@@ -1,7 +1,8 @@
 """Attention benchmarks: flash prefill (TFLOP/s vs SDPA flash) and paged decode (GB/s vs copy bandwidth and vs
 gather + SDPA), all measured in one run on one card.
 
-Run on the GPU from the repo root: ``python3 -m benchmarks.bench_attention [--sweep [--sweep-prefill]]``. ``--sweep``
+Run on the GPU from the repo root: ``python3 -m benchmarks.bench_attention [--sweep [--sweep-prefill]]``;
+``--one-launch``: the engine's one-launch paged attention against the torch op's kernels, per step kind. ``--sweep``
 first times a few decode tile configurations (``--sweep-prefill``: prefill tiles too); these are the numbers behind
 the defaults in ``kernels/prefill_attention.py`` and ``kernels/decode_attention.py``. Results:
 ``benchmarks/results/<card>/bench_attention_{prefill,decode,sweep}.{json,md}``.
@@ -229,6 +230,57 @@ def sweep_small_batch(rows_out):
         torch.cuda.empty_cache()
 
 
+def bench_one_launch(rows_out):
+    """The engine's attention kernel (``kernels.paged_attention``: one launch that picks decode or prefill on the
+    device, 8 warps / 3 stages for both) against the kernel the torch op picks on the host for the same step
+    (``decode_attention`` when every sequence has one new token, else ``paged_prefill_attention``), same inputs, each
+    in CUDA graphs over rotating input sets. fp16, 32q/8kv d128, block 16, each table 8 blocks wider than its context
+    (the runtime's tables are as wide as the longest allowed sequence, which sets the decode splits of both).
+    ``bench_plugin_layer`` judges bs 1 x 512 inside a layer; these are the other shapes."""
+    from kernels.paged_attention import paged_attention_one_launch, paged_attention_scratch
+    from kernels.prefill_attention import paged_prefill_attention
+
+    hq, hk, d, page = 32, 8, 128, 16
+    steps = [(f"decode bs{bs} ctx{ctx}", [1] * bs, [ctx] * bs) for bs in (1, 8, 32, 128) for ctx in (512, 2048, 8192)
+             if bs * ctx <= 128 * 2048]
+    steps += [("prefill 1x2048", [2048], [0]), ("prefill 4x512", [512] * 4, [0] * 4),
+              ("mixed 512-chunk + 31 decode", [512] + [1] * 31, [1024] * 32)]
+    for name, q_lens, ctx in steps:
+        s, t = len(q_lens), sum(q_lens)
+        width = max(-(-(q + c) // page) for q, c in zip(q_lens, ctx)) + 8
+        set_bytes = 2 * s * width * page * hk * d * 2
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        seq_lens = torch.tensor([q + c for q, c in zip(q_lens, ctx)], dtype=torch.int32, device="cuda")
+        scratch = paged_attention_scratch(s, hq, hk, d, "cuda")
+        decode_scratch = alloc_decode_scratch(s, hq, hk, d, "cuda")
+
+        def make():
+            kc = torch.randn(s * width, page, hk, d, device="cuda", dtype=torch.float16)
+            bt = torch.randperm(s * width, device="cuda", dtype=torch.int32).view(s, width)
+            q = torch.randn(t, hq, d, device="cuda", dtype=torch.float16)
+            return q, kc, torch.randn_like(kc), bt, torch.empty_like(q)
+
+        sets = rotating_inputs(make, set_bytes)
+        decode = max(q_lens) == 1
+
+        def torch_path(q, kc, vc, bt, out):
+            if decode:
+                return decode_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out, scratch=decode_scratch)
+            return paged_prefill_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out)
+
+        def one_launch(q, kc, vc, bt, out):
+            return paged_attention_one_launch(q, kc, vc, bt, seq_lens, cu, d ** -0.5, scratch, out=out)
+
+        us_torch = bench(torch_path, sets, cuda_graph=True) * 1e3
+        us_one = bench(one_launch, sets, cuda_graph=True) * 1e3
+        diff = float((torch_path(*sets[0]).float() - one_launch(*sets[0]).float()).abs().max())
+        rows_out.append(dict(step=name, tokens=t, seqs=s, table_width=width, torch_us=us_torch, one_launch_us=us_one,
+                             torch_over_one_launch=us_torch / us_one, max_abs_diff=diff))
+        print(rows_out[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time decode tile configurations")
@@ -236,7 +288,20 @@ def main():
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--sweep-small", action="store_true",
                         help="only the small-batch decode sweep (32 layers' calls in one graph)")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="only the engine's one-launch kernel against the torch op's choice, per step")
     args = parser.parse_args()
+    if args.one_launch:
+        rows = []
+        bench_one_launch(rows)
+        write_results("bench_attention_one_launch", rows,
+                      ["step", "tokens", "seqs", "table_width", "torch_us", "one_launch_us", "torch_over_one_launch",
+                       "max_abs_diff"],
+                      notes="torch_us: the kernel tritrt::paged_attention picks for the step (decode_attention or "
+                            "paged_prefill_attention); one_launch_us: kernels.paged_attention (the PagedAttention "
+                            "plugin's kernel); each a CUDA graph over rotating input sets larger than L2, fp16 "
+                            "32q/8kv d128 block 16. torch_over_one_launch >= 1: the engine's kernel is as fast.")
+        return
     if args.sweep_small:
         rows = []
         sweep_small_batch(rows)

@@ -5,7 +5,8 @@ WriteKvCache, PagedAttention, W*A16Linear o, FusedAddRmsNorm, W*A16Linear gate/u
 plugin's AOT kernel -- the one the engine embeds for M = 1 (the GEMMs' tactic 1, which on this GPU is the kernel the
 torch op routes to: ``trt_plugins.specs.linear_kernels``) -- compiled ahead of time and launched through the CUDA driver
 (``trt_plugins.aot.run_aot``, ``kernels.aot.launcher.AotKernel``); the q/k/v slices of the qkv output, which TensorRT
-makes dense for the plugins, are copies. "torch": the same layer through ``export.model.TorchOps``
+makes dense for the plugins, are copies; PagedAttention gets its decode scratch as the engine's ``attn_*`` inputs, and
+its kernel takes its split-KV decode program on this step. "torch": the same layer through ``export.model.TorchOps``
 (``torch.ops.tritrt.*``), the model's own path. Both are captured in CUDA graphs (``harness.bench(cuda_graph=True)``),
 cycling through layer weight sets larger than L2, so the times are device time without host launch overhead, and the
 ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights int4 (g128) and int8. Then each op
@@ -67,8 +68,8 @@ def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, s
 class PluginOps:
     """The ``DecoderOps`` of ``layer_step`` as the engine runs them: each op its plugin's AOT kernel (``run_aot``)."""
 
-    def __init__(self, weights: dict, cos_sin_cache: torch.Tensor):
-        self.w, self.cos_sin_cache = weights, cos_sin_cache
+    def __init__(self, weights: dict, cos_sin_cache: torch.Tensor, attn_scratch: tuple):
+        self.w, self.cos_sin_cache, self.attn_scratch = weights, cos_sin_cache, attn_scratch
 
     @staticmethod
     def _run(op, inputs, attrs=None):
@@ -104,8 +105,8 @@ class PluginOps:
         return caches
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
-        return self._run("PagedAttention", [q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q],
-                         {"scale": float(scale)})[0]
+        return self._run("PagedAttention", [q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q,
+                                             *self.attn_scratch], {"scale": float(scale)})[0]
 
     def swiglu(self, gate_up, intermediate, name):
         return self._run("SwiGLU", [gate_up])[0]
@@ -167,9 +168,11 @@ def weight_bytes(w: dict) -> int:
 
 def run(quant: str, breakdown: bool = True) -> list[dict]:
     from export.model import TorchOps
+    from kernels.paged_attention import paged_attention_scratch
     from kernels.rope import rope_cos_sin_cache
 
     cos_sin = rope_cos_sin_cache(HEAD_DIM, 8192, THETA, device=DEVICE)
+    scratch = paged_attention_scratch(1, HEADS, KV_HEADS, HEAD_DIM, DEVICE)  # the engine's attn_* inputs, bs 1
     first = layer_weights(quant, 0)
     per_set = weight_bytes(first)
     sets = [first] + [layer_weights(quant, s) for s in range(1, max(1, -(-2 * L2_BYTES // per_set)))]
@@ -184,7 +187,7 @@ def run(quant: str, breakdown: bool = True) -> list[dict]:
 
     def step(backend):
         def fn(w, x, residual, caches):
-            ops = PluginOps(w, cos_sin) if backend == "plugin" else TorchOps(w, cos_sin)
+            ops = PluginOps(w, cos_sin, scratch) if backend == "plugin" else TorchOps(w, cos_sin)
             return layer_step(ops, x, residual, batch["positions"], caches, batch["slot_mapping"],
                               batch["block_table"], batch["seq_lens"], batch["cu_seqlens_q"])
         return fn
@@ -201,8 +204,8 @@ def run(quant: str, breakdown: bool = True) -> list[dict]:
                          weight_gbs=per_set / (ms * 1e-3) / 1e9, torch_over_path=times["torch"] / ms,
                          max_abs_diff_vs_torch=diff if b == "plugin" else 0.0))
     if breakdown:  # where the difference is: each op alone (its launch in a graph; no overlap with its neighbours)
-        ops = {b: per_op(lambda w, b=b: PluginOps(w, cos_sin) if b == "plugin" else TorchOps(w, cos_sin), inputs,
-                         batch) for b in ("torch", "plugin")}
+        ops = {b: per_op(lambda w, b=b: PluginOps(w, cos_sin, scratch) if b == "plugin" else TorchOps(w, cos_sin),
+                         inputs, batch) for b in ("torch", "plugin")}
         for (label, t_us), (_, p_us) in zip(ops["torch"], ops["plugin"]):
             rows.append(dict(path="torch", quant=quant, op=label, us=t_us))
             rows.append(dict(path="plugin", quant=quant, op=label, us=p_us,

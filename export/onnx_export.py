@@ -21,9 +21,16 @@ block_table            [num_seqs, max_blocks]       int32    cache block ids of 
 seq_lens               [num_seqs]                   int32    tokens of each sequence after this step
 cu_seqlens_q           [num_seqs_plus_1]            int32    offsets of each sequence's new tokens
 k_cache_{i}, v_cache_{i}  [num_blocks, block_size, Hk, D]  act  the paged cache of layer i
+attn_part_o            [num_seqs, Hq, 16, D]        float32  decode-attention partials (scratch, any contents)
+attn_part_lse          [num_seqs, Hq, 16]           float32  their log-sum-exps (scratch, any contents)
+attn_counter           [num_seqs, Hk]               int32    split counters: zeros (the plugin leaves them zero)
 logits  (output)       [num_seqs, vocab]            float32  logits of each sequence's last new token
 k_cache_out_{i}, v_cache_out_{i} (outputs)          act      the caches with the new tokens written
 =====================  ===========================  =======  =====================================================
+
+The ``attn_*`` scratch (``attention_scratch`` makes it) is the PagedAttention plugin's, threaded through the layers
+as its aliased outputs; the reference flavour takes the same inputs and does not read them, so both flavours have
+one set of feeds.
 
 Run the reference flavour in ONNX Runtime with ``session.disable_quant_qdq=1`` (``export.verify.ort_session``):
 by default ORT fuses ``DequantizeLinear`` + ``MatMul`` into an integer MatMul that also quantizes the activations,
@@ -47,7 +54,7 @@ from onnx import TensorProto
 from .decoder import decoder_forward, missing_weights
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
-from .onnx_ops import OpEmitter
+from .onnx_ops import ATTN_MAX_SPLITS, OpEmitter
 from .quantize import group_size_map
 
 FLAVOURS = ("plugin", "reference")
@@ -106,8 +113,10 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
     cache_shape = ["num_blocks", block_size, hk, d]
     caches = [(g.input(f"k_cache_{i}", act_t, cache_shape), g.input(f"v_cache_{i}", act_t, cache_shape))
               for i in range(c.num_layers)]
+    scratch = tuple(g.input(name, onnx_dtype(dt), list(shape))
+                    for name, (shape, dt) in attention_scratch_shapes(c, "num_seqs").items())
 
-    ops = OnnxOps(em, weights, config, block_size, g.initializer("rope.cos_sin_cache", rope_cache(c)))
+    ops = OnnxOps(em, weights, config, block_size, g.initializer("rope.cos_sin_cache", rope_cache(c)), scratch)
     logits = decoder_forward(ops, c, input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q, None,
                              caches)
     g.op1("Cast", [logits], to=TensorProto.FLOAT, outputs=["logits"])
@@ -119,14 +128,31 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
     return g
 
 
+def attention_scratch_shapes(config, num_seqs) -> dict:
+    """Graph input name -> (shape, torch dtype) of the attention scratch (``num_seqs``: an int, or the dim's name)."""
+    c = config
+    return {"attn_part_o": ((num_seqs, c.num_heads, ATTN_MAX_SPLITS, c.head_dim), torch.float32),
+            "attn_part_lse": ((num_seqs, c.num_heads, ATTN_MAX_SPLITS), torch.float32),
+            "attn_counter": ((num_seqs, c.num_kv_heads), torch.int32)}
+
+
+def attention_scratch(config, num_seqs: int, device) -> dict[str, torch.Tensor]:
+    """The attention scratch feeds for ``num_seqs`` sequences: partials uninitialised, counters zero. A runtime may
+    allocate them once for its largest batch and feed leading slices (the plugin leaves the counters at zero)."""
+    return {name: (torch.zeros if dt == torch.int32 else torch.empty)(shape, dtype=dt, device=device)
+            for name, (shape, dt) in attention_scratch_shapes(config, num_seqs).items()}
+
+
 class OnnxOps:
     """``export.decoder.DecoderOps`` as ONNX nodes: each op through ``OpEmitter`` (a plugin node or its standard-op
     decomposition, by the emitter's flavour); weight names resolved to initializers (each stored once) or, for
     linears, handed to the emitter with the tensor, which stores it in the flavour's layout."""
 
-    def __init__(self, em: OpEmitter, weights: Mapping[str, Any], config, block_size: int, cos_sin: str):
+    def __init__(self, em: OpEmitter, weights: Mapping[str, Any], config, block_size: int, cos_sin: str,
+                 attn_scratch: tuple):
         self.em, self.g, self.w, self.c = em, em.g, weights, config
         self.block_size, self.cos_sin = block_size, cos_sin  # the torch model's RoPE table, stored once
+        self.attn_scratch = attn_scratch  # the graph inputs, then each attention node's aliased outputs
         self._inits: dict[str, str] = {}
 
     def _init(self, name: str) -> str:
@@ -175,8 +201,10 @@ class OnnxOps:
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         c = self.c
-        return self.em.paged_attention(q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q, c.num_heads,
-                                       c.num_kv_heads, c.head_dim, self.block_size, scale, name)
+        out, self.attn_scratch = self.em.paged_attention(q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q,
+                                                         self.attn_scratch, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                         self.block_size, scale, name)
+        return out
 
     def swiglu(self, gate_up, intermediate, name):
         return self.em.swiglu(gate_up, intermediate, name)

@@ -23,6 +23,9 @@ from .onnx_quant import quant_parts
 
 # Attributes on every plugin node that are for TensorRT's ONNX parser, not for the op (CPU runners drop them).
 TRT_PARSER_ATTRS = {"plugin_namespace": PLUGIN_DOMAIN, "plugin_version": "1", "aot": 1}
+# PagedAttention's decode splits at most: the split dimension of the attention scratch inputs
+# (``export.onnx_export.attention_scratch``). kernels.paged_attention.DEFAULT_MAX_SPLITS, without importing Triton.
+ATTN_MAX_SPLITS = 16
 
 
 def _names(items) -> list[str]:
@@ -164,13 +167,18 @@ class OpEmitter:
         return outs[0], outs[1]
 
     def paged_attention(self, q: str, k_cache: str, v_cache: str, block_table: str, seq_lens: str,
-                        cu_seqlens_q: str, num_heads: int, kv_heads: int, head_dim: int, block_size: int,
-                        scale: float, name: str) -> str:
-        """Causal attention of each new token (q [T, Hq, D]) to its sequence's cached tokens; returns [T, Hq, D]."""
+                        cu_seqlens_q: str, scratch: tuple, num_heads: int, kv_heads: int, head_dim: int,
+                        block_size: int, scale: float, name: str) -> tuple:
+        """Causal attention of each new token (q [T, Hq, D]) to its sequence's cached tokens: ([T, Hq, D], the
+        decode scratch (part_o, part_lse, counter) for the next call). The plugin writes the scratch in place and
+        returns it aliased; the decomposition does not use it and hands it on unchanged."""
         if self.plugin:
-            return self.plugin_node("PagedAttention", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+            outs = self.plugin_node("PagedAttention", {"q": q, "k_cache": k_cache, "v_cache": v_cache,
                                                        "block_table": block_table, "seq_lens": seq_lens,
-                                                       "cu_seqlens_q": cu_seqlens_q}, {"scale": float(scale)}, name)[0]
+                                                       "cu_seqlens_q": cu_seqlens_q, "part_o": scratch[0],
+                                                       "part_lse": scratch[1], "counter": scratch[2]},
+                                    {"scale": float(scale), "max_splits": ATTN_MAX_SPLITS}, name)
+            return outs[0], tuple(outs[1:])
         g = self.g
         i64 = TensorProto.INT64
         num_tokens = g.op1("Gather", [g.op1("Shape", [q]), g.const(0)], axis=0)
@@ -206,7 +214,7 @@ class OpEmitter:
         probs = g.op1("Softmax", [masked], axis=-1)
         out = g.op1("MatMul", [probs, v_t])  # [T, Hk, G, D]
         out = g.op1("Reshape", [out, g.const([-1, num_heads, head_dim])])
-        return self._cast(out, self.act_onnx)
+        return self._cast(out, self.act_onnx), scratch
 
     # -- linear layers -------------------------------------------------------------------------------------------------
     def linear(self, x: str, weight, bias: torch.Tensor | None, name: str) -> str:

@@ -128,9 +128,16 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), see
         batch = make_batch(step_lens, cached_lens=[len(t) for t in tokens], block_size=block_size,
                            input_ids=np.concatenate(new), blocks_per_seq=blocks_per_seq, block_offset=1)
         tokens = [np.concatenate([t, n]) for t, n in zip(tokens, new)]
-        feeds.append({**_batch_feed(batch), **caches})
+        feeds.append({**_batch_feed(batch), **caches, **_scratch_feed(config, len(step_lens))})
         sequences.append([t.copy() for t in tokens])
     return feeds, sequences
+
+
+def _scratch_feed(config, num_seqs: int) -> dict:
+    """The attention scratch inputs, zeros (the counters must be; the partials are zeroed so that feeds repeat)."""
+    from .onnx_export import attention_scratch
+
+    return {n: np.zeros(tuple(t.shape), t.numpy().dtype) for n, t in attention_scratch(config, num_seqs, "cpu").items()}
 
 
 def _batch_feed(b) -> dict:
@@ -283,7 +290,8 @@ def _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, v
 
     out, config, dtype = info["out"], info["config"], info["dtype"]
     sess = reference.session
-    cache_dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
+    cache_type = next(i.type for i in sess.get_inputs() if i.name == "k_cache_0")
+    cache_dtype = np.float16 if "float16" in cache_type else np.float32
     names = [o.name for o in sess.get_outputs()]
 
     def prefill_runner(feed):

@@ -45,10 +45,25 @@ def _decode_attention_kernel(
     SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    _decode_attention_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), q_ptr, k_cache_ptr, v_cache_ptr,
+        o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, stride_qt,
+        stride_ot, stride_bt, QK_SCALE, GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, MAX_SPLITS, SPLITS_POW2,
+        PREFETCH_PAGES, MERGE_HEADS)
+
+
+@triton.jit
+def _decode_attention_program(
+    seq, kv_head, split, num_splits, q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr,
+    cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    stride_qt, stride_ot, stride_bt,
+    QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr,
+):
+    """Split ``split`` of ``num_splits`` (<= MAX_SPLITS, the scratch's split dimension) of sequence ``seq``'s KV head
+    ``kv_head``: the kernel's work, callable from another kernel that maps its own program ids onto it
+    (``kernels.paged_attention``)."""
     # The three metadata loads are issued together, before the branch: a load after it would wait for the branch's
     # operands, one more memory round trip on a latency-bound path (bs 1 x 512 tokens is ~10 us of round trips).
     q_row = tl.load(cu_seqlens_q_ptr + seq)

@@ -82,8 +82,22 @@ def _prefill_attention_kernel(
     PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
 ):
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    _prefill_attention_program(
+        tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr,
+        seq_lens_ptr, block_table_ptr, num_seqs, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt, QK_SCALE, GROUP,
+        NUM_KV_HEADS, HEAD_DIM, PAGED, PAGE, CAUSAL, BLOCK_M, BLOCK_N, SEQ_CHUNK)
+
+
+@triton.jit
+def _prefill_attention_program(
+    pid, head, q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
+    num_seqs, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt,
+    QK_SCALE: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
+):
+    """Tile ``pid`` (in reverse launch order) of query head ``head``: the kernel's work, callable from another
+    kernel that maps its own program ids onto it (``kernels.paged_attention``)."""
     kv_head = head // GROUP
 
     # Which sequence owns tile id `pid`: the last i with cu[i] // BLOCK_M + i <= pid (starts strictly increase).

@@ -169,7 +169,7 @@ def _classes(trt):
             pass
 
         def get_workspace_size(self, inp, out):
-            return 0  # scratch is an explicit graph input (PagedDecodeAttention)
+            return 0  # scratch is an explicit graph input (PagedAttention's decode partials and counters)
 
         def attach_to_context(self, context):
             return self.clone()

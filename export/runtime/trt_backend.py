@@ -4,8 +4,9 @@ Written against the documented TensorRT >= 10.9 Python API (``Runtime.deserializ
 ``set_input_shape`` / ``set_tensor_address`` / ``execute_async_v3``); TensorRT is imported only when a backend is
 constructed, with a clear error when it is missing. The feeds are exactly the ONNX graph I/O of
 ``export.onnx_export``: ``input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q, k_cache_{i},
-v_cache_{i}`` in, ``logits`` (fp32) and ``k_cache_out_{i}, v_cache_out_{i}`` out. The cache outputs alias their
-inputs in the plugin flavour (the WriteKvCache plugin writes in place), so they are bound to the same memory.
+v_cache_{i}, attn_part_o, attn_part_lse, attn_counter`` in, ``logits`` (fp32) and ``k_cache_out_{i},
+v_cache_out_{i}`` out. The cache outputs alias their inputs in the plugin flavour (the WriteKvCache plugin writes in
+place), so they are bound to the same memory.
 
 Decode steps are padded to batch-size buckets (``pad_decode_batch``) and captured in CUDA graphs, one execution
 context per bucket so that each context's shapes never change after capture; prefill runs on its own context.
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from export.batch import TENSOR_FIELDS, Batch
+from export.onnx_export import attention_scratch
 
 from .backends import DEFAULT_GRAPH_BATCH_SIZES, copy_batch_, pad_decode_batch
 
@@ -39,14 +41,20 @@ def import_tensorrt():
     return trt
 
 
-def engine_feeds(batch: Batch, kv_cache) -> dict[str, torch.Tensor]:
-    """Input name -> tensor, exactly the engine's (= the ONNX graph's) inputs, contiguous and in the graph dtypes."""
+def engine_feeds(batch: Batch, kv_cache, attn_scratch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Input name -> tensor, exactly the engine's (= the ONNX graph's) inputs, contiguous and in the graph dtypes.
+    ``attn_scratch``: ``export.onnx_export.attention_scratch`` for at least ``batch.num_seqs`` sequences (leading
+    slices are fed)."""
     feeds = {f: getattr(batch, f).contiguous() for f in TENSOR_FIELDS}
     for f, dt in zip(TENSOR_FIELDS, (torch.int64, torch.int64) + (torch.int32,) * 4):
         if feeds[f].dtype != dt:
             raise ValueError(f"batch.{f} is {feeds[f].dtype}; the engine takes {dt}")
     for i, (k, v) in enumerate(kv_cache):
         feeds[f"k_cache_{i}"], feeds[f"v_cache_{i}"] = k, v
+    for name, t in attn_scratch.items():
+        if t.shape[0] < batch.num_seqs:
+            raise ValueError(f"{name} holds {t.shape[0]} sequences, the batch has {batch.num_seqs}")
+        feeds[name] = t[:batch.num_seqs]
     return feeds
 
 
@@ -108,6 +116,9 @@ class TrtBackend:
         self.kv_cache = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                           torch.zeros(shape, dtype=kv_dtype, device=self.device))
                          for _ in range(self.config.num_layers)]
+        # PagedAttention's decode scratch, shared by every context (they run in turn on one stream); counters zeroed
+        # once here, left at zero by the plugin.
+        self.attn_scratch = attention_scratch(self.config, self.max_num_seqs, self.device)
         self._eager = self.engine.create_execution_context()
         self.cuda_graphs = cuda_graphs
         self.graph_batch_sizes = tuple(b for b in sorted(graph_batch_sizes) if b <= self.max_num_seqs)
@@ -134,7 +145,7 @@ class TrtBackend:
         if self.cuda_graphs and batch.max_seqlen_q == 1 and self.graph_batch_sizes \
                 and batch.num_seqs <= self.graph_batch_sizes[-1]:
             return self._decode_graph(batch)
-        feeds = engine_feeds(batch.to(self.device), self.kv_cache)
+        feeds = engine_feeds(batch.to(self.device), self.kv_cache, self.attn_scratch)
         logits = torch.empty(batch.num_seqs, self.vocab_size, dtype=torch.float32, device=self.device)
         self._bind(self._eager, feeds, logits)
         self._execute(self._eager)
@@ -148,7 +159,7 @@ class TrtBackend:
             static.slot_mapping.fill_(-1)  # the warm-up and capture runs must not write the cache
             context = self.engine.create_execution_context()
             logits = torch.empty(bs, self.vocab_size, dtype=torch.float32, device=self.device)
-            self._bind(context, engine_feeds(static, self.kv_cache), logits)
+            self._bind(context, engine_feeds(static, self.kv_cache, self.attn_scratch), logits)
             self._execute(context)  # TensorRT's rule: one run after the shapes are set, before capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -15,7 +15,7 @@ from export.runtime.trt_backend import TrtBackend, check_profile, engine_feeds
 def test_feeds_drive_the_exported_graph_like_the_torch_backend(tiny_dir, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     from export.model import LlamaModel, make_batch
-    from export.onnx_export import export_onnx
+    from export.onnx_export import attention_scratch, export_onnx
 
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
     block_size = 4
@@ -26,11 +26,13 @@ def test_feeds_drive_the_exported_graph_like_the_torch_backend(tiny_dir, tmp_pat
     batch = make_batch([7, 1, 5], block_size=block_size, input_ids=torch.randint(0, 300, (13,)))
     nb = backend.num_blocks
     ort_cache = [(np.zeros_like(k.numpy()), np.zeros_like(v.numpy())) for k, v in backend.kv_cache]
+    scratch = attention_scratch(model.config, 4, "cpu")  # a runtime's buffers, for more sequences than fed
     for step in range(2):
-        feeds = engine_feeds(batch, ort_cache)
+        feeds = engine_feeds(batch, ort_cache, scratch)
         assert set(feeds) == {i.name for i in sess.get_inputs()}, "feeds differ from the graph's inputs"
         for i in sess.get_inputs():
             assert len(i.shape) == feeds[i.name].ndim, i.name
+        assert all(feeds[n].shape[0] == batch.num_seqs for n in scratch), "scratch fed for num_seqs sequences"
         np_feeds = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in feeds.items()}
         outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, np_feeds)))
         want = backend.forward(batch)

@@ -12,18 +12,30 @@ def _t(shape, dtype, device, scale=1.0):
     return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)
 
 
-def _paged_batch(q_lens, ctx_lens, page, num_blocks, device):
-    """block_table / seq_lens / cu_seqlens_q for sequences whose new q_len tokens follow ctx tokens; random blocks."""
+def _paged_batch(q_lens, ctx_lens, page, num_blocks, device, width=0):
+    """block_table / seq_lens / cu_seqlens_q for sequences whose new q_len tokens follow ctx tokens; random blocks;
+    the table at least ``width`` blocks wide."""
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
-    width = max(-(-s // page) for s in seq_lens)
+    width = max([width] + [-(-s // page) for s in seq_lens])
     perm = torch.randperm(num_blocks)[: width * len(q_lens)].reshape(len(q_lens), width)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     return (perm.to(torch.int32).to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
             cu.to(device))
 
 
+# (op, variant) of every case: one per op, and PagedAttention's decode steps as a second case.
+CASES = ("FusedAddRmsNorm", "PagedAttention", "PagedAttention:decode", "RmsNorm", "Rope", "SwiGLU", "W4A16Linear",
+         "W8A16Linear", "WriteKvCache")
+
+
+# Outputs whose contents are unspecified (PagedAttention's decode partials): compared nowhere. Its counter_out is
+# compared: zeros in, zeros out.
+SCRATCH_OUTPUTS = ("part_o_out", "part_lse_out")
+
+
 def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
-    """(inputs, attrs) for plugin ``op``."""
+    """(inputs, attrs) for plugin ``op``, or for a case of ``CASES`` (``"PagedAttention:decode"``)."""
+    op, _, variant = op.partition(":")
     big = size == LARGE
     if op in ("RmsNorm", "FusedAddRmsNorm"):
         t, h = (123, 4096) if big else (7, 123)
@@ -46,26 +58,25 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         slots[1] = -1  # a padded token: skipped
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         return [_t((t, hk, d), dtype, device), _t((t, hk, d), dtype, device), kc, vc, slots.to(device)], {}
-    if op in ("PagedAttention", "PagedDecodeAttention"):
+    if op == "PagedAttention":
+        from kernels.paged_attention import DEFAULT_MAX_SPLITS
+        from trt_plugins.specs.paged_attention import scratch_shapes
+
         hq, hk, d, page, nb = (32, 8, 128, 16, 256) if big else (4, 2, 16, 4, 32)
-        if op == "PagedAttention":
+        if variant == "decode":  # one new token per sequence (one with none): the kernel's split-KV decode program
+            q_lens, ctx = ([1, 1, 0, 1, 1], [1000, 17, 40, 2500, 333]) if big else ([1, 0, 1], [9, 3, 22])
+        else:  # a prefill, a decode token and a chunk in one step: the flash-prefill program
             q_lens, ctx = ([123, 1, 300], [0, 517, 77]) if big else ([7, 1, 3], [0, 9, 5])
-        else:
-            q_lens, ctx = ([1] * 5, [1000, 17, 1, 2500, 333]) if big else ([1] * 3, [9, 0, 22])
-        width = max(-(-(q + c) // page) for q, c in zip(q_lens, ctx))
+        # Small: a table wide enough (64 blocks of 4 tokens) that decode splits (>= 128 tokens of width each).
+        width = max(max(-(-(q + c) // page) for q, c in zip(q_lens, ctx)), 0 if big else 64)
         nb = max(nb, width * len(q_lens))  # distinct blocks for every sequence's table row
-        bt, sl, cu = _paged_batch(q_lens, ctx, page, nb, device)
+        bt, sl, cu = _paged_batch(q_lens, ctx, page, nb, device, width)
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         ins = [_t((sum(q_lens), hq, d), dtype, device), kc, vc, bt, sl, cu]
-        attrs = {"scale": 0.0}
-        if op == "PagedDecodeAttention":
-            from kernels.decode_attention import MAX_SPLITS
-
-            s = len(q_lens)
-            ins += [torch.empty((s, hq, MAX_SPLITS, d), device=device), torch.empty((s, hq, MAX_SPLITS), device=device),
-                    torch.zeros((s, hk), dtype=torch.int32, device=device)]
-            attrs["num_splits"] = 4
-        return ins, attrs
+        for n, (shape, dt) in scratch_shapes(len(q_lens), hq, hk, d, DEFAULT_MAX_SPLITS).items():
+            ins.append(torch.zeros(shape, dtype=getattr(torch, {"fp32": "float32", "int32": "int32"}[dt]),
+                                   device=device))
+        return ins, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS}
     if op in ("W8A16Linear", "W4A16Linear"):
         from kernels.quant import quantize_int4, quantize_int8
 
@@ -105,12 +116,12 @@ def fp32_reference(op, ins, attrs):
         kc, vc = kc.clone(), vc.clone()
         write_kv_cache_ref(k, v, kc, vc, slots)
         return [kc, vc]
-    if op in ("PagedAttention", "PagedDecodeAttention"):
+    if op.startswith("PagedAttention"):
         from kernels.attention_ref import paged_attention_ref
 
         q, kc, vc, bt, sl, cu = ins[:6]
         max_q = int((cu[1:] - cu[:-1]).max())
-        return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, q.shape[2] ** -0.5)]
+        return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, q.shape[2] ** -0.5), *ins[6:]]
     if op == "W8A16Linear":
         from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 
@@ -148,15 +159,11 @@ def jit_run(op, ins, attrs):
 
         write_kv_cache(*ins)
         return [ins[2], ins[3]]
-    if op == "PagedAttention":
-        from kernels.prefill_attention import paged_prefill_attention
+    if op.startswith("PagedAttention"):
+        from kernels.paged_attention import paged_attention_one_launch
 
-        return [paged_prefill_attention(*ins, scale=ins[0].shape[2] ** -0.5)]
-    if op == "PagedDecodeAttention":
-        from kernels.decode_attention import decode_attention
-
-        return [decode_attention(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
-                                 num_splits=attrs["num_splits"])]
+        return [paged_attention_one_launch(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
+                                           max_splits=attrs["max_splits"]), *ins[6:]]
     if op == "W8A16Linear":
         from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
 

@@ -140,7 +140,9 @@ def test_registry_contract_for_the_exporter():
     ("Rope", lambda s, d, a: s.update(cos_sin_cache=(4096, 130)), "even R <= head_dim"),
     ("WriteKvCache", lambda s, d, a: s.update(slot_mapping=(2,)), "slot_mapping must be"),
     ("PagedAttention", lambda s, d, a: s.update(cu_seqlens_q=(5,)), "cu_seqlens_q must be"),
-    ("PagedDecodeAttention", lambda s, d, a: a.update(num_splits=65), "num_splits must be"),
+    ("PagedAttention", lambda s, d, a: a.update(max_splits=65), "max_splits must be"),
+    ("PagedAttention", lambda s, d, a: s.update(counter=(2, 8)), "counter must be"),
+    ("PagedAttention", lambda s, d, a: d.update(part_o="fp16"), "part_o must be"),
     ("W8A16Linear", lambda s, d, a: a.update(m_hint=3), "m_hint must be one of"),
     ("W4A16Linear", lambda s, d, a: a.update(group_size=96), "multiple of group_size"),
 ])

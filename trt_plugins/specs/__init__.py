@@ -19,9 +19,10 @@ The plugin set (each is one kernel launch; T = packed tokens, the only dynamic d
 - ``WriteKvCache(k[T,Hk,D], v, k_cache[NB,BS,Hk,D], v_cache, slot_mapping[T] int32) -> k_cache_out, v_cache_out``,
   the outputs aliasing k_cache / v_cache (written in place; slot < 0 skipped).
 - ``PagedAttention(q[T,Hq,D], k_cache, v_cache, block_table[S,B] int32, seq_lens[S] int32, cu_seqlens_q[S+1]
-  int32) -> out[T,Hq,D]``; attr ``scale`` (0: 1/sqrt(D)). Causal; prefill, chunked prefill and decode (S dynamic).
-- ``PagedDecodeAttention(..the same.., part_o[S,Hq,64,D] fp32, part_lse[S,Hq,64] fp32, counter[S,Hk] int32 zeros)
-  -> out``; attrs ``scale``, ``num_splits``: split-KV decode, the scratch an explicit graph input.
+  int32, part_o[S,Hq,max_splits,D] fp32, part_lse[S,Hq,max_splits] fp32, counter[S,Hk] int32 zeros) -> out[T,Hq,D],
+  part_o_out, part_lse_out, counter_out`` (the scratch, aliased: written in place); attrs ``scale`` (0: 1/sqrt(D)),
+  ``max_splits``. Causal; prefill, chunked prefill and decode (S dynamic), the kernel choosing split-KV decode on the
+  device when no sequence has more than one new token.
 - ``W8A16Linear(x[M,K], qweight[K,N] int8, scales[N]) -> y[M,N]``; attr ``m_hint`` (tiles; autotune tactic).
 - ``W4A16Linear(x[M,K], qweight[K/8,N] int32, scales[K/g,N], zeros[K/g,N] int8) -> y[M,N]``; attrs
   ``group_size``, ``m_hint``.
@@ -49,15 +50,14 @@ from __future__ import annotations
 from ._base import (Attr, OutputSpec, PluginSpec, Sample, Specialisation, TensorSpec, cdiv, dtype_name,  # noqa: F401
                     torch_dtype)
 from .linear import W4A16_LINEAR, W8A16_LINEAR
-from .paged_attention import PAGED_ATTENTION, PAGED_DECODE_ATTENTION
+from .paged_attention import PAGED_ATTENTION
 from .rms_norm import FUSED_ADD_RMS_NORM, RMS_NORM
 from .rope import ROPE
 from .swiglu import SWIGLU
 from .write_kv_cache import WRITE_KV_CACHE
 
 SPECS: dict[str, PluginSpec] = {s.op_type: s for s in (
-    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, PAGED_ATTENTION, PAGED_DECODE_ATTENTION, W8A16_LINEAR,
-    W4A16_LINEAR)}
+    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, PAGED_ATTENTION, W8A16_LINEAR, W4A16_LINEAR)}
 
 
 def get_spec(op_type: str) -> PluginSpec:

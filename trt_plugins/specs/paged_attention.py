@@ -1,11 +1,16 @@
-"""PagedAttention (prefill, chunked prefill and decode in one kernel) and PagedDecodeAttention (split-KV decode).
+"""PagedAttention: prefill, chunked prefill and decode in one kernel (``kernels.paged_attention``).
 
-PagedAttention runs ``kernels.prefill_attention._prefill_attention_kernel`` in its paged, causal form: sequence i's
-``q_len_i`` new tokens are the last of its ``seq_lens[i]`` tokens, already written to the cache. It is correct for
-any mix of prefill and decode, so one engine graph serves both. PagedDecodeAttention runs the split-KV decode kernel
-(``kernels.decode_attention``), faster when every sequence has one new token; its scratch (partials, LSEs and
-zero-initialised counters, ``kernels.decode_attention.decode_scratch_shapes``) is an explicit input, and
-``num_splits`` is an attribute because the kernel's own heuristic depends on the batch size, a dynamic dim.
+One engine graph serves every step, and a plugin runs one kernel, so the kernel chooses on the device: when every
+sequence has at most one new token it runs the split-KV decode program (``kernels.decode_attention``, what the torch
+op runs for decode), otherwise the paged flash-prefill program (``kernels.prefill_attention``). Sequence i's
+``q_len_i`` new tokens are the last of its ``seq_lens[i]`` tokens, already written to the cache.
+
+The decode program's scratch is explicit: ``part_o [S, Hq, max_splits, D]`` and ``part_lse [S, Hq, max_splits]``
+fp32 (any contents) and ``counter [S, Hk]`` int32, zeros, which the kernel leaves at zero. They are inputs with
+aliased outputs (written in place, like the KV cache), so an engine threads one set through its layers: the graph
+inputs ``attn_part_o`` / ``attn_part_lse`` / ``attn_counter`` of ``export.onnx_export``, the counter zeroed once by
+the runtime. ``max_splits`` caps the decode splits (the torch path's choice, ``decode_num_splits``, from S and the
+block table's width) and sizes the scratch.
 """
 
 from __future__ import annotations
@@ -13,15 +18,18 @@ from __future__ import annotations
 from ._base import Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
 
 _HALF = ("bf16", "fp16")
-_SCALE = Attr(float, 0.0, "softmax scale baked into the kernel; 0 means 1/sqrt(head_dim)")
+SCRATCH = ("part_o", "part_lse", "counter")
 
 
-def _scale(shapes, attrs):
-    return attrs["scale"] or shapes["q"][2] ** -0.5
+def scratch_shapes(num_seqs, num_q_heads: int, num_kv_heads: int, head_dim: int, max_splits: int) -> dict:
+    """Name -> (shape, dtype name) of PagedAttention's scratch inputs (``num_seqs`` may be a dim name)."""
+    return {"part_o": ((num_seqs, num_q_heads, max_splits, head_dim), "fp32"),
+            "part_lse": ((num_seqs, num_q_heads, max_splits), "fp32"),
+            "counter": ((num_seqs, num_kv_heads), "int32")}
 
 
 def _check(shapes, dtypes, attrs):
-    op = "PagedDecodeAttention" if "counter" in shapes else "PagedAttention"
+    op = "PagedAttention"
     t, hq, d = shapes["q"]
     nb, page, hk, dk = shapes["k_cache"]
     require(dk == d and tuple(shapes["v_cache"]) == tuple(shapes["k_cache"]), op,
@@ -33,131 +41,97 @@ def _check(shapes, dtypes, attrs):
     s = shapes["seq_lens"][0]
     require(tuple(shapes["cu_seqlens_q"]) == (s + 1,) and shapes["block_table"][0] == s, op,
             f"cu_seqlens_q must be [S+1] and block_table [S, B] for S={s} sequences")
+    if attrs is not None:
+        splits = attrs["max_splits"]
+        require(1 <= splits <= 64, op, f"max_splits must be in 1..64, got {splits}")
+        for n, (shp, dt) in scratch_shapes(s, hq, hk, d, splits).items():
+            require(tuple(shapes[n]) == shp and dtypes[n] == dt, op,
+                    f"{n} must be {dt} {shp} (trt_plugins.specs.paged_attention.scratch_shapes with max_splits="
+                    f"{splits}), got {dtypes[n]} {tuple(shapes[n])}")
 
 
 def _ref(inputs, attrs):
     from kernels.attention_ref import paged_attention_ref
 
-    q, kc, vc, bt, sl, cu = inputs[:6]
+    q, kc, vc, bt, sl, cu, part_o, part_lse, counter = inputs
     max_q = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     scale = attrs["scale"] or q.shape[2] ** -0.5
-    return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, scale)]
+    return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, scale), part_o, part_lse, counter]
 
 
-def _prefill_kernel():
-    from kernels.prefill_attention import _prefill_attention_kernel
+def _kernel():
+    from kernels.paged_attention import _paged_attention_kernel
 
-    return _prefill_attention_kernel
+    return _paged_attention_kernel
 
 
-def _prefill_launch(shapes, dtypes, attrs):
-    from kernels.prefill_attention import prefill_attention_launch_config
+def _launch(shapes, dtypes, attrs):
+    from kernels.paged_attention import paged_attention_launch_config
 
     t, hq, d = shapes["q"]
     _, page, hk, _ = shapes["k_cache"]
-    return prefill_attention_launch_config(t, shapes["seq_lens"][0], hq, hk, d, _scale(shapes, attrs), True,
-                                           paged=True, block_size=page)
+    return paged_attention_launch_config(t, shapes["seq_lens"][0], hq, hk, d, page,
+                                         attrs["scale"] or d ** -0.5, attrs["max_splits"])
 
 
-_INPUTS = (TensorSpec("q", _HALF, 3), TensorSpec("k_cache", _HALF, 4), TensorSpec("v_cache", _HALF, 4),
-           TensorSpec("block_table", ("int32",), 2), TensorSpec("seq_lens", ("int32",), 1),
-           TensorSpec("cu_seqlens_q", ("int32",), 1))
-_OUT = (OutputSpec("out", lambda s, a: tuple(s["q"]), lambda d, a: d["q"]),)
-_STATIC = (("q", 1), ("q", 2), ("k_cache", 1), ("k_cache", 2), ("k_cache", 3), ("v_cache", 1), ("v_cache", 2),
-           ("v_cache", 3))
+def _grid(shapes, attrs, constexprs):
+    from kernels.paged_attention import paged_attention_grid
+
+    _, hq, d = shapes["q"]
+    return paged_attention_grid(shapes["q"][0], shapes["seq_lens"][0], hq, shapes["k_cache"][2], d, cdiv=cdiv)
 
 
-def _samples(decode):
+def _samples():
+    from kernels.paged_attention import DEFAULT_MAX_SPLITS
+
     out = []
     for hq, hk, d, page, note in ((32, 8, 128, 16, "Llama-3-8B"), (32, 32, 128, 16, "Llama-2-7B"),
                                   (4, 2, 16, 4, "tiny test model")):
         for dt in _HALF:
+            scratch = scratch_shapes(1, hq, hk, d, DEFAULT_MAX_SPLITS)
             shapes = {"q": (1, hq, d), "k_cache": (64, page, hk, d), "v_cache": (64, page, hk, d),
-                      "block_table": (1, 8), "seq_lens": (1,), "cu_seqlens_q": (2,)}
+                      "block_table": (1, 8), "seq_lens": (1,), "cu_seqlens_q": (2,),
+                      **{n: shp for n, (shp, _) in scratch.items()}}
             dtypes = {"q": dt, "k_cache": dt, "v_cache": dt, "block_table": "int32", "seq_lens": "int32",
-                      "cu_seqlens_q": "int32"}
-            if decode:
-                shapes.update(part_o=(1, hq, 64, d), part_lse=(1, hq, 64), counter=(1, hk))
-                dtypes.update(part_o="fp32", part_lse="fp32", counter="int32")
-            out.append(Sample(shapes, dtypes, {"scale": 0.0}, note))
+                      "cu_seqlens_q": "int32", **{n: dt_ for n, (_, dt_) in scratch.items()}}
+            out.append(Sample(shapes, dtypes, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS}, note))
     return tuple(out)
 
+
+_SAME = lambda name: (lambda s, a: tuple(s[name]))  # noqa: E731
+_DTYPE = lambda name: (lambda d, a: d[name])  # noqa: E731
 
 PAGED_ATTENTION = PluginSpec(
     op_type="PagedAttention",
     doc="Causal attention of each sequence's new tokens q [T, Hq, D] over its paged K/V cache; block_table [S, B], "
-        "seq_lens [S] (cached + new tokens), cu_seqlens_q [S+1] (offsets of the new tokens) -> out [T, Hq, D].",
-    input_specs=_INPUTS,
-    output_specs=_OUT,
-    attrs={"scale": _SCALE},
-    kernel=_prefill_kernel,
-    launch=_prefill_launch,
-    kernel_args={"q_ptr": "q", "k_ptr": "k_cache", "v_ptr": "v_cache", "o_ptr": "out",
-                 "cu_seqlens_q_ptr": "cu_seqlens_q",
-                 "seq_lens_ptr": "seq_lens", "block_table_ptr": "block_table", "num_seqs": "num_seqs",
-                 "stride_qt": "q_stride", "stride_kt": "zero", "stride_vt": "zero", "stride_ot": "q_stride",
-                 "stride_bt": "bt_stride"},
-    scalars={"num_seqs": lambda s, a: s["seq_lens"][0], "q_stride": lambda s, a: s["q"][1] * s["q"][2],
-             "zero": lambda s, a: 0, "bt_stride": lambda s, a: s["block_table"][1]},
-    grid=lambda s, a, c: (cdiv(s["q"][0], c["BLOCK_M"]) + s["seq_lens"][0], s["q"][1]),
-    static_dims=_STATIC,
-    reference=_ref,
-    samples=_samples(False),
-    div16=lambda s, d, a: ("q", "k_cache", "v_cache", "out", "q_stride") if s["q"][1] * s["q"][2] % 16 == 0
-    else ("q", "k_cache", "v_cache", "out"),
-    check=_check,
-)
-
-
-def _decode_kernel():
-    from kernels.decode_attention import _decode_attention_kernel
-
-    return _decode_attention_kernel
-
-
-def _decode_launch(shapes, dtypes, attrs):
-    from kernels.decode_attention import decode_attention_launch_config
-
-    t, hq, d = shapes["q"]
-    _, page, hk, _ = shapes["k_cache"]
-    return decode_attention_launch_config(shapes["seq_lens"][0], hq, hk, d, page, shapes["block_table"][1],
-                                          _scale(shapes, attrs), num_splits=attrs["num_splits"])
-
-
-def _decode_check(shapes, dtypes, attrs):
-    _check(shapes, dtypes, attrs)
-    from kernels.decode_attention import MAX_SPLITS
-
-    s, (_, hq, d), hk = shapes["seq_lens"][0], shapes["q"], shapes["k_cache"][2]
-    want = {"part_o": (s, hq, MAX_SPLITS, d), "part_lse": (s, hq, MAX_SPLITS), "counter": (s, hk)}
-    for n, shp in want.items():
-        require(tuple(shapes[n]) == shp, "PagedDecodeAttention", f"{n} must be {shp} "
-                "(kernels.decode_attention.decode_scratch_shapes), got " + str(tuple(shapes[n])))
-    if attrs is not None:
-        require(1 <= attrs["num_splits"] <= MAX_SPLITS, "PagedDecodeAttention",
-                f"num_splits must be in 1..{MAX_SPLITS}, got {attrs['num_splits']}")
-
-
-PAGED_DECODE_ATTENTION = PluginSpec(
-    op_type="PagedDecodeAttention",
-    doc="PagedAttention for steps where every sequence has at most one new token, split-KV; scratch part_o "
-        "[S, Hq, 64, D] fp32, part_lse [S, Hq, 64] fp32, counter [S, Hk] int32 (zeros; the kernel leaves them zero).",
-    input_specs=_INPUTS + (TensorSpec("part_o", ("fp32",), 4), TensorSpec("part_lse", ("fp32",), 3),
-                           TensorSpec("counter", ("int32",), 2)),
-    output_specs=_OUT,
-    attrs={"scale": _SCALE, "num_splits": Attr(int, 4, "KV splits per (sequence, KV head), 1..64")},
-    kernel=_decode_kernel,
-    launch=_decode_launch,
+        "seq_lens [S] (cached + new tokens), cu_seqlens_q [S+1] (offsets of the new tokens) -> out [T, Hq, D]; "
+        "decode scratch part_o [S, Hq, max_splits, D] fp32, part_lse [S, Hq, max_splits] fp32, counter [S, Hk] "
+        "int32 (zeros, left at zero), written in place and returned aliased.",
+    input_specs=(TensorSpec("q", _HALF, 3), TensorSpec("k_cache", _HALF, 4), TensorSpec("v_cache", _HALF, 4),
+                 TensorSpec("block_table", ("int32",), 2), TensorSpec("seq_lens", ("int32",), 1),
+                 TensorSpec("cu_seqlens_q", ("int32",), 1), TensorSpec("part_o", ("fp32",), 4),
+                 TensorSpec("part_lse", ("fp32",), 3), TensorSpec("counter", ("int32",), 2)),
+    output_specs=(OutputSpec("out", _SAME("q"), _DTYPE("q")),
+                  *(OutputSpec(f"{n}_out", _SAME(n), _DTYPE(n), alias=n) for n in SCRATCH)),
+    attrs={"scale": Attr(float, 0.0, "softmax scale baked into the kernel; 0 means 1/sqrt(head_dim)"),
+           "max_splits": Attr(int, 16, "decode KV splits at most (1..64): the scratch's split dimension")},
+    kernel=_kernel,
+    launch=_launch,
+    # The kernel writes the scratch through the aliased outputs' pointers (TensorRT gives them the inputs' addresses).
     kernel_args={"q_ptr": "q", "k_cache_ptr": "k_cache", "v_cache_ptr": "v_cache", "o_ptr": "out",
                  "block_table_ptr": "block_table", "seq_lens_ptr": "seq_lens", "cu_seqlens_q_ptr": "cu_seqlens_q",
-                 "part_o_ptr": "part_o", "part_lse_ptr": "part_lse", "counter_ptr": "counter",
-                 "stride_qt": "q_stride", "stride_ot": "q_stride", "stride_bt": "bt_stride"},
-    scalars={"q_stride": lambda s, a: s["q"][1] * s["q"][2], "bt_stride": lambda s, a: s["block_table"][1]},
-    grid=lambda s, a, c: (s["seq_lens"][0], s["k_cache"][2], a["num_splits"]),
-    static_dims=_STATIC,
+                 "part_o_ptr": "part_o_out", "part_lse_ptr": "part_lse_out", "counter_ptr": "counter_out",
+                 "num_tokens": "num_tokens", "num_seqs": "num_seqs", "stride_qt": "q_stride", "stride_ot": "q_stride",
+                 "stride_bt": "bt_stride"},
+    scalars={"num_tokens": lambda s, a: s["q"][0], "num_seqs": lambda s, a: s["seq_lens"][0],
+             "q_stride": lambda s, a: s["q"][1] * s["q"][2], "bt_stride": lambda s, a: s["block_table"][1]},
+    grid=_grid,
+    static_dims=(("q", 1), ("q", 2), ("k_cache", 1), ("k_cache", 2), ("k_cache", 3), ("v_cache", 1), ("v_cache", 2),
+                 ("v_cache", 3), ("part_o", 1), ("part_o", 2), ("part_o", 3), ("part_lse", 1), ("part_lse", 2),
+                 ("counter", 1)),
     reference=_ref,
-    samples=tuple(Sample(x.shapes, x.dtypes, {"scale": 0.0, "num_splits": 4}, x.note) for x in _samples(True)),
-    div16=lambda s, d, a: ("q", "k_cache", "v_cache", "out", "part_o", "q_stride") if s["q"][1] * s["q"][2] % 16 == 0
-    else ("q", "k_cache", "v_cache", "out"),
-    check=_decode_check,
+    samples=_samples(),
+    div16=lambda s, d, a: ("q", "k_cache", "v_cache", "out", "part_o_out", "q_stride")
+    if s["q"][1] * s["q"][2] % 16 == 0 else ("q", "k_cache", "v_cache", "out"),
+    check=_check,
 )

@@ -1,0 +1,134 @@
+"""Paged attention in one launch for any step: the kernel an engine embeds, which cannot choose a kernel per step.
+
+The torch op (``kernels.ops.attention``) picks the decode kernel or the prefill kernel on the host from
+``max_seqlen_q``. A TensorRT engine has one graph for prefill and decode and a plugin has one kernel per tactic, so
+this kernel makes the same choice on the device: when every sequence has at most one new token (``T <= S`` and no
+``q_len > 1``; one load of ``cu_seqlens_q``, only when ``T <= S``) its programs run the split-KV decode program of
+``kernels.decode_attention``; otherwise the flash prefill program of ``kernels.prefill_attention``. Both are the torch
+path's own code (called, not copied); only the program-id mapping is this file's.
+
+Grid (AOT rule: shapes only): ``(cdiv(T, BLOCK_M) + 2 * S + cdiv(TARGET_PROGRAMS, Hk), Hq)``. Prefill uses the first
+``cdiv(T, BLOCK_M) + S`` columns exactly as the prefill kernel does; the rest exit. Decode uses ``S * splits`` columns
+(split fastest) and the first ``Hk`` rows, where ``splits`` is ``decode_num_splits``'s choice, computed in the kernel
+from ``S`` and the block table's width (its row stride: the width of a contiguous table), then capped at
+``MAX_SPLITS`` (the scratch's split dimension): the torch path makes the same choice, so both run the same splits
+unless the cap binds. ``S * splits <= S + TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them.
+
+Launch parameters are the prefill kernel's (8 warps, 3 stages at D = 128): a decode program runs with them too, so its
+speed is measured separately from the torch path's decode kernel (``benchmarks/bench_plugin_layer.py``).
+
+Scratch (decode only): ``part_o [S, Hq, MAX_SPLITS, D]`` and ``part_lse [S, Hq, MAX_SPLITS]`` fp32, anything;
+``counter [S, Hk]`` int32, zero before the launch and left at zero after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import LaunchConfig
+from ._utils import check_device
+from .decode_attention import MERGE_TILE, MIN_SPLIT_TOKENS, TARGET_PROGRAMS, _decode_attention_program
+from .prefill_attention import LOG2E, _prefill_attention_program, _tile_config
+
+DEFAULT_MAX_SPLITS = 16  # the cap an engine's scratch is sized for: bs 1 up to 2k tokens of context runs uncapped
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    part_o_ptr, part_lse_ptr, counter_ptr,
+    num_tokens, num_seqs, stride_qt, stride_ot, stride_bt,
+    QK_SCALE: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
+    BLOCK_G: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    MERGE_HEADS: tl.constexpr, TARGET: tl.constexpr, MIN_SPLIT: tl.constexpr,
+):
+    x = tl.program_id(0)
+    y = tl.program_id(1)
+    decode = num_tokens <= num_seqs
+    if decode:  # T <= S holds for a decode step; it is one only if no sequence has two or more new tokens
+        most = 0
+        for s0 in range(0, num_seqs, SEQ_CHUNK):
+            offs = s0 + tl.arange(0, SEQ_CHUNK)
+            smask = offs < num_seqs
+            lo = tl.load(cu_seqlens_q_ptr + offs, mask=smask, other=0)
+            hi = tl.load(cu_seqlens_q_ptr + offs + 1, mask=smask, other=0)
+            most = tl.maximum(most, tl.max(hi - lo, 0))
+        decode = most <= 1
+    if decode:
+        # decode_num_splits(S, Hk, width * PAGE), capped at the scratch's MAX_SPLITS.
+        want = tl.cdiv(TARGET, tl.maximum(num_seqs * NUM_KV_HEADS, 1))
+        fits = tl.maximum((stride_bt * PAGE) // MIN_SPLIT, 1)
+        splits = tl.maximum(tl.minimum(tl.minimum(want, fits), MAX_SPLITS), 1)
+        seq = x // splits
+        if (seq < num_seqs) & (y < NUM_KV_HEADS):
+            _decode_attention_program(
+                seq, y, x % splits, splits, q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr,
+                cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, stride_qt, stride_ot, stride_bt, QK_SCALE,
+                GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, DECODE_BLOCK_N, MAX_SPLITS, SPLITS_POW2, True,
+                MERGE_HEADS)
+    else:
+        tiles = tl.cdiv(num_tokens, BLOCK_M) + num_seqs
+        if x < tiles:
+            _prefill_attention_program(
+                tiles - 1 - x, y, q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+                block_table_ptr, num_seqs, stride_qt, 0, 0, stride_ot, stride_bt, QK_SCALE, GROUP, NUM_KV_HEADS,
+                HEAD_DIM, True, PAGE, True, BLOCK_M, BLOCK_N, SEQ_CHUNK)
+
+
+def paged_attention_grid(num_tokens, num_seqs, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                         cdiv=triton.cdiv) -> tuple:
+    """The launch grid. ``num_tokens`` / ``num_seqs`` may be shape expressions, with a ``cdiv`` that takes them (the
+    plugin spec passes ``trt_plugins.specs.cdiv``)."""
+    block_m = _tile_config(head_dim)[0]
+    return (cdiv(num_tokens, block_m) + num_seqs * 2 + -(-TARGET_PROGRAMS // num_kv_heads), num_q_heads)
+
+
+def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                  block_size: int, scale: float, max_splits: int = DEFAULT_MAX_SPLITS) -> LaunchConfig:
+    """Launch of ``_paged_attention_kernel`` (``max_splits``: the scratch's split dimension, 1..64)."""
+    if not 1 <= max_splits <= 64:
+        raise ValueError(f"max_splits must be in 1..64; got {max_splits}")
+    block_m, block_n, warps, stages = _tile_config(head_dim)
+    group = num_q_heads // num_kv_heads
+    splits_pow2 = triton.next_power_of_2(max_splits)
+    constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                      PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SEQ_CHUNK=64,
+                      BLOCK_G=max(16, triton.next_power_of_2(group)), DECODE_BLOCK_N=64, MAX_SPLITS=max_splits,
+                      SPLITS_POW2=splits_pow2,
+                      MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),
+                      TARGET=TARGET_PROGRAMS, MIN_SPLIT=MIN_SPLIT_TOKENS)
+    grid = paged_attention_grid(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim)
+    return LaunchConfig(_paged_attention_kernel, grid, constexprs, num_warps=warps, num_stages=stages)
+
+
+def paged_attention_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device,
+                            max_splits: int = DEFAULT_MAX_SPLITS) -> tuple:
+    """Fresh scratch for ``paged_attention_one_launch``: (part_o, part_lse, counter zeroed); reusable across calls."""
+    return (torch.empty(num_seqs, num_q_heads, max_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(num_seqs, num_q_heads, max_splits, dtype=torch.float32, device=device),
+            torch.zeros(num_seqs, num_kv_heads, dtype=torch.int32, device=device))
+
+
+def paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, scratch,
+                               out=None, max_splits: int = DEFAULT_MAX_SPLITS):
+    """``tritrt::paged_attention``'s result from this kernel (the engine's; the torch op picks per step on the host).
+
+    ``scratch``: ``paged_attention_scratch(...)`` for ``seq_lens.shape[0]`` sequences and the same ``max_splits``.
+    """
+    num_seqs = seq_lens.shape[0]
+    _, page, hk, d = k_cache.shape
+    want = (num_seqs, q.shape[1], max_splits)
+    if tuple(scratch[0].shape[:3]) != want or tuple(scratch[2].shape) != (num_seqs, hk):
+        raise ValueError(f"scratch must be paged_attention_scratch({num_seqs}, {q.shape[1]}, {hk}, {d}, device, "
+                         f"max_splits={max_splits}); got {[tuple(t.shape) for t in scratch]}")
+    out = torch.empty_like(q) if out is None else out
+    check_device(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, *scratch)
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    cfg = paged_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, page, scale, max_splits)
+    cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch, q.shape[0], num_seqs,
+               q.stride(0), out.stride(0), block_table.stride(0))
+    return out
