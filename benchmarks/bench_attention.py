@@ -237,7 +237,8 @@ def bench_one_launch(rows_out):
     in CUDA graphs over rotating input sets. fp16, 32q/8kv d128, block 16, each table 8 blocks wider than its context
     (the runtime's tables are as wide as the longest allowed sequence, which sets the decode splits of both).
     ``bench_plugin_layer`` judges bs 1 x 512 inside a layer; these are the other shapes."""
-    from kernels.paged_attention import paged_attention_one_launch, paged_attention_scratch
+    from kernels.paged_attention import (paged_attention_launch_config, paged_attention_one_launch,
+                                         paged_attention_scratch)
     from kernels.prefill_attention import paged_prefill_attention
 
     hq, hk, d, page = 32, 8, 128, 16
@@ -271,11 +272,26 @@ def bench_one_launch(rows_out):
         def one_launch(q, kc, vc, bt, out):
             return paged_attention_one_launch(q, kc, vc, bt, seq_lens, cu, d ** -0.5, scratch, out=out)
 
+        def prefill_kernel(q, kc, vc, bt, out):  # what the engine ran for every step before the one-launch kernel
+            return paged_prefill_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out)
+
+        def one_launch_target(target):  # dev sweep: fewer decode programs (the kernel holds one per SM)
+            def run(q, kc, vc, bt, out):
+                cfg = paged_attention_launch_config(t, s, hq, hk, d, page, d ** -0.5)
+                cfg = dataclasses.replace(cfg, constexprs={**cfg.constexprs, "TARGET": target})
+                cfg.launch(q, kc, vc, out, bt, seq_lens, cu, *scratch, t, s, q.stride(0), out.stride(0),
+                           bt.stride(0))
+                return out
+            return run
+
         us_torch = bench(torch_path, sets, cuda_graph=True) * 1e3
         us_one = bench(one_launch, sets, cuda_graph=True) * 1e3
+        us_prefill = bench(prefill_kernel, sets, cuda_graph=True) * 1e3
+        us_132 = bench(one_launch_target(132), sets, cuda_graph=True) * 1e3 if decode else ""
         diff = float((torch_path(*sets[0]).float() - one_launch(*sets[0]).float()).abs().max())
         rows_out.append(dict(step=name, tokens=t, seqs=s, table_width=width, torch_us=us_torch, one_launch_us=us_one,
-                             torch_over_one_launch=us_torch / us_one, max_abs_diff=diff))
+                             torch_over_one_launch=us_torch / us_one, prefill_kernel_us=us_prefill,
+                             one_launch_target132_us=us_132, max_abs_diff=diff))
         print(rows_out[-1], flush=True)
         del sets
         torch.cuda.empty_cache()
@@ -296,11 +312,14 @@ def main():
         bench_one_launch(rows)
         write_results("bench_attention_one_launch", rows,
                       ["step", "tokens", "seqs", "table_width", "torch_us", "one_launch_us", "torch_over_one_launch",
-                       "max_abs_diff"],
+                       "prefill_kernel_us", "one_launch_target132_us", "max_abs_diff"],
                       notes="torch_us: the kernel tritrt::paged_attention picks for the step (decode_attention or "
                             "paged_prefill_attention); one_launch_us: kernels.paged_attention (the PagedAttention "
                             "plugin's kernel); each a CUDA graph over rotating input sets larger than L2, fp16 "
-                            "32q/8kv d128 block 16. torch_over_one_launch >= 1: the engine's kernel is as fast.")
+                            "32q/8kv d128 block 16. torch_over_one_launch >= 1: the engine's kernel is as fast. "
+                            "prefill_kernel_us: paged_prefill_attention on the same step, the engine's kernel for "
+                            "every step before; one_launch_target132_us: a dev variant, decode splits sized for 132 "
+                            "programs instead of 264.")
         return
     if args.sweep_small:
         rows = []
