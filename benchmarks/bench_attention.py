@@ -232,13 +232,12 @@ def sweep_small_batch(rows_out):
 
 def bench_one_launch(rows_out):
     """The engine's attention kernel (``kernels.paged_attention``: one launch that picks decode or prefill on the
-    device, 8 warps / 3 stages for both) against the kernel the torch op picks on the host for the same step
+    device, launched for either q_hint) against the kernel the torch op picks on the host for the same step
     (``decode_attention`` when every sequence has one new token, else ``paged_prefill_attention``), same inputs, each
     in CUDA graphs over rotating input sets. fp16, 32q/8kv d128, block 16, each table 8 blocks wider than its context
     (the runtime's tables are as wide as the longest allowed sequence, which sets the decode splits of both).
     ``bench_plugin_layer`` judges bs 1 x 512 inside a layer; these are the other shapes."""
-    from kernels.paged_attention import (paged_attention_launch_config, paged_attention_one_launch,
-                                         paged_attention_scratch)
+    from kernels.paged_attention import paged_attention_one_launch, paged_attention_scratch
     from kernels.prefill_attention import paged_prefill_attention
 
     hq, hk, d, page = 32, 8, 128, 16
@@ -269,29 +268,25 @@ def bench_one_launch(rows_out):
                 return decode_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out, scratch=decode_scratch)
             return paged_prefill_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out)
 
-        def one_launch(q, kc, vc, bt, out):
-            return paged_attention_one_launch(q, kc, vc, bt, seq_lens, cu, d ** -0.5, scratch, out=out)
+        def one_launch(q_hint):
+            def run(q, kc, vc, bt, out):
+                return paged_attention_one_launch(q, kc, vc, bt, seq_lens, cu, d ** -0.5, scratch, out=out,
+                                                  q_hint=q_hint)
+            return run
 
         def prefill_kernel(q, kc, vc, bt, out):  # what the engine ran for every step before the one-launch kernel
             return paged_prefill_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out)
 
-        def one_launch_target(target):  # dev sweep: fewer decode programs (the kernel holds one per SM)
-            def run(q, kc, vc, bt, out):
-                cfg = paged_attention_launch_config(t, s, hq, hk, d, page, d ** -0.5)
-                cfg = dataclasses.replace(cfg, constexprs={**cfg.constexprs, "TARGET": target})
-                cfg.launch(q, kc, vc, out, bt, seq_lens, cu, *scratch, t, s, q.stride(0), out.stride(0),
-                           bt.stride(0))
-                return out
-            return run
-
         us_torch = bench(torch_path, sets, cuda_graph=True) * 1e3
-        us_one = bench(one_launch, sets, cuda_graph=True) * 1e3
+        us_q1 = bench(one_launch(1), sets, cuda_graph=True) * 1e3
+        us_q128 = bench(one_launch(128), sets, cuda_graph=True) * 1e3
         us_prefill = bench(prefill_kernel, sets, cuda_graph=True) * 1e3
-        us_132 = bench(one_launch_target(132), sets, cuda_graph=True) * 1e3 if decode else ""
-        diff = float((torch_path(*sets[0]).float() - one_launch(*sets[0]).float()).abs().max())
-        rows_out.append(dict(step=name, tokens=t, seqs=s, table_width=width, torch_us=us_torch, one_launch_us=us_one,
-                             torch_over_one_launch=us_torch / us_one, prefill_kernel_us=us_prefill,
-                             one_launch_target132_us=us_132, max_abs_diff=diff))
+        tuned = one_launch(1 if decode else 128)
+        diff = float((torch_path(*sets[0]).float() - tuned(*sets[0]).float()).abs().max())
+        rows_out.append(dict(step=name, tokens=t, seqs=s, table_width=width, torch_us=us_torch, one_launch_q1_us=us_q1,
+                             one_launch_q128_us=us_q128,
+                             torch_over_one_launch=us_torch / (us_q1 if decode else us_q128),
+                             prefill_kernel_us=us_prefill, max_abs_diff=diff))
         print(rows_out[-1], flush=True)
         del sets
         torch.cuda.empty_cache()
@@ -311,15 +306,15 @@ def main():
         rows = []
         bench_one_launch(rows)
         write_results("bench_attention_one_launch", rows,
-                      ["step", "tokens", "seqs", "table_width", "torch_us", "one_launch_us", "torch_over_one_launch",
-                       "prefill_kernel_us", "one_launch_target132_us", "max_abs_diff"],
+                      ["step", "tokens", "seqs", "table_width", "torch_us", "one_launch_q1_us", "one_launch_q128_us",
+                       "torch_over_one_launch", "prefill_kernel_us", "max_abs_diff"],
                       notes="torch_us: the kernel tritrt::paged_attention picks for the step (decode_attention or "
-                            "paged_prefill_attention); one_launch_us: kernels.paged_attention (the PagedAttention "
-                            "plugin's kernel); each a CUDA graph over rotating input sets larger than L2, fp16 "
-                            "32q/8kv d128 block 16. torch_over_one_launch >= 1: the engine's kernel is as fast. "
-                            "prefill_kernel_us: paged_prefill_attention on the same step, the engine's kernel for "
-                            "every step before; one_launch_target132_us: a dev variant, decode splits sized for 132 "
-                            "programs instead of 264.")
+                            "paged_prefill_attention); one_launch_q*_us: kernels.paged_attention (the PagedAttention "
+                            "plugin's kernel) launched for q_hint 1 (decode) / 128 (prefill), its two tactics; "
+                            "torch_over_one_launch: torch_us over the q_hint of the step's kind (>= 1: the engine's "
+                            "kernel is as fast); prefill_kernel_us: paged_prefill_attention on the same step, the "
+                            "engine's kernel for every step before 154d2dc. Each a CUDA graph over rotating input sets "
+                            "larger than L2, fp16 32q/8kv d128 block 16.")
         return
     if args.sweep_small:
         rows = []

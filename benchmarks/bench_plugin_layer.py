@@ -6,11 +6,12 @@ plugin's AOT kernel -- the one the engine embeds for M = 1 (the GEMMs' tactic 1,
 torch op routes to: ``trt_plugins.specs.linear_kernels``) -- compiled ahead of time and launched through the CUDA driver
 (``trt_plugins.aot.run_aot``, ``kernels.aot.launcher.AotKernel``); the q/k/v slices of the qkv output, which TensorRT
 makes dense for the plugins, are copies; PagedAttention gets its decode scratch as the engine's ``attn_*`` inputs, and
-its kernel takes its split-KV decode program on this step. "torch": the same layer through ``export.model.TorchOps``
-(``torch.ops.tritrt.*``), the model's own path. Both are captured in CUDA graphs (``harness.bench(cuda_graph=True)``),
-cycling through layer weight sets larger than L2, so the times are device time without host launch overhead, and the
-ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights int4 (g128) and int8. Then each op
-alone, both paths, on the inputs it had in the layer (``--no-per-op`` skips this breakdown).
+its kernel (tactic q_hint = 1, the decode profile's) takes its split-KV decode program on this step. "torch": the same
+layer through ``export.model.TorchOps`` (``torch.ops.tritrt.*``), the model's own path. Both are captured in CUDA graphs
+(``harness.bench(cuda_graph=True)``), cycling through layer weight sets larger than L2, so the times are device time
+without host launch overhead, and the ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights
+int4 (g128) and int8. Then each op alone, both paths, on the inputs it had in the layer (``--no-per-op`` skips this
+breakdown).
 
 Usage: ``python benchmarks/bench_plugin_layer.py [--quant int4,int8]``; writes
 ``benchmarks/results/<card>/bench_plugin_layer.{json,md}``.
@@ -106,7 +107,7 @@ class PluginOps:
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         return self._run("PagedAttention", [q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q,
-                                             *self.attn_scratch], {"scale": float(scale)})[0]
+                                             *self.attn_scratch], {"scale": float(scale), "q_hint": 1})[0]
 
     def swiglu(self, gate_up, intermediate, name):
         return self._run("SwiGLU", [gate_up])[0]

@@ -14,8 +14,10 @@ from ``S`` and the block table's width (its row stride: the width of a contiguou
 ``MAX_SPLITS`` (the scratch's split dimension): the torch path makes the same choice, so both run the same splits
 unless the cap binds. ``S * splits <= S + TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them.
 
-Launch parameters are the prefill kernel's (8 warps, 3 stages at D = 128): a decode program runs with them too, so its
-speed is measured separately from the torch path's decode kernel (``benchmarks/bench_plugin_layer.py``).
+One kernel has one set of launch parameters and one shared-memory size for both programs, so ``q_hint`` chooses them
+(``Q_HINTS``): the prefill kernel's for prefill, the decode kernel's for decode (the plugin offers both as tactics; an
+engine's decode profile takes the decode one). Both are measured against the torch path's kernels in
+``benchmarks/bench_attention.py --one-launch``.
 
 Scratch (decode only): ``part_o [S, Hq, MAX_SPLITS, D]`` and ``part_lse [S, Hq, MAX_SPLITS]`` fp32, anything;
 ``counter [S, Hk]`` int32, zero before the launch and left at zero after it.
@@ -78,20 +80,36 @@ def _paged_attention_kernel(
                 HEAD_DIM, True, PAGE, True, BLOCK_M, BLOCK_N, SEQ_CHUNK)
 
 
-def paged_attention_grid(num_tokens, num_seqs, num_q_heads: int, num_kv_heads: int, head_dim: int,
+# q_hint -> how the launch is tuned. 128 (prefill, the default): the prefill kernel's tiles, warps and stages. 1
+# (decode): the decode kernel's 4 warps / 2 stages and a small prefill tile, so that the kernel's shared memory lets
+# three programs share an SM as the decode kernel's do; with the prefill tiles one program per SM fits and decode
+# steps of bs 8-128 x 512 ran at 0.61-0.65x the decode kernel (H100, benchmarks/results/h100/
+# bench_attention_one_launch.md at 154d2dc). Either is correct for any step.
+Q_HINTS = (1, 128)
+
+
+def _launch_tiles(head_dim: int, q_hint: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill program for ``q_hint``."""
+    if q_hint not in Q_HINTS:
+        raise ValueError(f"q_hint must be one of {Q_HINTS}; got {q_hint}")
+    return (64, 64, 4, 2) if q_hint == 1 else _tile_config(head_dim)
+
+
+def paged_attention_grid(num_tokens, num_seqs, num_q_heads: int, num_kv_heads: int, block_m: int,
                          cdiv=triton.cdiv) -> tuple:
-    """The launch grid. ``num_tokens`` / ``num_seqs`` may be shape expressions, with a ``cdiv`` that takes them (the
-    plugin spec passes ``trt_plugins.specs.cdiv``)."""
-    block_m = _tile_config(head_dim)[0]
+    """The launch grid for prefill tiles of ``block_m`` rows. ``num_tokens`` / ``num_seqs`` may be shape expressions,
+    with a ``cdiv`` that takes them (the plugin spec passes ``trt_plugins.specs.cdiv``)."""
     return (cdiv(num_tokens, block_m) + num_seqs * 2 + -(-TARGET_PROGRAMS // num_kv_heads), num_q_heads)
 
 
 def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                                  block_size: int, scale: float, max_splits: int = DEFAULT_MAX_SPLITS) -> LaunchConfig:
-    """Launch of ``_paged_attention_kernel`` (``max_splits``: the scratch's split dimension, 1..64)."""
+                                  block_size: int, scale: float, max_splits: int = DEFAULT_MAX_SPLITS,
+                                  q_hint: int = 128) -> LaunchConfig:
+    """Launch of ``_paged_attention_kernel`` (``max_splits``: the scratch's split dimension, 1..64; ``q_hint``: new
+    tokens per sequence the launch is tuned for, ``Q_HINTS``)."""
     if not 1 <= max_splits <= 64:
         raise ValueError(f"max_splits must be in 1..64; got {max_splits}")
-    block_m, block_n, warps, stages = _tile_config(head_dim)
+    block_m, block_n, warps, stages = _launch_tiles(head_dim, q_hint)
     group = num_q_heads // num_kv_heads
     splits_pow2 = triton.next_power_of_2(max_splits)
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
@@ -100,7 +118,7 @@ def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: i
                       SPLITS_POW2=splits_pow2,
                       MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),
                       TARGET=TARGET_PROGRAMS, MIN_SPLIT=MIN_SPLIT_TOKENS)
-    grid = paged_attention_grid(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim)
+    grid = paged_attention_grid(num_tokens, num_seqs, num_q_heads, num_kv_heads, block_m)
     return LaunchConfig(_paged_attention_kernel, grid, constexprs, num_warps=warps, num_stages=stages)
 
 
@@ -113,7 +131,7 @@ def paged_attention_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, 
 
 
 def paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, scratch,
-                               out=None, max_splits: int = DEFAULT_MAX_SPLITS):
+                               out=None, max_splits: int = DEFAULT_MAX_SPLITS, q_hint: int = 128):
     """``tritrt::paged_attention``'s result from this kernel (the engine's; the torch op picks per step on the host).
 
     ``scratch``: ``paged_attention_scratch(...)`` for ``seq_lens.shape[0]`` sequences and the same ``max_splits``.
@@ -128,7 +146,7 @@ def paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu_se
     check_device(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, *scratch)
     if num_seqs == 0 or q.shape[0] == 0:
         return out
-    cfg = paged_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, page, scale, max_splits)
+    cfg = paged_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, page, scale, max_splits, q_hint)
     cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch, q.shape[0], num_seqs,
                q.stride(0), out.stride(0), block_table.stride(0))
     return out

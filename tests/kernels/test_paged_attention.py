@@ -20,7 +20,8 @@ from tests.kernels.test_decode_attention import make_paged_cache
 UNTOUCHED = 12345.0  # part_lse's fill: a split that ran overwrote its entry
 
 
-def _run(q_lens, ctx_lens, block_size, hq, hk, d, dtype, device="cpu", max_splits=16, width=None, scratch=None):
+def _run(q_lens, ctx_lens, block_size, hq, hk, d, dtype, device="cpu", max_splits=16, width=None, scratch=None,
+         q_hint=128):
     """(out, reference, baseline, scratch) of one call; ``width``: the block table's width (>= the longest need)."""
     totals = [q + c for q, c in zip(q_lens, ctx_lens)]
     k_cache, v_cache, block_table, seq_lens = make_paged_cache(totals, block_size, hk, d, dtype, device)
@@ -38,7 +39,7 @@ def _run(q_lens, ctx_lens, block_size, hq, hk, d, dtype, device="cpu", max_split
         scratch[1].fill_(UNTOUCHED)
     out = poisoned(q.shape, dtype, device)
     paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu, scale, scratch, out=out,
-                               max_splits=max_splits)
+                               max_splits=max_splits, q_hint=q_hint)
     max_q = max(q_lens)
     args = (q, k_cache, v_cache, block_table, seq_lens, cu)
     want = ref.paged_attention_ref(*args, max_q, scale)
@@ -60,9 +61,10 @@ def _check(q_lens, ctx_lens, block_size, hq, hk, d, dtype, device="cpu", **kw):
     ([7, 1, 3], [0, 9, 5]),  # prefill, decode token and chunk together: the prefill program
     ([2, 0, 0], [5, 9, 3]),  # T <= S but one sequence has two new tokens: must not take the decode program
 ])
-def test_one_launch_interpreter(q_lens, ctx_lens):
+@pytest.mark.parametrize("q_hint", [1, 128])
+def test_one_launch_interpreter(q_lens, ctx_lens, q_hint):
     torch.manual_seed(sum(q_lens) + len(ctx_lens))
-    _check(q_lens, ctx_lens, 4, 4, 2, 16, torch.float16, width=80)
+    _check(q_lens, ctx_lens, 4, 4, 2, 16, torch.float16, width=80, q_hint=q_hint)
 
 
 @pytest.mark.interpreter
@@ -99,7 +101,11 @@ def test_one_max_splits_default_everywhere():
     from kernels.paged_attention import DEFAULT_MAX_SPLITS
     from trt_plugins.specs import SPECS
 
+    from kernels.paged_attention import Q_HINTS
+    from trt_plugins.specs.paged_attention import Q_HINTS as SPEC_Q_HINTS
+
     assert ATTN_MAX_SPLITS == DEFAULT_MAX_SPLITS == SPECS["PagedAttention"].attrs["max_splits"].default
+    assert Q_HINTS == SPEC_Q_HINTS == SPECS["PagedAttention"].tactics
 
 
 def test_grid_holds_every_decode_program():
@@ -107,27 +113,28 @@ def test_grid_holds_every_decode_program():
     for hk in (1, 2, 8, 32):
         for s in range(1, 300):
             splits = decode_num_splits(s, hk, 1 << 20)
-            cols, rows = paged_attention_grid(s, s, hk * 4, hk, 128)
+            cols, rows = paged_attention_grid(s, s, hk * 4, hk, 64)
             assert s * splits <= cols and rows >= hk, (hk, s, splits, cols)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_lens,ctx_lens", [([1], [512]), ([1] * 16, [513, 7, 3000] + [700] * 13),
                                              ([123, 1, 300], [0, 517, 77]), ([2000], [0])])
-def test_one_launch_gpu(q_lens, ctx_lens):
+@pytest.mark.parametrize("q_hint", [1, 128])
+def test_one_launch_gpu(q_lens, ctx_lens, q_hint):
     torch.manual_seed(len(q_lens))
-    _check(q_lens, ctx_lens, 16, 32, 8, 128, torch.bfloat16, device="cuda")
+    _check(q_lens, ctx_lens, 16, 32, 8, 128, torch.bfloat16, device="cuda", q_hint=q_hint)
 
 
 @pytest.mark.gpu
 def test_decode_equals_the_torch_paths_decode_kernel_gpu():
-    # Same program, same splits: the one-launch kernel (8 warps, 3 stages) and the torch op's decode kernel (4 warps,
-    # 2 stages) differ at most in accumulation order, so each is within the reference tolerance and they agree to a
+    # Same program, same splits, same warps and stages (q_hint 1): the one-launch kernel and the torch op's decode
+    # kernel differ at most in accumulation order, so each is within the reference tolerance and they agree to a
     # few output ulps.
     from kernels.decode_attention import decode_attention
 
     torch.manual_seed(9)
-    out, want, base, _, args = _run([1] * 4, [511, 40, 2000, 900], 16, 32, 8, 128, torch.float16, "cuda")
+    out, want, base, _, args = _run([1] * 4, [511, 40, 2000, 900], 16, 32, 8, 128, torch.float16, "cuda", q_hint=1)
     torch_path = decode_attention(*args, scale=128 ** -0.5)
     tol = dict(baseline=base, factor=2.0, atol=torch.finfo(torch.float16).eps / 2)
     assert_close_to_ref(out, want, **tol)

@@ -76,7 +76,9 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         for n, (shape, dt) in scratch_shapes(len(q_lens), hq, hk, d, DEFAULT_MAX_SPLITS).items():
             ins.append(torch.zeros(shape, dtype=getattr(torch, {"fp32": "float32", "int32": "int32"}[dt]),
                                    device=device))
-        return ins, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS}
+        # Each step kind with the launch tuned for the other (the tactic TensorRT may keep on a profile); the
+        # tuned pairs run in tests/kernels/test_paged_attention.py and the benchmarks.
+        return ins, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS, "q_hint": 128 if variant == "decode" else 1}
     if op in ("W8A16Linear", "W4A16Linear"):
         from kernels.quant import quantize_int4, quantize_int8
 
@@ -163,7 +165,7 @@ def jit_run(op, ins, attrs):
         from kernels.paged_attention import paged_attention_one_launch
 
         return [paged_attention_one_launch(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
-                                           max_splits=attrs["max_splits"]), *ins[6:]]
+                                           max_splits=attrs["max_splits"], q_hint=attrs["q_hint"]), *ins[6:]]
     if op == "W8A16Linear":
         from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
 

@@ -225,9 +225,11 @@ def main():
     summary, cases = {}, []
     for op, spec in SPECS.items():
         summary[op] = _run(spec, spec.samples[0], spec.tactics[0] if spec.tactics else 0, trt, env)
-        # The GEMMs' fp16 samples at every tactic: where the route names a CUDA kernel, aot_impl embeds its entry.
+        # Every fp16 sample of a spec with tactics (the GEMMs, PagedAttention) at every tactic: where the GEMM's
+        # route names a CUDA kernel, aot_impl embeds its entry.
         for i, s in enumerate(spec.samples):
-            if spec.tactics and s.dtypes["x"] == "fp16" and s.attrs.get(spec.tactic_attr) == spec.tactics[0]:
+            first = s.dtypes[spec.inputs[0]]
+            if spec.tactics and first == "fp16" and s.attrs.get(spec.tactic_attr) == spec.tactics[0]:
                 for tactic in spec.tactics:
                     cases.append(dict(op=op, sample=i, tactic=tactic, **_run(spec, s, tactic, trt, env)))
     print(json.dumps({"ids": ids, "ops": summary, "cases": cases}))

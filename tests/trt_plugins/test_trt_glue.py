@@ -61,7 +61,8 @@ def test_glue_agrees_with_the_spec(fake_run, op):
 
 
 def test_glue_embeds_the_routed_cuda_kernels(fake_run):
-    """For the GEMMs' fp16 samples at every tactic, aot_impl returns the kernel the spec picks for the build's card
+    """For the fp16 samples of the specs with tactics (the GEMMs, PagedAttention) at every tactic, aot_impl returns
+    the kernel the spec picks for the build's card
     (sm_90 without a GPU: the H100): a CUDA entry where the torch route names one, its PTX, block, dynamic shared
     memory, and a grid that is a shape expression of the token count (here T = 37 x 1)."""
     from kernels.gemm import routing
@@ -81,6 +82,7 @@ def test_glue_embeds_the_routed_cuda_kernels(fake_run):
             assert case["shared"] == sp.cuda.build.shared
             kinds.add(sp.cuda.route[0])
     assert {"w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma", "w8_gemv_mma", "w8_gemm_wgmma"} <= kinds, kinds
+    assert {c["tactic"] for c in fake_run["cases"] if c["op"] == "PagedAttention"} == {1, 128}
 
 
 def test_without_tensorrt_the_glue_says_what_to_do():

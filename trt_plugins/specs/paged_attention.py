@@ -11,6 +11,10 @@ aliased outputs (written in place, like the KV cache), so an engine threads one 
 inputs ``attn_part_o`` / ``attn_part_lse`` / ``attn_counter`` of ``export.onnx_export``, the counter zeroed once by
 the runtime. ``max_splits`` caps the decode splits (the torch path's choice, ``decode_num_splits``, from S and the
 block table's width) and sizes the scratch.
+
+One kernel has one launch configuration for both programs: ``q_hint`` (also the autotune tactic, so TensorRT times
+both on each optimization profile) picks the prefill kernel's (128) or the decode kernel's (1); both are correct for
+any step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from ._base import Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
 
 _HALF = ("bf16", "fp16")
+Q_HINTS = (1, 128)  # kernels.paged_attention.Q_HINTS (no Triton import here; a test holds them equal)
 SCRATCH = ("part_o", "part_lse", "counter")
 
 
@@ -44,6 +49,7 @@ def _check(shapes, dtypes, attrs):
     if attrs is not None:
         splits = attrs["max_splits"]
         require(1 <= splits <= 64, op, f"max_splits must be in 1..64, got {splits}")
+        require(attrs["q_hint"] in Q_HINTS, op, f"q_hint must be one of {Q_HINTS}, got {attrs['q_hint']}")
         for n, (shp, dt) in scratch_shapes(s, hq, hk, d, splits).items():
             require(tuple(shapes[n]) == shp and dtypes[n] == dt, op,
                     f"{n} must be {dt} {shp} (trt_plugins.specs.paged_attention.scratch_shapes with max_splits="
@@ -71,14 +77,14 @@ def _launch(shapes, dtypes, attrs):
     t, hq, d = shapes["q"]
     _, page, hk, _ = shapes["k_cache"]
     return paged_attention_launch_config(t, shapes["seq_lens"][0], hq, hk, d, page,
-                                         attrs["scale"] or d ** -0.5, attrs["max_splits"])
+                                         attrs["scale"] or d ** -0.5, attrs["max_splits"], attrs["q_hint"])
 
 
 def _grid(shapes, attrs, constexprs):
     from kernels.paged_attention import paged_attention_grid
 
-    _, hq, d = shapes["q"]
-    return paged_attention_grid(shapes["q"][0], shapes["seq_lens"][0], hq, shapes["k_cache"][2], d, cdiv=cdiv)
+    return paged_attention_grid(shapes["q"][0], shapes["seq_lens"][0], shapes["q"][1], shapes["k_cache"][2],
+                                constexprs["BLOCK_M"], cdiv=cdiv)
 
 
 def _samples():
@@ -94,7 +100,9 @@ def _samples():
                       **{n: shp for n, (shp, _) in scratch.items()}}
             dtypes = {"q": dt, "k_cache": dt, "v_cache": dt, "block_table": "int32", "seq_lens": "int32",
                       "cu_seqlens_q": "int32", **{n: dt_ for n, (_, dt_) in scratch.items()}}
-            out.append(Sample(shapes, dtypes, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS}, note))
+            for q_hint in Q_HINTS:
+                out.append(Sample(shapes, dtypes, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS, "q_hint": q_hint},
+                                  note))
     return tuple(out)
 
 
@@ -114,7 +122,11 @@ PAGED_ATTENTION = PluginSpec(
     output_specs=(OutputSpec("out", _SAME("q"), _DTYPE("q")),
                   *(OutputSpec(f"{n}_out", _SAME(n), _DTYPE(n), alias=n) for n in SCRATCH)),
     attrs={"scale": Attr(float, 0.0, "softmax scale baked into the kernel; 0 means 1/sqrt(head_dim)"),
-           "max_splits": Attr(int, 16, "decode KV splits at most (1..64): the scratch's split dimension")},
+           "max_splits": Attr(int, 16, "decode KV splits at most (1..64): the scratch's split dimension"),
+           "q_hint": Attr(int, 128, f"new tokens per sequence the launch is tuned for ({Q_HINTS}); the autotune "
+                          "tactic")},
+    tactics=Q_HINTS,
+    tactic_attr="q_hint",
     kernel=_kernel,
     launch=_launch,
     # The kernel writes the scratch through the aliased outputs' pointers (TensorRT gives them the inputs' addresses).
