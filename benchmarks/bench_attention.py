@@ -266,7 +266,7 @@ def bench_one_launch(rows_out):
         def torch_path(q, kc, vc, bt, out):
             if decode:
                 return decode_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out, scratch=decode_scratch)
-            return paged_prefill_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out)
+            return paged_prefill_attention(q, kc, vc, bt, seq_lens, cu, d ** -0.5, out=out, max_seqlen_q=max(q_lens))
 
         def one_launch(q_hint):
             def run(q, kc, vc, bt, out):

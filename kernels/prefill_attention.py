@@ -163,11 +163,24 @@ def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+# Paged prefill steps whose sequences have at most this many new tokens take 64 x 64 tiles, 4 warps, 2 stages
+# (three programs per SM, twice the tiles). H100, fp16 32q/8kv d128 block 16, against the 128 x 128 / 8 warps / 3
+# stages of _tile_config (benchmarks/results/dev-logs/h100/attention_tiles.md): 1 x 256 11.3 vs 13.3 us, 1 x 1024 46.7
+# vs 50.2, 4 x 512 50.1 vs 58.8, a 512-token chunk + 31 decode tokens 165 vs 267, 3 decode tokens + a 128 chunk 50.1
+# vs 50.9; 1 x 2048 125 vs 130 (not taken), a 2048 chunk after 6k tokens 671 vs 607, 1 x 4096 408 vs 395.
+SMALL_TILES_MAX_Q = 1024
+
+
 def prefill_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
                                     head_dim: int, scale: float, causal: bool, paged: bool,
-                                    block_size: int = 1) -> LaunchConfig:
-    """Launch of ``_prefill_attention_kernel``: grid ``(cdiv(num_tokens, BLOCK_M) + num_seqs, num_q_heads)``."""
-    block_m, block_n, warps, stages = _tile_config(head_dim)
+                                    block_size: int = 1, max_seqlen_q: int | None = None) -> LaunchConfig:
+    """Launch of ``_prefill_attention_kernel``: grid ``(cdiv(num_tokens, BLOCK_M) + num_seqs, num_q_heads)``.
+    ``max_seqlen_q`` (paged only; a bound on any sequence's new tokens) picks the small tiles up to
+    ``SMALL_TILES_MAX_Q``."""
+    if paged and max_seqlen_q is not None and max_seqlen_q <= SMALL_TILES_MAX_Q and head_dim <= 128:
+        block_m, block_n, warps, stages = 64, 64, 4, 2
+    else:
+        block_m, block_n, warps, stages = _tile_config(head_dim)
     grid = (triton.cdiv(num_tokens, block_m) + num_seqs, num_q_heads)
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=num_q_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads,
                       HEAD_DIM=head_dim, PAGED=bool(paged), PAGE=int(block_size) if paged else 1, CAUSAL=bool(causal),
@@ -220,8 +233,10 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal:
     return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, out=None):
-    """Causal attention of each sequence's last q_len tokens over its paged K/V (prefill and chunked prefill)."""
+def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, out=None,
+                            max_seqlen_q: int | None = None):
+    """Causal attention of each sequence's last q_len tokens over its paged K/V (prefill and chunked prefill).
+    ``max_seqlen_q``: a bound on q_len (the op's), which chooses the tiles; None: the long-prompt tiles."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q) if out is None else out
     check_device(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out)
@@ -229,7 +244,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqle
         return out
     _, page, hk, d = k_cache.shape
     cfg = prefill_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, scale, True, paged=True,
-                                          block_size=page)
+                                          block_size=page, max_seqlen_q=max_seqlen_q)
     cfg.launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, num_seqs,
                q.stride(0), 0, 0, out.stride(0), block_table.stride(0))
     return out

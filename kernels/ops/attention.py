@@ -69,7 +69,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                        scale).to(q.dtype)
     if max_seqlen_q == 1:
         return decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
-    return paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+    return paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                                   max_seqlen_q=max_seqlen_q)
 
 
 @paged_attention.register_fake

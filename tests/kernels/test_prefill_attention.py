@@ -10,7 +10,8 @@ import torch
 
 import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
 from kernels import attention_ref as ref
-from kernels.prefill_attention import paged_prefill_attention, prefill_attention_launch_config, varlen_attention
+from kernels.prefill_attention import (SMALL_TILES_MAX_Q, paged_prefill_attention, prefill_attention_launch_config,
+                                       varlen_attention)
 from tests.helpers import assert_close_to_ref, poisoned
 from tests.kernels.test_decode_attention import make_paged_cache
 
@@ -33,13 +34,14 @@ def _check_varlen(lens, hq, hk, d, causal, dtype, device="cpu"):
     assert_close_to_ref(out, want, baseline=base, factor=2.0, atol=torch.finfo(dtype).eps / 2)
 
 
-def _check_paged(seq_lens, q_lens, block_size, hq, hk, d, dtype, device="cpu"):
+def _check_paged(seq_lens, q_lens, block_size, hq, hk, d, dtype, device="cpu", max_seqlen_q=None):
     k_cache, v_cache, block_table, seq_lens_t = make_paged_cache(seq_lens, block_size, hk, d, dtype, device)
     cu = _cu(q_lens, device)
     q = torch.randn(sum(q_lens), hq, d, device=device).to(dtype)
     scale = d ** -0.5
     out = poisoned(q.shape, dtype, device)
-    paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens_t, cu, scale, out=out)
+    paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens_t, cu, scale, out=out,
+                            max_seqlen_q=max_seqlen_q)
     want = ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens_t, cu, max(q_lens), scale)
     base = ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens_t, cu, max(q_lens), scale, fp32=False)
     assert_close_to_ref(out, want, baseline=base, factor=2.0, atol=torch.finfo(dtype).eps / 2)
@@ -64,10 +66,12 @@ def test_varlen_head_dim_64_interpreter():
 @pytest.mark.parametrize("seq_lens,q_lens", [([17], [17]), ([97], [30]), ([1, 17, 97], [1, 5, 97]),
                                              ([40, 97, 3], [40, 1, 2])])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_paged_prefill_interpreter(seq_lens, q_lens, block_size):
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_paged_prefill_interpreter(seq_lens, q_lens, block_size, small_tiles):
     # q_len < seq_len is chunked prefill: the queries are the sequence's last q_len tokens.
     torch.manual_seed(sum(seq_lens) + block_size)
-    _check_paged(seq_lens, q_lens, block_size, 4, 2, 16, torch.float16)
+    _check_paged(seq_lens, q_lens, block_size, 4, 2, 16, torch.float16,
+                 max_seqlen_q=max(q_lens) if small_tiles else None)
 
 
 def test_grid_depends_on_shapes_only():
@@ -119,6 +123,26 @@ def test_varlen_gpu(dtype, hq, hk, d, causal):
 def test_paged_prefill_gpu(block_size, dtype):
     torch.manual_seed(block_size)
     _check_paged([3000, 517, 64, 1], [3000, 200, 1, 1], block_size, 32, 8, 128, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_prefill_small_tiles_gpu(d):
+    # Every q_len <= SMALL_TILES_MAX_Q: the 64 x 64 tiles (chunks after a long context, decode tokens, a fresh prompt).
+    torch.manual_seed(d)
+    _check_paged([3000, 517, 64, 1, 1024], [1000, 200, 1, 1, 1024], 16, 32, 8, d, torch.bfloat16, device="cuda",
+                 max_seqlen_q=1024)
+
+
+def test_small_tiles_only_up_to_their_bound():
+    small = prefill_attention_launch_config(1100, 3, 32, 8, 128, 0.088, True, paged=True, block_size=16,
+                                            max_seqlen_q=SMALL_TILES_MAX_Q)
+    big = prefill_attention_launch_config(1100, 3, 32, 8, 128, 0.088, True, paged=True, block_size=16,
+                                          max_seqlen_q=SMALL_TILES_MAX_Q + 1)
+    unknown = prefill_attention_launch_config(1100, 3, 32, 8, 128, 0.088, True, paged=True, block_size=16)
+    assert (small.constexprs["BLOCK_M"], small.num_warps) == (64, 4)
+    assert big.constexprs["BLOCK_M"] == unknown.constexprs["BLOCK_M"] == 128
+    assert small.grid == (-(-1100 // 64) + 3, 32)
 
 
 @pytest.mark.gpu
