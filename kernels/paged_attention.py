@@ -81,9 +81,9 @@ def _paged_attention_kernel(
 
 
 # q_hint -> how the launch is tuned. 128 (prefill, the default): the prefill kernel's tiles, warps and stages. 1
-# (decode): the decode kernel's 4 warps / 2 stages and a small prefill tile, so that the kernel's shared memory lets
-# three programs share an SM as the decode kernel's do; with the prefill tiles one program per SM fits and decode
-# steps of bs 8-128 x 512 ran at 0.61-0.65x the decode kernel (H100, benchmarks/results/h100/
+# (decode): the decode kernel's 4 warps / 2 stages and a small prefill tile, so that the kernel's shared memory is
+# about the decode kernel's (three of its programs share an SM); with the prefill tiles one program per SM fits and
+# decode steps of bs 8-128 x 512 ran at 0.61-0.65x the decode kernel (H100, benchmarks/results/h100/
 # bench_attention_one_launch.md at 154d2dc; dev-logs/h100/attention_tiles.md). Either is correct for any step.
 Q_HINTS = (1, 128)
 
