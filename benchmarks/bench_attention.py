@@ -312,8 +312,9 @@ def main():
                             "plugin's kernel) launched for q_hint 1 / 128, its two tactics (an engine runs one per "
                             "optimization profile, the one TensorRT timed faster at the profile's opt shape); "
                             "torch_over_q*: torch_us over each (>= 1: as fast as the torch path); max_abs_diff: torch "
-                            "path vs the q_hint of the step's kind (1 for decode steps, else 128); prefill_kernel_us: paged_prefill_attention on the same step, the "
-                            "engine's kernel for every step before 154d2dc. Each a CUDA graph over rotating input sets "
+                            "path vs the q_hint of the step's kind (1 for decode steps, else 128); prefill_kernel_us: "
+                            "paged_prefill_attention on the same step with its long-prompt tiles, the engine's kernel "
+                            "for every step before 154d2dc. Each a CUDA graph over rotating input sets "
                             "larger than L2, fp16 32q/8kv d128 block 16.")
         return
     if args.sweep_small:
