@@ -43,7 +43,8 @@ def _prefill_inputs(seq, hq, hk, d):
 
 
 def _run_prefill_cfg(cfg, q, k, v, cu, out):
-    cfg.launch(q, k, v, out, cu, cu, cu, cu.shape[0] - 1, q.stride(0), k.stride(0), v.stride(0), out.stride(0), 0)
+    cfg.launch(q, k, v, out, cu, cu, cu, cu.shape[0] - 1, q.shape[0], 1, q.stride(0), k.stride(0), v.stride(0),
+               out.stride(0), 0)
 
 
 def bench_prefill(rows_out):
@@ -171,7 +172,8 @@ def sweep(rows_out, prefill: bool):
                                       constexprs={**base.constexprs, "BLOCK_N": bn, "PREFETCH_PAGES": pf})
 
             def run(q, kc, vc, bt, sl, cu, out, scratch, cfg=cfg):
-                cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.stride(0), out.stride(0), bt.stride(0))
+                cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.shape[0], kc.shape[0], q.stride(0), out.stride(0),
+                           bt.stride(0))
 
             ms = bench(_replay, _graphed(run, sets))
             gbs = (2 * bs * kv * hk * d * 2 + 2 * bs * hq * d * 2) / ms / 1e6
@@ -208,7 +210,8 @@ def sweep_small_batch(rows_out):
 
         def timed(cfg, tag, sets=sets):
             def f(q, kc, vc, out, bt, sl, cu):
-                cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.stride(0), out.stride(0), bt.stride(0))
+                cfg.launch(q, kc, vc, out, bt, sl, cu, *scratch, q.shape[0], kc.shape[0], q.stride(0), out.stride(0),
+                           bt.stride(0))
             try:
                 us = bench(f, sets, cuda_graph=True) * 1e3
             except Exception as e:  # out of registers / shared memory: record, keep sweeping

@@ -188,7 +188,7 @@ def sweep(copy_gbs):
         for bh, warps in ((base.constexprs["BLOCK_H"], base.num_warps), (8, 2), (8, 4), (16, 8), (32, 4), (32, 8)):
             cfg = dataclasses.replace(base, grid=(tokens, -(-hq // bh) + -(-hk // bh)), num_warps=warps,
                                       constexprs={**base.constexprs, "BLOCK_H": bh})
-            ms = bench(lambda q, k: cfg.launch(q, k, q, k, pos, cache, hq, hk, hq * d, d, hk * d, d,
+            ms = bench(lambda q, k: cfg.launch(q, k, q, k, pos, cache, hq, hk, cache.shape[0], hq * d, d, hk * d, d,
                                                hq * d, d, hk * d, d), sets)
             _sweep_row(rows, "rope (in place)", f"{tokens}x({hq}+{hk})x{d}", f"BLOCK_H={bh} warps={warps}",
                        (bh, warps) == (base.constexprs["BLOCK_H"], base.num_warps), ms, nbytes, copy_gbs)

@@ -39,7 +39,7 @@ MERGE_TILE = 8192
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     part_o_ptr, part_lse_ptr, counter_ptr,
-    stride_qt, stride_ot, stride_bt,
+    num_tokens, num_blocks, stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr, PDL: tl.constexpr = False,
@@ -47,29 +47,30 @@ def _decode_attention_kernel(
     pdl_enter(PDL)
     _decode_attention_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), q_ptr, k_cache_ptr, v_cache_ptr,
-        o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, stride_qt,
-        stride_ot, stride_bt, QK_SCALE, GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, MAX_SPLITS, SPLITS_POW2,
-        PREFETCH_PAGES, MERGE_HEADS)
+        o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, num_tokens,
+        num_blocks, stride_qt, stride_ot, stride_bt, QK_SCALE, GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N,
+        MAX_SPLITS, SPLITS_POW2, PREFETCH_PAGES, MERGE_HEADS)
 
 
 @triton.jit
 def _decode_attention_program(
     seq, kv_head, split, num_splits, q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr,
     cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-    stride_qt, stride_ot, stride_bt,
+    num_tokens, num_blocks, stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr,
 ):
     """Split ``split`` of ``num_splits`` (<= MAX_SPLITS, the scratch's split dimension) of sequence ``seq``'s KV head
     ``kv_head``: the kernel's work, callable from another kernel that maps its own program ids onto it
-    (``kernels.paged_attention``)."""
+    (``kernels.paged_attention``). Any index inputs are safe: the query row is clamped to ``[0, num_tokens]``, the
+    KV length to the table row (``stride_bt * PAGE``), page ids to ``[0, num_blocks)`` (no-ops on a valid batch)."""
     # The three metadata loads are issued together, before the branch: a load after it would wait for the branch's
     # operands, one more memory round trip on a latency-bound path (bs 1 x 512 tokens is ~10 us of round trips).
-    q_row = tl.load(cu_seqlens_q_ptr + seq)
-    q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
-    kv_len = tl.load(seq_lens_ptr + seq)
-    if q_end == q_row:
+    q_row = tl.minimum(tl.maximum(tl.load(cu_seqlens_q_ptr + seq), 0), num_tokens)
+    q_end = tl.minimum(tl.load(cu_seqlens_q_ptr + seq + 1), num_tokens)
+    kv_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq), 0), stride_bt * PAGE)
+    if q_end <= q_row:
         return  # no new token for this sequence (every split returns, so the counter is untouched)
 
     chunks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
@@ -103,6 +104,7 @@ def _decode_attention_program(
             page_next = tl.load(bt_row + (n + BLOCK_N) // PAGE, mask=(n + BLOCK_N) < hi, other=0)
         else:
             page = tl.load(bt_row + n // PAGE, mask=nmask, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
         off = (page.to(tl.int64) * PAGE + n % PAGE) * ROW + kv_head * HEAD_DIM
         k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
@@ -243,6 +245,6 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, s
     if num_seqs == 0:
         return out
     cfg = decode_attention_launch_config(num_seqs, q.shape[1], hk, d, page, block_table.shape[1], scale, num_splits)
-    cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch,
+    cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch, q.shape[0], k_cache.shape[0],
                q.stride(0), out.stride(0), block_table.stride(0))
     return out

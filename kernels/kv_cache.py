@@ -19,7 +19,7 @@ from ._utils import check_device, pdl_enter
 @triton.jit
 def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_vt,
+    num_slots, stride_kt, stride_vt,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -27,7 +27,7 @@ def _write_kv_cache_kernel(
     pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):  # < 0: a padded token; past the cache: never written (any input is safe)
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
@@ -82,4 +82,4 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if k.shape[0] == 0:
         return
     cfg = write_kv_cache_launch_config(k.shape[0], hk, d)
-    cfg.launch(k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0))
+    cfg.launch(k, v, k_cache, v_cache, slot_mapping, k_cache.shape[0] * k_cache.shape[1], k.stride(0), v.stride(0))

@@ -19,6 +19,9 @@ One kernel has one set of launch parameters and one shared-memory size for both 
 engine's decode profile takes the decode one). Both are measured against the torch path's kernels in
 ``benchmarks/bench_attention.py --one-launch``.
 
+Any input contents are safe (a TensorRT build times the plugin on arbitrary data): both programs clamp what they
+index with (``num_tokens``, ``num_blocks``, the table width), and the decode check reads only ``cu_seqlens_q``.
+
 Scratch (decode only): ``part_o [S, Hq, MAX_SPLITS, D]`` and ``part_lse [S, Hq, MAX_SPLITS]`` fp32, anything;
 ``counter [S, Hk]`` int32, zero before the launch and left at zero after it.
 """
@@ -41,7 +44,7 @@ DEFAULT_MAX_SPLITS = 16  # the cap an engine's scratch is sized for: bs 1 up to 
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     part_o_ptr, part_lse_ptr, counter_ptr,
-    num_tokens, num_seqs, stride_qt, stride_ot, stride_bt,
+    num_tokens, num_seqs, num_blocks, stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     BLOCK_G: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
@@ -68,7 +71,8 @@ def _paged_attention_kernel(
         if (seq < num_seqs) & (y < NUM_KV_HEADS):
             _decode_attention_program(
                 seq, y, x % splits, splits, q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_table_ptr, seq_lens_ptr,
-                cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, stride_qt, stride_ot, stride_bt, QK_SCALE,
+                cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, num_tokens, num_blocks, stride_qt, stride_ot,
+                stride_bt, QK_SCALE,
                 GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, DECODE_BLOCK_N, MAX_SPLITS, SPLITS_POW2, True,
                 MERGE_HEADS)
     else:
@@ -76,7 +80,8 @@ def _paged_attention_kernel(
         if x < tiles:
             _prefill_attention_program(
                 tiles - 1 - x, y, q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-                block_table_ptr, num_seqs, stride_qt, 0, 0, stride_ot, stride_bt, QK_SCALE, GROUP, NUM_KV_HEADS,
+                block_table_ptr, num_seqs, num_tokens, num_blocks, stride_qt, 0, 0, stride_ot, stride_bt, QK_SCALE,
+                GROUP, NUM_KV_HEADS,
                 HEAD_DIM, True, PAGE, True, BLOCK_M, BLOCK_N, SEQ_CHUNK)
 
 
@@ -148,5 +153,5 @@ def paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu_se
         return out
     cfg = paged_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, page, scale, max_splits, q_hint)
     cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch, q.shape[0], num_seqs,
-               q.stride(0), out.stride(0), block_table.stride(0))
+               k_cache.shape[0], q.stride(0), out.stride(0), block_table.stride(0))
     return out

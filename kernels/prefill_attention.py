@@ -24,11 +24,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_kt, mask,
+def _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_kt, mask, num_blocks,
                 PAGED: tl.constexpr, PAGE: tl.constexpr, ROW: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Element offset of key/value row ``n`` (a vector of token indices within the sequence)."""
+    """Element offset of key/value row ``n`` (a vector of token indices within the sequence); page ids are clamped
+    to the cache."""
     if PAGED:
         page = tl.load(block_table_ptr + seq * stride_bt + n // PAGE, mask=mask, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
         # int64: caches can hold more than 2**31 elements.
         return (page.to(tl.int64) * PAGE + n % PAGE) * ROW + kv_head * HEAD_DIM
     else:
@@ -37,7 +39,7 @@ def _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_kt,
 
 @triton.jit
 def _attn_block(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, lo, hi, k_len, seq, kv_head, k_start,
-                block_table_ptr, stride_bt, stride_kt, stride_vt, offs_n, offs_d,
+                block_table_ptr, stride_bt, stride_kt, stride_vt, offs_n, offs_d, num_blocks,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, PAGED: tl.constexpr,
                 PAGE: tl.constexpr, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax accumulation over key blocks ``[lo, hi)``; MASKED blocks apply causal and length masks."""
@@ -47,9 +49,9 @@ def _attn_block(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, lo, hi, k_len, seq, kv_he
             nmask = n < k_len
         else:
             nmask = n < hi  # always true here; a constant-true mask keeps one code path
-        k_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_kt, nmask,
+        k_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_kt, nmask, num_blocks,
                             PAGED, PAGE, ROW, HEAD_DIM)
-        v_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_vt, nmask,
+        v_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_vt, nmask, num_blocks,
                             PAGED, PAGE, ROW, HEAD_DIM)
         if MASKED:
             k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
@@ -77,27 +79,31 @@ def _attn_block(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, lo, hi, k_len, seq, kv_he
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt,
+    num_seqs, num_tokens, num_blocks, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
 ):
     _prefill_attention_program(
         tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr,
-        seq_lens_ptr, block_table_ptr, num_seqs, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt, QK_SCALE, GROUP,
-        NUM_KV_HEADS, HEAD_DIM, PAGED, PAGE, CAUSAL, BLOCK_M, BLOCK_N, SEQ_CHUNK)
+        seq_lens_ptr, block_table_ptr, num_seqs, num_tokens, num_blocks, stride_qt, stride_kt, stride_vt, stride_ot,
+        stride_bt, QK_SCALE, GROUP, NUM_KV_HEADS, HEAD_DIM, PAGED, PAGE, CAUSAL, BLOCK_M, BLOCK_N, SEQ_CHUNK)
 
 
 @triton.jit
 def _prefill_attention_program(
     pid, head, q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt,
+    num_seqs, num_tokens, num_blocks, stride_qt, stride_kt, stride_vt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
 ):
     """Tile ``pid`` (in reverse launch order) of query head ``head``: the kernel's work, callable from another
-    kernel that maps its own program ids onto it (``kernels.paged_attention``)."""
+    kernel that maps its own program ids onto it (``kernels.paged_attention``).
+
+    Any index inputs are safe: query offsets are clamped to ``[0, num_tokens]``, a paged sequence's length to its
+    table row (``stride_bt * PAGE``) and page ids to ``[0, num_blocks)`` -- no-ops on a valid batch, and what keeps
+    a TensorRT build, which times the plugin on arbitrary input contents, inside its buffers."""
     kv_head = head // GROUP
 
     # Which sequence owns tile id `pid`: the last i with cu[i] // BLOCK_M + i <= pid (starts strictly increase).
@@ -107,15 +113,15 @@ def _prefill_attention_program(
         smask = offs_s < num_seqs
         starts = tl.load(cu_seqlens_q_ptr + offs_s, mask=smask, other=0) // BLOCK_M + offs_s
         count += tl.sum(((starts <= pid) & smask).to(tl.int32), 0)
-    seq = count - 1
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    seq = tl.maximum(count - 1, 0)
+    q_start = tl.minimum(tl.maximum(tl.load(cu_seqlens_q_ptr + seq), 0), num_tokens)
+    q_len = tl.minimum(tl.maximum(tl.load(cu_seqlens_q_ptr + seq + 1), q_start), num_tokens) - q_start
     m0 = (pid - (q_start // BLOCK_M + seq)) * BLOCK_M
-    if m0 >= q_len:
+    if (m0 >= q_len) | (m0 < 0):
         return
 
     if PAGED:
-        k_len = tl.load(seq_lens_ptr + seq)
+        k_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq), 0), stride_bt * PAGE)
     else:
         k_len = q_len
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -140,10 +146,10 @@ def _prefill_attention_program(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, 0, full_hi, k_len, seq, kv_head, q_start,
-                                block_table_ptr, stride_bt, stride_kt, stride_vt, offs_n, offs_d,
+                                block_table_ptr, stride_bt, stride_kt, stride_vt, offs_n, offs_d, num_blocks,
                                 False, CAUSAL, QK_SCALE, PAGED, PAGE, ROW, HEAD_DIM, BLOCK_N)
     acc, l_i, m_i = _attn_block(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, full_hi, hi, k_len, seq, kv_head, q_start,
-                                block_table_ptr, stride_bt, stride_kt, stride_vt, offs_n, offs_d,
+                                block_table_ptr, stride_bt, stride_kt, stride_vt, offs_n, offs_d, num_blocks,
                                 True, CAUSAL, QK_SCALE, PAGED, PAGE, ROW, HEAD_DIM, BLOCK_N)
     # Every valid row sees at least key 0, so l_i > 0; padded rows are not stored.
     l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -228,7 +234,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal:
     cfg = prefill_attention_launch_config(q.shape[0], cu_seqlens.shape[0] - 1, q.shape[1], k.shape[1], q.shape[2],
                                           scale, causal, paged=False)
     # seq_lens / block_table are unused without paging: pass cu_seqlens as a harmless valid pointer.
-    cfg.launch(q, k, v, out, cu_seqlens, cu_seqlens, cu_seqlens, cu_seqlens.shape[0] - 1,
+    cfg.launch(q, k, v, out, cu_seqlens, cu_seqlens, cu_seqlens, cu_seqlens.shape[0] - 1, q.shape[0], 1,
                q.stride(0), k.stride(0), v.stride(0), out.stride(0), 0)
     return out
 
@@ -245,6 +251,6 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqle
     _, page, hk, d = k_cache.shape
     cfg = prefill_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, scale, True, paged=True,
                                           block_size=page, max_seqlen_q=max_seqlen_q)
-    cfg.launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, num_seqs,
+    cfg.launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, num_seqs, q.shape[0], k_cache.shape[0],
                q.stride(0), 0, 0, out.stride(0), block_table.stride(0))
     return out

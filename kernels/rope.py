@@ -107,7 +107,7 @@ def _rotate_heads(x_ptr, o_ptr, row, head0, n_heads, stride_xt, stride_xh, strid
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
-    n_q_heads, n_k_heads,
+    n_q_heads, n_k_heads, max_pos,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
     HALF: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, PDL: tl.constexpr = False,
@@ -117,8 +117,10 @@ def _rope_kernel(
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cache_ptr + pos * (2 * HALF) + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i, mask=i < HALF, other=0.0)
+    # A position outside the table reads no table row (cos = sin = 0): any input is safe.
+    cmask = (i < HALF) & (pos >= 0) & (pos < max_pos)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + i, mask=cmask, other=0.0)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i, mask=cmask, other=0.0)
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if hb < n_q_blocks:
         _rotate_heads(q_ptr, q_out_ptr, row, hb * BLOCK_H, n_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
@@ -134,7 +136,8 @@ def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: 
                        interleaved: bool, copy_pass: bool, elem_bytes: int = 2) -> LaunchConfig:
     """The launch of ``_rope_kernel`` as data.
 
-    Runtime args: ``q, k, q_out, k_out, positions, cos_sin_cache, n_q_heads, n_k_heads`` and the token/head strides
+    Runtime args: ``q, k, q_out, k_out, positions, cos_sin_cache, n_q_heads, n_k_heads, max_pos`` (the table's rows:
+    positions outside it read nothing) and the token/head strides
     of q, k, q_out, k_out. ``copy_pass``: copy the ``D - R`` unrotated dims (only needed when out is not in).
     """
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
@@ -199,7 +202,7 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return
     copy_pass = q_out.data_ptr() != q.data_ptr() or k_out.data_ptr() != k.data_ptr()
     cfg = rope_launch_config(T, Hq, k.shape[1], D, rotary_dim, interleaved, copy_pass, q.element_size())
-    cfg.launch(q, k, q_out, k_out, positions, cos_sin_cache, Hq, k.shape[1],
+    cfg.launch(q, k, q_out, k_out, positions, cos_sin_cache, Hq, k.shape[1], cos_sin_cache.shape[0],
                q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1))
 

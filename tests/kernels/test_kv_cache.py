@@ -40,6 +40,23 @@ def test_write_kv_cache_interpreter(num_tokens, block_size, hk, d):
     _check(num_tokens, -(-num_tokens // block_size) + 2, block_size, hk, d, torch.float16)
 
 
+@pytest.mark.interpreter
+def test_slots_past_the_cache_are_skipped_interpreter():
+    # The kernel's contract with any slot_mapping (a TensorRT build times it on arbitrary contents): a slot past the
+    # cache is skipped like a negative one, and the valid tokens are written.
+    torch.manual_seed(1)
+    k, v, k_cache, v_cache, slots = _case(6, 3, 4, 2, 16, torch.float16, "cpu")
+    slots[1], slots[2] = 12, 2**31 - 1  # 3 blocks x 4 = 12 slots: both past the end
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    kept = slots.clone()
+    kept[1:3] = -1
+    ref.write_kv_cache_ref(k, v, k_want, v_want, kept)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+    assert not torch.isnan(k_want).all(), "test is vacuous: nothing was written"
+
+
 def test_write_kv_cache_op_cpu():
     torch.manual_seed(0)
     k, v, k_cache, v_cache, slots = _case(9, 4, 4, 2, 8, torch.float32, "cpu")

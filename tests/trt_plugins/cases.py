@@ -175,3 +175,21 @@ def jit_run(op, ins, attrs):
 
         return [w4a16_gemm(*ins, attrs["group_size"])]
     raise KeyError(op)
+
+
+# Plugins whose kernels index memory with values read from their inputs (tables, offsets, slots, positions).
+INDEXING_OPS = ("PagedAttention", "Rope", "WriteKvCache")
+
+
+def garbage_indices(ins: list, seed: int = 0) -> list:
+    """``ins`` with every integer tensor refilled with random values over the dtype's range (int32: all of it): what
+    a TensorRT build may feed a plugin while it times tactics. Float tensors are kept."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in ins:
+        if t.dtype in (torch.int32, torch.int64):
+            r = torch.randint(-2**31, 2**31 - 1, t.shape, generator=g, dtype=torch.int64)
+            out.append(r.to(t.dtype).to(t.device))
+        else:
+            out.append(t.clone())
+    return out

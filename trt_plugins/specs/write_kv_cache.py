@@ -52,8 +52,8 @@ WRITE_KV_CACHE = PluginSpec(
     launch=_launch,
     # The kernel writes through the output pointers (TensorRT gives an aliased output the input's address).
     kernel_args={"k_ptr": "k", "v_ptr": "v", "k_cache_ptr": "k_cache_out", "v_cache_ptr": "v_cache_out",
-                 "slot_mapping_ptr": "slot_mapping", "stride_kt": "row", "stride_vt": "row"},
-    scalars={"row": lambda s, a: s["k"][1] * s["k"][2]},
+                 "slot_mapping_ptr": "slot_mapping", "num_slots": "num_slots", "stride_kt": "row", "stride_vt": "row"},
+    scalars={"num_slots": lambda s, a: s["k_cache"][0] * s["k_cache"][1], "row": lambda s, a: s["k"][1] * s["k"][2]},
     grid=lambda s, a, c: (s["k"][0],),
     static_dims=(("k", 1), ("k", 2), ("v", 1), ("v", 2), ("k_cache", 1), ("k_cache", 2), ("k_cache", 3),
                  ("v_cache", 1), ("v_cache", 2), ("v_cache", 3)),
