@@ -15,8 +15,9 @@ from ``S`` and the block table's width (its row stride: the width of a contiguou
 unless the cap binds. ``S * splits <= S + TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them.
 
 One kernel has one set of launch parameters and one shared-memory size for both programs, so ``q_hint`` chooses them
-(``Q_HINTS``): the prefill kernel's for prefill, the decode kernel's for decode (the plugin offers both as tactics; an
-engine's decode profile takes the decode one). Both are measured against the torch path's kernels in
+(``Q_HINTS``): the prefill kernel's for prefill, the decode kernel's for decode. The plugin offers both as tactics,
+and TensorRT keeps, per optimization profile, the one it timed faster there (not checked here: no full TensorRT on
+our machines). Both are measured against the torch path's kernels in
 ``benchmarks/bench_attention.py --one-launch``.
 
 Any input contents are safe (a TensorRT build times the plugin on arbitrary data): both programs clamp what they
