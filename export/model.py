@@ -1,11 +1,12 @@
 """The LLaMA-family model in torch on our kernels (``torch.ops.tritrt.*``), over packed tokens and a paged KV cache.
 
 What a layer computes is ``export.decoder.decoder_forward`` (defined once, shared with the ONNX exporter); this module
-runs it on ``TorchOps``, which maps each decoder op to a ``torch.ops.tritrt`` op. One ``forward`` serves prefill,
-chunked prefill and decode (see ``export.batch.Batch``): each layer writes the new tokens' K/V into the cache
-(``write_kv_cache_``) and attends to the cache (``paged_attention``). CUDA tensors run the Triton kernels, CPU tensors
-the ops' torch references; the runtime's torch backend runs this module. Weights use the internal names of
-``export.checkpoint``; quantized linears are ``kernels.quant.QuantizedWeight`` and go through ``kernels.quant.linear``.
+runs it on ``TorchOps``, which maps each decoder op to a ``torch.ops.tritrt`` op (its implementation, called directly).
+One ``forward`` serves prefill, chunked prefill and decode (see ``export.batch.Batch``): each layer writes the new
+tokens' K/V into the cache (``write_kv_cache_``) and attends to the cache (``paged_attention``). CUDA tensors run the
+Triton kernels, CPU tensors the ops' torch references; the runtime's torch backend runs this module. Weights use the
+internal names of ``export.checkpoint``; quantized linears are ``kernels.quant.QuantizedWeight`` and go through
+``kernels.quant.linear``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ QUANT_MODES = ("none", "int8", "int4")
 
 
 def _ops():
-    """``torch.ops.tritrt`` with every op registered (importing kernels.ops registers them; it touches no GPU)."""
-    import kernels.ops  # noqa: F401
+    """The ``torch.ops.tritrt`` ops' implementations, called without torch.library's dispatch (``kernels.ops.eager``:
+    the same code, ~70-150 us less host time a call on the lent H100, which kept a 2k int4 prefill host-bound).
+    Importing kernels.ops registers the ops too; it touches no GPU."""
+    import kernels.ops
 
-    return torch.ops.tritrt
+    return kernels.ops.eager
 
 
 def rope_cache(config: LlamaConfig, device="cpu") -> torch.Tensor:
@@ -40,13 +43,14 @@ def rope_cache(config: LlamaConfig, device="cpu") -> torch.Tensor:
     return cache.to(device=device, dtype=torch.float32)
 
 
-def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)``; weight-only quantized ``w`` runs our W8A16 / W4A16 GEMM."""
+def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, ops=None) -> torch.Tensor:
+    """``x @ w.T (+ bias)``; weight-only quantized ``w`` runs our W8A16 / W4A16 GEMM (through ``ops``, default
+    ``torch.ops.tritrt``)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     from kernels.quant import linear as qlinear
 
-    return qlinear(x, w, bias)
+    return qlinear(x, w, bias, ops=ops)
 
 
 class LlamaModel(torch.nn.Module):
@@ -159,8 +163,8 @@ class LlamaModel(torch.nn.Module):
 
 
 class TorchOps:
-    """``export.decoder.DecoderOps`` on torch tensors: ``torch.ops.tritrt`` (CUDA: our kernels; CPU: their fp32
-    references); weights resolved by internal name from ``weights``."""
+    """``export.decoder.DecoderOps`` on torch tensors: the ``torch.ops.tritrt`` ops' implementations called directly
+    (``_ops``; CUDA: our kernels; CPU: their fp32 references); weights resolved by internal name from ``weights``."""
 
     def __init__(self, weights: dict, cos_sin_cache: torch.Tensor):
         self.w, self.cos_sin_cache, self.ops = weights, cos_sin_cache, _ops()
@@ -181,7 +185,7 @@ class TorchOps:
         return self.ops.fused_add_rms_norm(x, residual, self.w[weight], eps)
 
     def linear(self, x, weight, bias=None):
-        return linear(x, self.w[weight], None if bias is None else self.w[bias])
+        return linear(x, self.w[weight], None if bias is None else self.w[bias], self.ops)
 
     def split_heads(self, x, heads, head_dim, name):
         parts = x.split([h * head_dim for h in heads], dim=-1)

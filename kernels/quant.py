@@ -176,12 +176,15 @@ def dequantize(qw: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torc
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-           residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
-    """``x[..., K] @ dequantize(qw).T (+ bias) (+ residual)`` through the ``torch.ops.tritrt`` GEMM op for ``qw.bits``.
+           residual: Optional[torch.Tensor] = None, swiglu: bool = False, ops=None) -> torch.Tensor:
+    """``x[..., K] @ dequantize(qw).T (+ bias) (+ residual)`` through the ``torch.ops.tritrt`` GEMM op for ``qw.bits``
+    (``ops``: another namespace with ``w8a16_linear`` / ``w4a16_linear``, e.g. ``kernels.ops.eager``).
 
     ``swiglu``: ``qw`` is ``interleave_columns(gate, up)`` (and ``bias`` interleaved the same way); returns
     ``silu(x @ gate.T + b_gate) * (x @ up.T + b_up) (+ residual)``, computed in the GEMM's epilogue."""
     import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
+
+    ops = torch.ops.tritrt if ops is None else ops
 
     if x.shape[-1] != qw.in_features:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects in_features={qw.in_features}")
@@ -190,8 +193,7 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = 
     if qw.perm is not None:
         x = x.index_select(-1, qw.perm)
     if qw.bits == 8:
-        return torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, bias, residual, swiglu)
+        return ops.w8a16_linear(x, qw.qweight, qw.scales, bias, residual, swiglu)
     if qw.bits == 4:
-        return torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, residual,
-                                             swiglu)
+        return ops.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, residual, swiglu)
     raise ValueError(f"bits={qw.bits} not supported (8 or 4)")

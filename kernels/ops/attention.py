@@ -41,8 +41,7 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, m
         raise ValueError(f"max_seqlen_q must be >= 1 (1 for a pure decode step); got {max_seqlen_q}")
 
 
-@torch.library.custom_op("tritrt::write_kv_cache_", mutates_args=("k_cache", "v_cache"))
-def write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     if k_cache.is_cuda:
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -51,13 +50,16 @@ def write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         write_kv_cache_cpu(k, v, k_cache, v_cache, slot_mapping)
 
 
+write_kv_cache_ = torch.library.custom_op("tritrt::write_kv_cache_", _write_kv_cache_,
+                                          mutates_args=("k_cache", "v_cache"))
+
+
 @write_kv_cache_.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping) -> None:
     return None
 
 
-@torch.library.custom_op("tritrt::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                     scale: float) -> torch.Tensor:
     check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
@@ -73,13 +75,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                    max_seqlen_q=max_seqlen_q)
 
 
+paged_attention = torch.library.custom_op("tritrt::paged_attention", _paged_attention, mutates_args=())
+
+
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("tritrt::varlen_attention", mutates_args=())
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      scale: float, causal: bool) -> torch.Tensor:
     if q.is_cuda:
         return _varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
@@ -91,6 +95,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return ref.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, causal).to(q.dtype)
 
 
+varlen_attention = torch.library.custom_op("tritrt::varlen_attention", _varlen_attention, mutates_args=())
+
+
 @varlen_attention.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, scale, causal):
     return torch.empty_like(q)
+
+
+# The ops' implementations by op name: what ``torch.ops.tritrt.<name>`` runs, callable without its dispatch
+# (``kernels.ops.eager``).
+IMPLS = {"write_kv_cache_": _write_kv_cache_, "paged_attention": _paged_attention,
+         "varlen_attention": _varlen_attention}

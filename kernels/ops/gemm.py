@@ -222,3 +222,8 @@ def _(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=Fa
     _, n_out = _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu)
     _flatten(x, residual, n_out)
     return x.new_empty((*x.shape[:-1], n_out))
+
+
+# The ops' implementations by op name: what ``torch.ops.tritrt.<name>`` runs, callable without its dispatch
+# (``kernels.ops.eager``).
+IMPLS = {"w8a16_linear": _w8a16_linear, "w4a16_linear": _w4a16_linear}

@@ -21,14 +21,16 @@ def _flat_shape_check(x: Tensor, weight: Tensor, op: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ rms_norm
-@torch.library.custom_op("tritrt::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     from .. import rms_norm as k
 
     if x.is_cuda:
         return k.rms_norm(x, weight, eps)
     _flat_shape_check(x, weight, "rms_norm")
     return k.rms_norm_ref(x, weight, eps)
+
+
+rms_norm = torch.library.custom_op("tritrt::rms_norm", _rms_norm, mutates_args=())
 
 
 @rms_norm.register_fake
@@ -44,14 +46,16 @@ def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor) -> None:
         raise ValueError(f"fused_add_rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
 
 
-@torch.library.custom_op("tritrt::fused_add_rms_norm", mutates_args=())
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     from .. import rms_norm as k
 
     if x.is_cuda:
         return k.fused_add_rms_norm(x, residual, weight, eps)
     _fused_add_check(x, residual, weight)
     return k.fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+fused_add_rms_norm = torch.library.custom_op("tritrt::fused_add_rms_norm", _fused_add_rms_norm, mutates_args=())
 
 
 @fused_add_rms_norm.register_fake
@@ -62,14 +66,16 @@ def _(x, residual, weight, eps):
 
 
 # ---------------------------------------------------------------------------------------------------- layer_norm
-@torch.library.custom_op("tritrt::layer_norm", mutates_args=())
-def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> Tensor:
+def _layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> Tensor:
     from .. import layer_norm as k
 
     if x.is_cuda:
         return k.layer_norm(x, weight, bias, eps)
     _flat_shape_check(x, weight, "layer_norm")
     return k.layer_norm_ref(x, weight, bias, eps)
+
+
+layer_norm = torch.library.custom_op("tritrt::layer_norm", _layer_norm, mutates_args=())
 
 
 @layer_norm.register_fake
@@ -89,8 +95,7 @@ def _gated_out(x: Tensor, up: Optional[Tensor], op: str) -> Tensor:
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("tritrt::swiglu", mutates_args=())
-def swiglu(x: Tensor, up: Optional[Tensor]) -> Tensor:
+def _swiglu(x: Tensor, up: Optional[Tensor]) -> Tensor:
     from .. import activation as k
 
     if x.is_cuda:
@@ -99,19 +104,24 @@ def swiglu(x: Tensor, up: Optional[Tensor]) -> Tensor:
     return k.swiglu_ref(x, up)
 
 
+swiglu = torch.library.custom_op("tritrt::swiglu", _swiglu, mutates_args=())
+
+
 @swiglu.register_fake
 def _(x, up):
     return _gated_out(x, up, "swiglu")
 
 
-@torch.library.custom_op("tritrt::geglu", mutates_args=())
-def geglu(x: Tensor, up: Optional[Tensor], approximate: str = "tanh") -> Tensor:
+def _geglu(x: Tensor, up: Optional[Tensor], approximate: str = "tanh") -> Tensor:
     from .. import activation as k
 
     if x.is_cuda:
         return k.geglu(x, up, approximate)
     _gated_out(x, up, "geglu")
     return k.geglu_ref(x, up, approximate)
+
+
+geglu = torch.library.custom_op("tritrt::geglu", _geglu, mutates_args=())
 
 
 @geglu.register_fake
@@ -134,8 +144,7 @@ def _rope_check(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) 
                          f"{q.shape[2]}, got {tuple(cos_sin_cache.shape)}")
 
 
-@torch.library.custom_op("tritrt::rotary_embedding", mutates_args=())
-def rotary_embedding(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+def _rotary_embedding(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                      interleaved: bool) -> tuple[Tensor, Tensor]:
     from .. import rope
 
@@ -145,6 +154,9 @@ def rotary_embedding(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Ten
     return rope.rotary_embedding_ref(q, k, positions, cos_sin_cache, interleaved)
 
 
+rotary_embedding = torch.library.custom_op("tritrt::rotary_embedding", _rotary_embedding, mutates_args=())
+
+
 @rotary_embedding.register_fake
 def _(q, k, positions, cos_sin_cache, interleaved):
     _rope_check(q, k, positions, cos_sin_cache)
@@ -152,8 +164,7 @@ def _(q, k, positions, cos_sin_cache, interleaved):
             torch.empty_like(k, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("tritrt::rotary_embedding_", mutates_args=("q", "k"))
-def rotary_embedding_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, interleaved: bool) -> None:
+def _rotary_embedding_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, interleaved: bool) -> None:
     from .. import rope
 
     if q.is_cuda:
@@ -165,6 +176,15 @@ def rotary_embedding_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Te
     k.copy_(k_new)
 
 
+rotary_embedding_ = torch.library.custom_op("tritrt::rotary_embedding_", _rotary_embedding_, mutates_args=("q", "k"))
+
+
 @rotary_embedding_.register_fake
 def _(q, k, positions, cos_sin_cache, interleaved):
     _rope_check(q, k, positions, cos_sin_cache)
+
+
+# The ops' implementations by op name: what ``torch.ops.tritrt.<name>`` runs, callable without its dispatch
+# (``kernels.ops.eager``).
+IMPLS = {"rms_norm": _rms_norm, "fused_add_rms_norm": _fused_add_rms_norm, "layer_norm": _layer_norm, "swiglu": _swiglu,
+         "geglu": _geglu, "rotary_embedding": _rotary_embedding, "rotary_embedding_": _rotary_embedding_}
