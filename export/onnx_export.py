@@ -50,6 +50,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 from onnx import TensorProto
+from trt_plugins.specs import torch_dtype
+from trt_plugins.specs.paged_attention import scratch_shapes
 
 from .decoder import decoder_forward, missing_weights
 from .model import rope_cache
@@ -129,11 +131,12 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
 
 
 def attention_scratch_shapes(config, num_seqs) -> dict:
-    """Graph input name -> (shape, torch dtype) of the attention scratch (``num_seqs``: an int, or the dim's name)."""
+    """Graph input name -> (shape, torch dtype) of the attention scratch (``num_seqs``: an int, or the dim's
+    name): the PagedAttention plugin's scratch inputs (``trt_plugins.specs.paged_attention.scratch_shapes``),
+    ``attn_``-named."""
     c = config
-    return {"attn_part_o": ((num_seqs, c.num_heads, ATTN_MAX_SPLITS, c.head_dim), torch.float32),
-            "attn_part_lse": ((num_seqs, c.num_heads, ATTN_MAX_SPLITS), torch.float32),
-            "attn_counter": ((num_seqs, c.num_kv_heads), torch.int32)}
+    shapes = scratch_shapes(num_seqs, c.num_heads, c.num_kv_heads, c.head_dim, ATTN_MAX_SPLITS)
+    return {f"attn_{n}": (shape, torch_dtype(dt)) for n, (shape, dt) in shapes.items()}
 
 
 def attention_scratch(config, num_seqs: int, device) -> dict[str, torch.Tensor]:

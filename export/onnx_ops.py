@@ -17,15 +17,13 @@ from __future__ import annotations
 import torch
 from onnx import TensorProto
 from trt_plugins.specs import get_spec
+from trt_plugins.specs.paged_attention import MAX_SPLITS as ATTN_MAX_SPLITS
 
 from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype, tensor_proto, uint4_tensor_proto
 from .onnx_quant import quant_parts
 
 # Attributes on every plugin node that are for TensorRT's ONNX parser, not for the op (CPU runners drop them).
 TRT_PARSER_ATTRS = {"plugin_namespace": PLUGIN_DOMAIN, "plugin_version": "1", "aot": 1}
-# PagedAttention's decode splits at most: the split dimension of the attention scratch inputs
-# (``export.onnx_export.attention_scratch``). kernels.paged_attention.DEFAULT_MAX_SPLITS, without importing Triton.
-ATTN_MAX_SPLITS = 16
 
 
 def _names(items) -> list[str]:

@@ -167,10 +167,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int) -> int:
     return max(1, min(want, fits, MAX_SPLITS))
 
 
-def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
-    """Scratch the decode kernel needs (fp32 partial outputs and LSEs, int32 counters that must start at zero)."""
-    return dict(part_o=((num_seqs, num_q_heads, MAX_SPLITS, head_dim), torch.float32),
-                part_lse=((num_seqs, num_q_heads, MAX_SPLITS), torch.float32),
+def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          max_splits: int = MAX_SPLITS) -> dict:
+    """Scratch the decode program needs (fp32 partial outputs and LSEs, int32 counters that must start at zero);
+    ``max_splits``: the split dimension (the one-launch kernel's cap, ``kernels.paged_attention``)."""
+    return dict(part_o=((num_seqs, num_q_heads, max_splits, head_dim), torch.float32),
+                part_lse=((num_seqs, num_q_heads, max_splits), torch.float32),
                 counter=((num_seqs, num_kv_heads), torch.int32))
 
 
@@ -198,13 +200,12 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
                         num_warps=4, num_stages=2)
 
 
-def alloc_decode_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device) -> tuple:
+def alloc_decode_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device,
+                         max_splits: int = MAX_SPLITS) -> tuple:
     """Fresh scratch (counters zeroed); a runtime may allocate once and reuse, since the kernel re-zeroes them."""
-    shapes = decode_scratch_shapes(num_seqs, num_q_heads, num_kv_heads, head_dim)
-    part_o = torch.empty(shapes["part_o"][0], dtype=torch.float32, device=device)
-    part_lse = torch.empty(shapes["part_lse"][0], dtype=torch.float32, device=device)
-    counter = torch.zeros(shapes["counter"][0], dtype=torch.int32, device=device)
-    return part_o, part_lse, counter
+    shapes = decode_scratch_shapes(num_seqs, num_q_heads, num_kv_heads, head_dim, max_splits)
+    return tuple((torch.zeros if dt == torch.int32 else torch.empty)(shape, dtype=dt, device=device)
+                 for shape, dt in shapes.values())
 
 
 # Split counters kept between calls, per (device, KV heads): [capacity, Hk] int32, zero between launches (the kernel

@@ -35,10 +35,13 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device
-from .decode_attention import MERGE_TILE, MIN_SPLIT_TOKENS, TARGET_PROGRAMS, _decode_attention_program
+from .decode_attention import (MERGE_TILE, MIN_SPLIT_TOKENS, TARGET_PROGRAMS, _decode_attention_program,
+                               alloc_decode_scratch)
 from .prefill_attention import LOG2E, _prefill_attention_program, _tile_config
 
-DEFAULT_MAX_SPLITS = 16  # the cap an engine's scratch is sized for: bs 1 up to 2k tokens of context runs uncapped
+# The cap an engine's scratch is sized for: bs 1 up to 2k tokens of context runs uncapped. Also the PagedAttention
+# plugin's max_splits default (trt_plugins.specs.paged_attention, which imports no Triton; a test holds them equal).
+DEFAULT_MAX_SPLITS = 16
 
 
 @triton.jit
@@ -130,10 +133,8 @@ def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: i
 
 def paged_attention_scratch(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device,
                             max_splits: int = DEFAULT_MAX_SPLITS) -> tuple:
-    """Fresh scratch for ``paged_attention_one_launch``: (part_o, part_lse, counter zeroed); reusable across calls."""
-    return (torch.empty(num_seqs, num_q_heads, max_splits, head_dim, dtype=torch.float32, device=device),
-            torch.empty(num_seqs, num_q_heads, max_splits, dtype=torch.float32, device=device),
-            torch.zeros(num_seqs, num_kv_heads, dtype=torch.int32, device=device))
+    """Fresh scratch for ``paged_attention_one_launch``: ``alloc_decode_scratch`` with this kernel's split cap."""
+    return alloc_decode_scratch(num_seqs, num_q_heads, num_kv_heads, head_dim, device, max_splits)
 
 
 def paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, scratch,

@@ -98,14 +98,21 @@ def test_one_max_splits_default_everywhere():
     # The exporter's scratch inputs, the plugin attribute's default and the kernel's default must agree: an engine
     # whose scratch is narrower than its kernel's splits would write past it.
     from export.onnx_ops import ATTN_MAX_SPLITS
-    from kernels.paged_attention import DEFAULT_MAX_SPLITS
+    from kernels.paged_attention import DEFAULT_MAX_SPLITS, Q_HINTS
     from trt_plugins.specs import SPECS
+    from trt_plugins.specs.paged_attention import MAX_SPLITS, Q_HINTS as SPEC_Q_HINTS
 
-    from kernels.paged_attention import Q_HINTS
-    from trt_plugins.specs.paged_attention import Q_HINTS as SPEC_Q_HINTS
-
-    assert ATTN_MAX_SPLITS == DEFAULT_MAX_SPLITS == SPECS["PagedAttention"].attrs["max_splits"].default
+    assert ATTN_MAX_SPLITS == MAX_SPLITS == DEFAULT_MAX_SPLITS == SPECS["PagedAttention"].attrs["max_splits"].default
     assert Q_HINTS == SPEC_Q_HINTS == SPECS["PagedAttention"].tactics
+
+
+def test_importing_the_specs_imports_no_triton():
+    # The specs are read by the exporter and the TensorRT glue; kernels are imported only when a kernel is needed.
+    import subprocess
+    import sys
+
+    code = "import sys, trt_plugins.specs; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_grid_holds_every_decode_program():

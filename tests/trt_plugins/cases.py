@@ -59,8 +59,7 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         return [_t((t, hk, d), dtype, device), _t((t, hk, d), dtype, device), kc, vc, slots.to(device)], {}
     if op == "PagedAttention":
-        from kernels.paged_attention import DEFAULT_MAX_SPLITS
-        from trt_plugins.specs.paged_attention import scratch_shapes
+        from trt_plugins.specs.paged_attention import MAX_SPLITS, scratch_shapes
 
         hq, hk, d, page, nb = (32, 8, 128, 16, 256) if big else (4, 2, 16, 4, 32)
         if variant == "decode":  # one new token per sequence (one with none): the kernel's split-KV decode program
@@ -73,12 +72,12 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         bt, sl, cu = _paged_batch(q_lens, ctx, page, nb, device, width)
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         ins = [_t((sum(q_lens), hq, d), dtype, device), kc, vc, bt, sl, cu]
-        for n, (shape, dt) in scratch_shapes(len(q_lens), hq, hk, d, DEFAULT_MAX_SPLITS).items():
+        for n, (shape, dt) in scratch_shapes(len(q_lens), hq, hk, d, MAX_SPLITS).items():
             ins.append(torch.zeros(shape, dtype=getattr(torch, {"fp32": "float32", "int32": "int32"}[dt]),
                                    device=device))
         # Each step kind with the launch tuned for the other (the tactic TensorRT may keep on a profile); the
         # tuned pairs run in tests/kernels/test_paged_attention.py and the benchmarks.
-        return ins, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS, "q_hint": 128 if variant == "decode" else 1}
+        return ins, {"scale": 0.0, "max_splits": MAX_SPLITS, "q_hint": 128 if variant == "decode" else 1}
     if op in ("W8A16Linear", "W4A16Linear"):
         from kernels.quant import quantize_int4, quantize_int8
 

@@ -22,7 +22,10 @@ from __future__ import annotations
 from ._base import Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
 
 _HALF = ("bf16", "fp16")
-Q_HINTS = (1, 128)  # kernels.paged_attention.Q_HINTS (no Triton import here; a test holds them equal)
+# kernels.paged_attention's Q_HINTS and DEFAULT_MAX_SPLITS (importing this module imports no Triton; a test holds them
+# equal). The exporter sizes the engine's attention scratch with MAX_SPLITS.
+Q_HINTS = (1, 128)
+MAX_SPLITS = 16
 SCRATCH = ("part_o", "part_lse", "counter")
 
 
@@ -88,20 +91,18 @@ def _grid(shapes, attrs, constexprs):
 
 
 def _samples():
-    from kernels.paged_attention import DEFAULT_MAX_SPLITS
-
     out = []
     for hq, hk, d, page, note in ((32, 8, 128, 16, "Llama-3-8B"), (32, 32, 128, 16, "Llama-2-7B"),
                                   (4, 2, 16, 4, "tiny test model")):
         for dt in _HALF:
-            scratch = scratch_shapes(1, hq, hk, d, DEFAULT_MAX_SPLITS)
+            scratch = scratch_shapes(1, hq, hk, d, MAX_SPLITS)
             shapes = {"q": (1, hq, d), "k_cache": (64, page, hk, d), "v_cache": (64, page, hk, d),
                       "block_table": (1, 8), "seq_lens": (1,), "cu_seqlens_q": (2,),
                       **{n: shp for n, (shp, _) in scratch.items()}}
             dtypes = {"q": dt, "k_cache": dt, "v_cache": dt, "block_table": "int32", "seq_lens": "int32",
                       "cu_seqlens_q": "int32", **{n: dt_ for n, (_, dt_) in scratch.items()}}
             for q_hint in Q_HINTS:
-                out.append(Sample(shapes, dtypes, {"scale": 0.0, "max_splits": DEFAULT_MAX_SPLITS, "q_hint": q_hint},
+                out.append(Sample(shapes, dtypes, {"scale": 0.0, "max_splits": MAX_SPLITS, "q_hint": q_hint},
                                   note))
     return tuple(out)
 
@@ -122,7 +123,7 @@ PAGED_ATTENTION = PluginSpec(
     output_specs=(OutputSpec("out", _SAME("q"), _DTYPE("q")),
                   *(OutputSpec(f"{n}_out", _SAME(n), _DTYPE(n), alias=n) for n in SCRATCH)),
     attrs={"scale": Attr(float, 0.0, "softmax scale baked into the kernel; 0 means 1/sqrt(head_dim)"),
-           "max_splits": Attr(int, 16, "decode KV splits at most (1..64): the scratch's split dimension"),
+           "max_splits": Attr(int, MAX_SPLITS, "decode KV splits at most (1..64): the scratch's split dimension"),
            "q_hint": Attr(int, 128, f"new tokens per sequence the launch is tuned for ({Q_HINTS}); the autotune "
                           "tactic")},
     tactics=Q_HINTS,
