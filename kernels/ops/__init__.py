@@ -43,6 +43,6 @@ from . import attention, gemm, norm_act  # noqa: F401  (registration happens on 
 # Every op's implementation under the op's name: the function ``torch.ops.tritrt.<name>`` runs, called directly.
 # Eager callers on the hot path use these (``export.model.TorchOps``): a Llama-3-8B-shaped 2k prefill makes ~320
 # op calls, and through torch.library's dispatch its int4 forward was host-bound on the lent H100's host (host
-# 36-69 ms to launch ~58 ms of GPU work; cProfile: ~150 us a call in the dispatch wrapper), through these 23-31 ms. The registered
-# ops stay what tracing (torch.compile / torch.export) and other callers see; both run the same code.
+# 36-69 ms to launch ~58 ms of GPU work; cProfile: ~150 us a call in the dispatch wrapper), through these 23-31 ms.
+# The registered ops stay what tracing (torch.compile / torch.export) and other callers see; both run the same code.
 eager = SimpleNamespace(**attention.IMPLS, **gemm.IMPLS, **norm_act.IMPLS)
