@@ -7,6 +7,10 @@ costs about what cuBLAS itself spends reading it (2 bytes per weight), so for M 
 at ~(1 - that share) of cuBLAS on the dequantized weight -- the weight cuBLAS would see, bit for bit: the kernel
 computes ``(q - z) * s`` (or ``q * s``) in fp32 and rounds once, exactly as ``kernels.quant.dequantize`` does.
 
+Dequantizing a column slice at a time into one reused buffer small enough to stay in L2, then cuBLAS per slice, was
+never faster than this (H200, M = 2048: 0.69-0.91x of fp16 against 0.89-0.91x; benchmarks/results/dev-logs/h100/
+decode_overlap_probes.md, table 4): the narrower GEMMs lose more than the fp16 weight's DRAM round trip costs.
+
 The buffer is a fresh ``torch.empty`` per call (the caching allocator reuses it); it is as large as the fp16 weight
 (235 MB for Llama-3-8B's fused gate/up), which prefill can afford and decode never pays (small M never comes here).
 """

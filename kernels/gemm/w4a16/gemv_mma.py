@@ -28,6 +28,9 @@ KERNEL = "w4a16_gemv_mma"
 MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
 # H200 runs 1-2 (benchmarks/results/dev-logs/h200/bench_gemm_gemv_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
+# More weight bytes in flight per warp did not help either: a per-warp cp.async ring of 2-6 chunks in shared memory
+# (instead of the two register buffers) ran at 0.54-0.95x of this build on every shape, slower the deeper it was
+# (H200, benchmarks/results/dev-logs/h100/decode_overlap_probes.md, table 2).
 CHAINS = 1  # accumulators per tile (GEMV_CHAINS); the plan picks 2 for <= 2 warps per block (see gemv_plan)
 L2_256 = False  # L2::256B prefetch hint on weight loads (GEMV_L2_256): within +-1% on all 15 rows, so off
 # Each chunk's scales and zero points loaded with its weights, one chunk ahead of its math (GEMV_SZ_AHEAD), rather
