@@ -17,3 +17,28 @@ def test_vs_fp16_compares_each_quant_row_with_our_fp16_row_of_the_same_impl_phas
     assert "vs_fp16" not in rows[4]  # no fp16 row at batch 8 here
     assert "vs_fp16" not in rows[5]  # not measured
     assert not any("vs_fp16" in r for r in rows if r["quant"] == "none")
+
+
+def test_step_weight_bytes_counts_what_a_decode_step_reads():
+    import torch
+
+    from benchmarks.bench_e2e import step_weight_bytes
+    from kernels.quant import quantize_int4
+
+    q = quantize_int4(torch.randn(256, 256), 128)  # codes 256*256/2 B, fp16 scales and int8 zeros [2, 256]
+    lin = 256 * 256 // 2 + 2 * 256 * 2 + 2 * 256
+    embed, head = torch.zeros(10, 4, dtype=torch.float16), torch.zeros(10, 4, dtype=torch.float16)
+    assert step_weight_bytes({"embed": embed, "lm_head": head, "wqkv": q}) == 80 + lin  # embedding rows only gathered
+    assert step_weight_bytes({"embed": embed, "wqkv": q}) == 80 + lin  # tied: the embedding is the head, read whole
+
+
+def test_ceiling_is_batch_times_bandwidth_over_weight_bytes_on_our_decode_rows_only():
+    from benchmarks.bench_e2e import add_ceiling
+
+    rows = [dict(impl="tritrt torch+graphs", quant="int4", phase="decode step", batch=8, tok_s=2000.0),
+            dict(impl="tritrt torch+graphs", quant="int4", phase="prefill", batch=1, tok_s=30000.0),
+            dict(impl="tritrt torch+graphs", quant="none", phase="decode step", batch=1, tok_s=160.0),
+            dict(impl="hf eager", quant="none", phase="decode loop", batch=1, tok_s=8.0)]
+    add_ceiling(rows, "int4", weight_bytes=4 * 10**9, copy_gbs=3000.0)
+    assert rows[0]["ceiling_tok_s"] == 8 * 750.0 and rows[0]["pct_ceiling"] == 100 * 2000 / 6000
+    assert not any("pct_ceiling" in r for r in rows[1:])
