@@ -173,7 +173,9 @@ def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
 # (three programs per SM, twice the tiles). H100, fp16 32q/8kv d128 block 16, against the 128 x 128 / 8 warps / 3
 # stages of _tile_config (benchmarks/results/dev-logs/h100/attention_tiles.md): 1 x 256 11.3 vs 13.3 us, 1 x 1024 46.7
 # vs 50.2, 4 x 512 50.1 vs 58.8, a 512-token chunk + 31 decode tokens 165 vs 267, 3 decode tokens + a 128 chunk 50.1
-# vs 50.9; 1 x 2048 125 vs 130 (not taken), a 2048 chunk after 6k tokens 671 vs 607, 1 x 4096 408 vs 395.
+# vs 50.9; 1 x 2048 125 vs 130 (not taken), a 2048 chunk after 6k tokens 671 vs 607, 1 x 4096 408 vs 395. On 11
+# steps it was not tuned on (same log, table 3): 1.07-1.88x on 8, 0.93-0.96x on single chunks after 3k-16k cached
+# tokens (many keys per query: the op's max_seqlen_q cannot tell).
 SMALL_TILES_MAX_Q = 1024
 
 
