@@ -142,8 +142,11 @@ def attention_scratch_shapes(config, num_seqs) -> dict:
 def attention_scratch(config, num_seqs: int, device) -> dict[str, torch.Tensor]:
     """The attention scratch feeds for ``num_seqs`` sequences: partials uninitialised, counters zero. A runtime may
     allocate them once for its largest batch and feed leading slices (the plugin leaves the counters at zero)."""
-    return {name: (torch.zeros if dt == torch.int32 else torch.empty)(shape, dtype=dt, device=device)
-            for name, (shape, dt) in attention_scratch_shapes(config, num_seqs).items()}
+    from kernels.paged_attention import paged_attention_scratch
+
+    c = config
+    tensors = paged_attention_scratch(num_seqs, c.num_heads, c.num_kv_heads, c.head_dim, device, ATTN_MAX_SPLITS)
+    return dict(zip(attention_scratch_shapes(config, num_seqs), tensors))  # part_o, part_lse, counter in both
 
 
 class OnnxOps:

@@ -135,9 +135,10 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), see
 
 def _scratch_feed(config, num_seqs: int) -> dict:
     """The attention scratch inputs, zeros (the counters must be; the partials are zeroed so that feeds repeat)."""
-    from .onnx_export import attention_scratch
+    from .onnx_export import attention_scratch_shapes
 
-    return {n: np.zeros(tuple(t.shape), t.numpy().dtype) for n, t in attention_scratch(config, num_seqs, "cpu").items()}
+    shapes = attention_scratch_shapes(config, num_seqs)
+    return {n: torch.zeros(shape, dtype=dt).numpy() for n, (shape, dt) in shapes.items()}
 
 
 def _batch_feed(b) -> dict:
