@@ -9,8 +9,10 @@ cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's varian
 64-row block shapes too). Each time is the median of
 CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
 the dequantized weight. ``BENCH_VARIANTS=plan``: the plan's variant only (large M: is the wgmma GEMM ahead of
-dequantize + cuBLAS there?). Every variant is compiled first, in parallel. H100/H200 only (sm_90). Writes
-benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md} (W8A16: ``bench_gemm_wgmma_sweep_w8``).
+dequantize + cuBLAS there?). ``BENCH_SET=general``: ``bench_gemm.GENERAL_SHAPES`` instead (the shapes the plan is
+judged on); ``BENCH_SHAPES=name,...``: only those shapes of the set. Every variant is compiled first, in parallel.
+H100/H200 only (sm_90). Writes benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md} (W8A16: ``..._w8``; the
+general set: ``..._general``).
 
 Run: ``python benchmarks/bench_gemm_wgmma_sweep.py``
 """
@@ -30,6 +32,21 @@ from benchmarks.harness import bench, rotating_inputs, write_results  # noqa: E4
 
 SHAPES = [(4096, 6144, "qkv"), (4096, 4096, "o"), (4096, 28672, "gate_up"), (14336, 4096, "down"), (8192, 8192, "8k")]
 GROUP = 128
+
+
+def shape_set() -> tuple[list, str]:
+    """The (K, N, name) shapes of this run (``BENCH_SET``, ``BENCH_SHAPES``) and the result name's suffix."""
+    from benchmarks.bench_gemm import GENERAL_SHAPES
+
+    which = os.environ.get("BENCH_SET", "")
+    if which not in ("", "general"):
+        raise ValueError(f"BENCH_SET={which!r}: expected general (or unset for the Llama-3-8B shapes)")
+    shapes = GENERAL_SHAPES if which else SHAPES
+    names = [n for n in os.environ.get("BENCH_SHAPES", "").split(",") if n]
+    unknown = sorted(set(names) - {s[2] for s in shapes})
+    if unknown:
+        raise ValueError(f"BENCH_SHAPES: {unknown} not in the set; it has {[s[2] for s in shapes]}")
+    return [s for s in shapes if not names or s[2] in names], "_general" if which else ""
 
 
 def variants(M: int, bits: int = 4) -> list[dict]:
@@ -86,12 +103,13 @@ def main():
     def swept(M):
         return [dict()] if plan_only else variants(M, bits)
 
+    shapes, suffix = shape_set()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warm([wg.gemm_plan(M, N, K, sms, bits=bits, **v) for K, N, _ in SHAPES for M in ms for v in swept(M)
+    warm([wg.gemm_plan(M, N, K, sms, bits=bits, **v) for K, N, _ in shapes for M in ms for v in swept(M)
           if N % wg.gemm_plan(M, N, K, sms, bits=bits, **v)["bn"] == 0], bits)
     torch.manual_seed(0)
     rows = []
-    for K, N, name in SHAPES:
+    for K, N, name in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         q = quantize_int4(w, GROUP) if bits == 4 else quantize_int8(w)
         w_ref = dequantize(q, torch.float32)
@@ -130,7 +148,7 @@ def main():
                 row(f"w{bits}a16_wgmma", fn, "plan" if not v else " ".join(f"{k}={val}" for k, val in v.items()),
                     plan)
                 print(name, M, rows[-1]["config"], plan, f"{rows[-1]['speedup']:.2f}x", flush=True)
-    write_results("bench_gemm_wgmma_sweep" + ("_w8" if bits == 8 else ""), rows,
+    write_results("bench_gemm_wgmma_sweep" + ("_w8" if bits == 8 else "") + suffix, rows,
                   ["shape", "K", "N", "M", "kernel", "config", "plan", "ms", "tflops", "speedup", "rel_err"],
                   meta=dict(group_size=GROUP if bits == 4 else None, bits=bits, sm_count=sms),
                   notes="speedup = cuBLAS fp16 time / this time, same run; CUDA-graph replay over rotating weights.")

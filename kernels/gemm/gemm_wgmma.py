@@ -51,6 +51,22 @@ VARIANTS = tuple(REGS[4])  # the (bm, wt, wgs) block shapes built
 CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
 SPLITS = (1, 2, 4, 8)
 MIN_K_TILES = 16
+# ... unless K is short and M is in SHORT_K_M (where it was measured): then up to SHORT_K_SPLITS splits, each a
+# quarter of K at least (and MIN_SHORT_K_TILES stages or more). H100, old rule vs this one in one run
+# (benchmarks/results/dev-logs/h100/wgmma_plan_general.md), split 4 vs 2: K = 2048 (1B, tuned on) W8A16 M = 64 1.01x
+# vs 0.77x cuBLAS (qkv), 0.90 vs 0.67 (o), M = 128 0.85 vs 0.79, 0.73 vs 0.67; K = 3072 (3B qkv, judged on) W8 M = 64
+# 1.19 vs 1.06, M = 128 0.99 vs 0.84, W4 1.28 vs 1.04, 0.97 vs 0.86. At M = 256 mixed (1B o 0.59 vs 0.72).
+SHORT_K_SPLITS = 4
+SHORT_K_M = (64, 128)
+MIN_SHORT_K_TILES = 4
+# Unsplit plans for M >= WIDE_MIN_M whose 64-column tiles are many take two tiles per warpgroup (wt = 2, same bm and
+# wgs) when the wider blocks still number WIDE_MIN_FILL of the SMs: the block reads each x stage once for twice the
+# columns, and each warpgroup has two independent accumulator chains. H100, same runs: gate_up (N 27648-28672) M =
+# 64-256 +0-12% (W8 13B M = 128 1.53 vs 1.46x cuBLAS; W4 8B M = 64 2.03 vs 1.82), with 108-224 blocks of 256 columns
+# on 132 SMs. Not below M = 64 (not measured there; at M = 17..32 the W4A16 route compares the plan's resident warps
+# with the GEMV's, kernels.gemm.routing.wgmma_over_gemv).
+WIDE_MIN_FILL = 0.75
+WIDE_MIN_M = 64
 # Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
 # cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
 # of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
@@ -134,7 +150,9 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     splits (each split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer
     warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
     block (x crosses L2 N / bn times). A split is summed over DSMEM or through
-    the workspace by the rule at ``DSMEM_MIN_TILE``.
+    the workspace by the rule at ``DSMEM_MIN_TILE``. Two refinements the warps ranking misses, each where it was measured
+    (``SHORT_K_SPLITS``, ``WIDE_MIN_FILL``): short K may split into quarters at M = 64..128, and many unsplit tiles
+    go two to a warpgroup from M = 64.
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
@@ -160,7 +178,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
             tiles = -(-M // bm_) * (N // bn)
             cap = sm_count * blocks_per_sm(bm_, a, b, stages, bits)
             for s in [splits] if splits else [s for s in SPLITS if s == 1 or (
-                    ktiles // s >= MIN_K_TILES and tiles * s <= cap)]:
+                    _split_long_enough(ktiles, s, M) and tiles * s <= cap)]:
                 if dsmem and s > 1 and not dsmem_fits(bm_, a, b, stages, bits):
                     continue  # asked for DSMEM sums: only blocks whose partial tile fits
                 key = (_resident_warps(tiles * s, b, cap, sm_count), bm_ == 128, -s, b if bits == 8 else -b, bn)
@@ -170,6 +188,9 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
         bm, a, b, s = bm or (64 if M <= 64 else 128), wt or 1, wgs or 1, splits or 1
     else:
         _, bm, a, b, s = best
+        if (not wt and s == 1 and a == 1 and M >= WIDE_MIN_M and (bm, 2, b) in REGS[bits] and N % (128 * b) == 0
+                and -(-M // bm) * (N // (128 * b)) >= WIDE_MIN_FILL * sm_count):
+            a = 2  # many unsplit tiles: two per warpgroup (WIDE_MIN_FILL)
     bn = 64 * a * b
     s = max(1, min(int(s), ktiles))
     per = -(-ktiles // s)
@@ -183,6 +204,14 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
                       grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
+
+
+def _split_long_enough(ktiles: int, s: int, M: int) -> bool:
+    """Whether ``s`` splits of ``ktiles`` K stages leave each long enough: ``MIN_K_TILES``, or, for M in
+    ``SHORT_K_M``, up to ``SHORT_K_SPLITS`` splits of a quarter of K at least (``MIN_SHORT_K_TILES`` or more)."""
+    per = ktiles // s
+    return per >= MIN_K_TILES or (SHORT_K_M[0] <= M <= SHORT_K_M[1] and s <= SHORT_K_SPLITS
+                                  and per >= max(MIN_SHORT_K_TILES, ktiles // SHORT_K_SPLITS))
 
 
 def _resident_warps(ctas: int, wgs: int, cap: int, sm_count: int) -> float:

@@ -125,6 +125,35 @@ def test_wgmma_gemm_plan_and_support():
     assert p8["shared"] == wg.shared_bytes(p8["bm"], p8["wt"], p8["wgs"], p8["stages"], 8)
 
 
+def test_wgmma_gemm_plan_short_k_and_wide_rules():
+    """The two refinements of the warps ranking (gemm_wgmma.SHORT_K_SPLITS, WIDE_MIN_FILL), each only where it was
+    measured: short K splits into quarters at M = 64..128, many unsplit tiles go two to a warpgroup from M = 64."""
+    for bits in (4, 8):
+        # K = 2048 (32 stages): split 4 of 8 stages at M = 64 and 128 (the old floor of 16 stages allowed 2) ...
+        for M in (64, 128):
+            p = wg.gemm_plan(M, 3072, 2048, bits=bits)
+            assert p["splits"] == 4 and -(-32 // p["splits"]) >= wg.MIN_SHORT_K_TILES, (bits, M, p)
+        # ... not outside that range (M = 32 feeds the W4A16 GEMV-or-wgmma choice, which was tuned without it), and
+        # never past a quarter of K or below MIN_SHORT_K_TILES stages.
+        assert wg.gemm_plan(32, 3072, 2048, bits=bits)["splits"] <= 2
+        assert wg.gemm_plan(256, 2048, 2048, bits=bits)["splits"] <= 2
+        assert wg.gemm_plan(64, 3072, 512, bits=bits)["splits"] <= 2  # 8 stages: quarters of 2 are too short
+        # K = 4096 and longer: unchanged, splits of >= MIN_K_TILES stages (up to 8 where the tiles are few).
+        for K in (4096, 14336):
+            p = wg.gemm_plan(128, 4096, K, bits=bits)
+            assert K // wg.BK // p["splits"] >= wg.MIN_K_TILES
+        # gate_up (224 tiles of 128 columns at M = 128): wt = 2, 112 blocks of 256 columns (>= 0.75 of 132 SMs) ...
+        for M in (64, 128, 256):
+            p = wg.gemm_plan(M, 28672, 4096, bits=bits)
+            assert p["wt"] == 2 and p["splits"] == 1, (bits, M, p)
+            assert -(-M // p["bm"]) * (28672 // p["bn"]) >= wg.WIDE_MIN_FILL * 132
+        # ... not below M = 64, not where the wider blocks would leave a quarter of the SMs idle, not when wt is forced.
+        assert wg.gemm_plan(32, 28672, 4096, bits=bits)["wt"] == 1
+        assert wg.gemm_plan(128, 8192 + 4096, 4096, bits=bits)["wt"] == 1 or wg.gemm_plan(
+            128, 8192 + 4096, 4096, bits=bits)["splits"] > 1  # 48 blocks of 256: fewer than 99
+        assert wg.gemm_plan(128, 28672, 4096, bits=bits, wt=1)["wt"] == 1
+
+
 def test_wgmma_gemm_rejects_unsupported_input():
     x = torch.randn(32, 128, dtype=torch.float16)
     qw = quantize_int4(torch.randn(64, 128, dtype=torch.float16), 64)
