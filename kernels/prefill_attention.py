@@ -51,8 +51,11 @@ def _attn_block(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, lo, hi, k_len, seq, kv_he
             nmask = n < hi  # always true here; a constant-true mask keeps one code path
         k_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_kt, nmask, num_blocks,
                             PAGED, PAGE, ROW, HEAD_DIM)
-        v_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_vt, nmask, num_blocks,
-                            PAGED, PAGE, ROW, HEAD_DIM)
+        if PAGED:
+            v_off = k_off  # K and V pages share the layout (ROW elements a token): one block-table lookup for both
+        else:
+            v_off = _kv_offsets(n, seq, kv_head, k_start, block_table_ptr, stride_bt, stride_vt, nmask, num_blocks,
+                                PAGED, PAGE, ROW, HEAD_DIM)
         if MASKED:
             k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
         else:
