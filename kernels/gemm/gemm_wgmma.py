@@ -150,9 +150,9 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     splits (each split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer
     warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
     block (x crosses L2 N / bn times). A split is summed over DSMEM or through
-    the workspace by the rule at ``DSMEM_MIN_TILE``. Two refinements the warps ranking misses, each where it was measured
-    (``SHORT_K_SPLITS``, ``WIDE_MIN_FILL``): short K may split into quarters at M = 64..128, and many unsplit tiles
-    go two to a warpgroup from M = 64.
+    the workspace by the rule at ``DSMEM_MIN_TILE``. Two refinements the warps ranking misses, each where it was
+    measured (``SHORT_K_SPLITS``, ``WIDE_MIN_FILL``): short K may split into quarters at M = 64..128, and many unsplit
+    tiles go two to a warpgroup from M = 64.
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
