@@ -59,14 +59,15 @@ MIN_K_TILES = 16
 SHORT_K_SPLITS = 4
 SHORT_K_M = (64, 128)
 MIN_SHORT_K_TILES = 4
-# Unsplit plans for M >= WIDE_MIN_M whose 64-column tiles are many take two tiles per warpgroup (wt = 2, same bm and
-# wgs) when the wider blocks still number WIDE_MIN_FILL of the SMs: the block reads each x stage once for twice the
+# Unsplit plans for M in WIDE_M whose 64-column tiles are many take two tiles per warpgroup (wt = 2, same bm and wgs)
+# when the wider blocks still number WIDE_MIN_FILL of the SMs: the block reads each x stage once for twice the
 # columns, and each warpgroup has two independent accumulator chains. H100, same runs: gate_up (N 27648-28672) M =
 # 64-256 +0-12% (W8 13B M = 128 1.53 vs 1.46x cuBLAS; W4 8B M = 64 2.03 vs 1.82), with 108-224 blocks of 256 columns
-# on 132 SMs. Not below M = 64 (not measured there; at M = 17..32 the W4A16 route compares the plan's resident warps
-# with the GEMV's, kernels.gemm.routing.wgmma_over_gemv).
+# on 132 SMs. Only where measured: not below M = 64 (at M = 17..32 the W4A16 route compares the plan's resident warps
+# with the GEMV's, kernels.gemm.routing.wgmma_over_gemv), not above 256 (W8A16 M = 512, bench_gemm_routed at fb69bde,
+# where it applied: gate_up 0.57x vs 0.60x the run before, 8k 0.89 vs 0.81: mixed).
 WIDE_MIN_FILL = 0.75
-WIDE_MIN_M = 64
+WIDE_M = (64, 256)
 # Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
 # cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
 # of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
@@ -152,7 +153,7 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     block (x crosses L2 N / bn times). A split is summed over DSMEM or through
     the workspace by the rule at ``DSMEM_MIN_TILE``. Two refinements the warps ranking misses, each where it was
     measured (``SHORT_K_SPLITS``, ``WIDE_MIN_FILL``): short K may split into quarters at M = 64..128, and many unsplit
-    tiles go two to a warpgroup from M = 64.
+    tiles go two to a warpgroup at M = 64..256.
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
@@ -188,7 +189,8 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
         bm, a, b, s = bm or (64 if M <= 64 else 128), wt or 1, wgs or 1, splits or 1
     else:
         _, bm, a, b, s = best
-        if (not wt and s == 1 and a == 1 and M >= WIDE_MIN_M and (bm, 2, b) in REGS[bits] and N % (128 * b) == 0
+        if (not wt and s == 1 and a == 1 and WIDE_M[0] <= M <= WIDE_M[1] and (bm, 2, b) in REGS[bits]
+                and N % (128 * b) == 0
                 and -(-M // bm) * (N // (128 * b)) >= WIDE_MIN_FILL * sm_count):
             a = 2  # many unsplit tiles: two per warpgroup (WIDE_MIN_FILL)
     bn = 64 * a * b

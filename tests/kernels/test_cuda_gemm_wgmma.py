@@ -127,7 +127,7 @@ def test_wgmma_gemm_plan_and_support():
 
 def test_wgmma_gemm_plan_short_k_and_wide_rules():
     """The two refinements of the warps ranking (gemm_wgmma.SHORT_K_SPLITS, WIDE_MIN_FILL), each only where it was
-    measured: short K splits into quarters at M = 64..128, many unsplit tiles go two to a warpgroup from M = 64."""
+    measured: short K splits into quarters at M = 64..128, many unsplit tiles go two to a warpgroup at M = 64..256."""
     for bits in (4, 8):
         # K = 2048 (32 stages): split 4 of 8 stages at M = 64 and 128 (the old floor of 16 stages allowed 2) ...
         for M in (64, 128):
@@ -147,8 +147,10 @@ def test_wgmma_gemm_plan_short_k_and_wide_rules():
             p = wg.gemm_plan(M, 28672, 4096, bits=bits)
             assert p["wt"] == 2 and p["splits"] == 1, (bits, M, p)
             assert -(-M // p["bm"]) * (28672 // p["bn"]) >= wg.WIDE_MIN_FILL * 132
-        # ... not below M = 64, not where the wider blocks would leave a quarter of the SMs idle, not when wt is forced.
+        # ... not below M = 64 or above 256, not where the wider blocks would leave a quarter of the SMs idle, not when
+        # wt is forced.
         assert wg.gemm_plan(32, 28672, 4096, bits=bits)["wt"] == 1
+        assert wg.gemm_plan(512, 28672, 4096, bits=bits)["wt"] == 1
         assert wg.gemm_plan(128, 8192 + 4096, 4096, bits=bits)["wt"] == 1 or wg.gemm_plan(
             128, 8192 + 4096, 4096, bits=bits)["splits"] > 1  # 48 blocks of 256: fewer than 99
         assert wg.gemm_plan(128, 28672, 4096, bits=bits, wt=1)["wt"] == 1
