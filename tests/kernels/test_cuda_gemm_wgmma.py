@@ -151,9 +151,11 @@ def test_wgmma_gemm_plan_short_k_and_wide_rules():
         # wt is forced.
         assert wg.gemm_plan(32, 28672, 4096, bits=bits)["wt"] == 1
         assert wg.gemm_plan(512, 28672, 4096, bits=bits)["wt"] == 1
-        assert wg.gemm_plan(128, 8192 + 4096, 4096, bits=bits)["wt"] == 1 or wg.gemm_plan(
-            128, 8192 + 4096, 4096, bits=bits)["splits"] > 1  # 48 blocks of 256: fewer than 99
         assert wg.gemm_plan(128, 28672, 4096, bits=bits, wt=1)["wt"] == 1
+    # N = 12288 unsplit at M = 128: the INT8 ranking takes 64-row blocks of wt 1; two tiles a warpgroup would make
+    # 2 x 48 blocks of 256 columns, fewer than 0.75 of 132 SMs, so the rule leaves it.
+    p = wg.gemm_plan(128, 12288, 4096, bits=8, splits=1)
+    assert (p["bm"], p["wt"]) == (64, 1) and 2 * 12288 // 256 < wg.WIDE_MIN_FILL * 132
 
 
 def test_wgmma_gemm_rejects_unsupported_input():
