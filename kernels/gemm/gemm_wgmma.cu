@@ -50,7 +50,7 @@
 #define WG_BITS 4  // weight bits: 4 (INT4, group scales and zeros) or 8 (INT8, one scale per column)
 #endif
 #ifndef WG_BM
-#define WG_BM 128  // rows of x per block: the wgmma N (64 or 128)
+#define WG_BM 128  // rows of x per block: the wgmma N (64, 128 or 256)
 #endif
 #ifndef WG_WGS
 #define WG_WGS 2  // warpgroups per block, 64 WG_WT output columns each
@@ -96,7 +96,7 @@ constexpr int kSBytes = kBits == 4 ? kBN * 2 : 0, kZBytes = kBits == 4 ? kBN : 0
 static_assert(kBits == 4 || kBits == 8, "WG_BITS is 4 or 8");
 using QWord = std::conditional_t<kBits == 4, int, int8_t>;  // qweight's element
 constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + kZBytes + 1023) / 1024 * 1024;  // x stays 1024-aligned
-static_assert(kBM == 64 || kBM == 128, "WG_BM must be 64 or 128");
+static_assert(kBM == 64 || kBM == 128 || kBM == 256, "WG_BM must be 64, 128 or 256");
 static_assert(kWT * kBM <= 256, "at most 128 fp32 accumulators per thread (WG_WT * WG_BM / 2)");
 static_assert(kStages >= 3, "WG_STAGES >= 3 (prefetch distance STAGES - 2)");
 static_assert(kSplits >= 1 && kSplits <= 8, "WG_SPLITS is 1..8 (with WG_DSMEM: the portable cluster size)");
@@ -136,13 +136,25 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t a[4], uint64_t
         "%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
         : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-  } else {
+  } else if constexpr (kBM == 128) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
         "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,"
         "%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 0;"
         : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+        "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,"
+        "%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,"
+        "%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,"
+        "%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,"
+        "%127}, {%128,%129,%130,%131}, %132, 1, 1, 1, 0;"
+        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64),
+          WG_D8(72), WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
   }
 }

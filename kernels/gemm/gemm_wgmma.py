@@ -41,14 +41,14 @@ SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also take
 # builds, rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate (the compile test checks them against
 # ptxas).
 REGS = {4: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 152, (64, 2, 2): 152, (64, 4, 1): 248, (64, 4, 2): 248,
-            (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216},
+            (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216, (256, 1, 2): 208},
         8: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 136, (64, 2, 2): 136, (64, 4, 1): 224, (64, 4, 2): 216,
-            (128, 1, 1): 136, (128, 1, 2): 112, (128, 2, 1): 216, (128, 2, 2): 200}}
+            (128, 1, 1): 136, (128, 1, 2): 112, (128, 2, 1): 216, (128, 2, 2): 200, (256, 1, 2): 200}}
 VARIANTS = tuple(REGS[4])  # the (bm, wt, wgs) block shapes built
 # Plan search space: (wt, wgs) block shapes by bm (at most 128 accumulators per thread: wt * bm <= 256), split
 # factors, and the fewest K stages a split may have (H100 sweep: o at M = 128 with 8 stages per split ran at
 # 0.58-0.75x cuBLAS, with 16 at 0.88-1.00x; qkv at M = 64 1.11-1.18x vs 1.20-1.53x).
-CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)]}
+CANDIDATES = {64: [(4, 1), (2, 2), (2, 1), (1, 2), (1, 1)], 128: [(2, 2), (2, 1), (1, 2), (1, 1)], 256: [(1, 2)]}
 SPLITS = (1, 2, 4, 8)
 MIN_K_TILES = 16
 # ... unless K is short and M is in SHORT_K_M (where it was measured): then up to SHORT_K_SPLITS splits, each a
@@ -68,6 +68,20 @@ MIN_SHORT_K_TILES = 4
 # where it applied: gate_up 0.57x vs 0.60x the run before, 8k 0.89 vs 0.81: mixed).
 WIDE_MIN_FILL = 0.75
 WIDE_M = (64, 256)
+# From BIG_M rows, 256-row blocks of two warpgroups (wgmma m64n256k16, one block per SM): each weight tile is
+# dequantized once per 256 rows, and every k16 step does twice the MMA work for the same fence, wait and
+# dequantization. Taken where they pad M no more than 128-row blocks do (M = 320 pads to 512, 37% idle rows: there
+# they lost up to 39%) and fill at least BIG_MIN_FILL of the SMs in one wave; split by the BIG_SPLITS factor that puts
+# the most blocks in that wave (3 or more only up to DSMEM_MAX_FILL of it: clusters of 3-4 need that many free SMs in
+# one GPC; 4 x 32 blocks ran at 0.62-0.70x of 3 x 32), each split at least BIG_MIN_K_TILES stages, summed over DSMEM;
+# BIG_STAGES pipeline stages (INT8: 5, 1-10% faster than 4 on every changed case; INT4 even). H100, 21 shapes, one
+# run each (benchmarks/results/dev-logs/h100/wgmma_bm256.md): read off M = 256 / 512, where the rule's plan beat the
+# plan before it on all 80 cases it changes (1.02-1.65x), judged at M = 768 / 1024: 84 of 84 faster (1.02-1.65x).
+BIG_M = 256
+BIG_MIN_FILL = 0.5
+BIG_SPLITS = (1, 2, 3, 4)
+BIG_MIN_K_TILES = 8
+BIG_STAGES = {4: 4, 8: 5}
 # Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
 # cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
 # of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
@@ -137,7 +151,7 @@ def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES, bits: int = 
 
 
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
-              wgs: Optional[int] = None, stages: int = STAGES, splits: Optional[int] = None,
+              wgs: Optional[int] = None, stages: Optional[int] = None, splits: Optional[int] = None,
               dsmem: Optional[bool] = None, bits: int = 4) -> dict:
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
     that an eager call pays a dictionary lookup, not the search (~50 us of Python).
@@ -170,6 +184,10 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     if splits is not None and not 1 <= splits <= 8:
         raise ValueError(f"wgmma GEMM: splits={splits} must be 1..8 (a DSMEM sum makes them one cluster)")
     ktiles = K // BK
+    big = None if (bm, wt, wgs) != (None, None, None) else _big_plan(M, N, ktiles, sm_count, stages, splits, bits)
+    if big is not None:
+        bm, wt, wgs, splits = big
+    stages = stages or (BIG_STAGES[bits] if big else STAGES)
     best = None
     for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
         for a, b in CANDIDATES[bm_]:
@@ -206,6 +224,22 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
                       grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
+
+
+def _big_plan(M: int, N: int, ktiles: int, sm_count: int, stages: Optional[int], splits: Optional[int],
+              bits: int) -> Optional[tuple]:
+    """``(256, 1, 2, splits)``: the 256-row block and its split where the ``BIG_M`` rule takes it, else None."""
+    if M < BIG_M or N % 128 or -(-M // 256) * 256 > -(-M // 128) * 128:
+        return None
+    tiles = -(-M // 256) * (N // 128)
+    cap = sm_count * blocks_per_sm(256, 1, 2, stages or BIG_STAGES[bits], bits)
+
+    def fits(s):
+        return s == 1 or (ktiles // s >= BIG_MIN_K_TILES and tiles * s <= cap
+                          and (s <= 2 or tiles * s <= DSMEM_MAX_FILL * cap))
+
+    s = splits or max((s for s in BIG_SPLITS if fits(s)), key=lambda s: (min(tiles * s, cap), -s))
+    return (256, 1, 2, s) if min(tiles * s, cap) >= BIG_MIN_FILL * sm_count else None
 
 
 def _split_long_enough(ktiles: int, s: int, M: int) -> bool:

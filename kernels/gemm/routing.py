@@ -6,7 +6,8 @@ activation dtype, the GPU (a ``Card``) and the few flags that change the choice.
 W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEMV_MMA_MAX_M`` rows (M > 8 tiled in
 M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
 ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
-``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M``.
+``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
+``WGMMA_W4_BIG_MAX_M`` where its plan takes 256-row blocks).
 W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper from ``WGMMA_W8_MIN_M`` the
 wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Everything else below
 ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
@@ -54,8 +55,13 @@ DEQUANT_MIN_M_W8 = 512
 # bench_gemm_wgmma_large_m_w{4,8}.md): W4A16 M=256 0.78-0.93x vs 0.52-0.55x (all 5), M=512 ahead on 4 of 5 but
 # gate_up 0.48x vs 0.64x, M=1024 behind on all 5 (0.50-0.77x vs 0.77-0.81x); W8A16 M=512 ahead on 4 of 5 (0.73-0.84x
 # vs 0.61-0.67x; gate_up 0.57x vs 0.58x), M=1024 even but qkv 0.58x vs 0.77x, M=2048 behind on all 5 (0.77-0.80x vs
-# 0.85-0.89x).
+# 0.85-0.89x). W4A16 from 512 to WGMMA_W4_BIG_MAX_M only where the plan takes 256-row blocks (gemm_wgmma.BIG_M;
+# M = 600, padded less by 128-row blocks, keeps dequant+cuBLAS): H100, 21 shapes, same run
+# (benchmarks/results/dev-logs/h100/wgmma_bm256.md), the 256-row plan vs dequant+cuBLAS: M=512 ahead on 21 of 21
+# (0.66-1.00x vs 0.59-0.67x), M=768 on 17 (geometric mean 1.10x of dequant+cuBLAS), M=1024 on 12 (1.03x; behind on
+# the N = 5120 and 2560 shapes, whose 160-block grids leave the second wave mostly idle).
 WGMMA_W4_MAX_M = 511
+WGMMA_W4_BIG_MAX_M = 1023
 WGMMA_W8_MAX_M = 1023
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M <= WGMMA_W4_MAX_M on sm_90 goes to the wgmma GEMM
 # (kernels.gemm.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
@@ -166,7 +172,9 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
         return _route("reference", "fused" if swiglu else "none")
     fused = "fused" if swiglu else "none"
     wg = (wgmma_plan(M, N, K, group_size, dtype, card)
-          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M <= WGMMA_W4_MAX_M else None)
+          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M <= WGMMA_W4_BIG_MAX_M else None)
+    if wg is not None and M > WGMMA_W4_MAX_M and wg["bm"] != 256:
+        wg = None  # past WGMMA_W4_MAX_M only with 256-row blocks
     if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,

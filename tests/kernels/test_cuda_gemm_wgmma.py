@@ -1,6 +1,6 @@
 """The Hopper weight-only GEMM (kernels/gemm/gemm_wgmma.cu), INT4 and INT8 builds: compiles to sm_90a PTX/cubin here
 (nvcc, no GPU) with warpgroup MMAs and no local memory in its SASS; its plan and input checks; on an sm_90 GPU it
-matches the fp32 reference on the dequantized weight for ragged M tiles, both tile heights, one and two warpgroups,
+matches the fp32 reference on the dequantized weight for ragged M tiles, all three tile heights, one and two warpgroups,
 1 to 4 tiles per warpgroup, no split and split-K (the plan's and forced ones, 2 to 8 blocks, summed through the
 workspace or over a cluster's DSMEM), and two launches of a split variant give bit-identical results (the workspace
 counters are reset)."""
@@ -21,7 +21,8 @@ from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
 VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm=64, wt=4, wgs=2, stages=3),
             dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3, dsmem=False),
             dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
-            dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False)]
+            dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False), dict(bm=256, wt=1, wgs=2),
+            dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2, dsmem=False)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
@@ -78,7 +79,7 @@ def test_wgmma_gemm_plan_and_support():
     assert "group_size=32" in wg.unsupported_reason(128, 4096, 4096, 32, **ok)
     for M, N, K in [(64, 4096, 4096), (128, 28672, 4096), (100, 4096, 14336), (256, 6144, 4096), (33, 192, 256)]:
         p = wg.gemm_plan(M, N, K)
-        assert p["bm"] == 64 if M <= 64 else p["bm"] in (64, 128)
+        assert p["bm"] == 64 if M <= 64 else p["bm"] in (64, 128, 256)
         assert p["bn"] == 64 * p["wt"] * p["wgs"] and N % p["bn"] == 0 and p["wt"] * p["bm"] <= 256
         assert p["grid"][0] == -(-M // p["bm"]) * (N // p["bn"]) and p["grid"][1] == p["splits"]
         ktiles = K // wg.BK
@@ -143,7 +144,7 @@ def test_wgmma_gemm_plan_short_k_and_wide_rules():
             p = wg.gemm_plan(128, 4096, K, bits=bits)
             assert K // wg.BK // p["splits"] >= wg.MIN_K_TILES
         # gate_up (224 tiles of 128 columns at M = 128): wt = 2, 112 blocks of 256 columns (>= 0.75 of 132 SMs) ...
-        for M in (64, 128, 256):
+        for M in (64, 128, 200):
             p = wg.gemm_plan(M, 28672, 4096, bits=bits)
             assert p["wt"] == 2 and p["splits"] == 1, (bits, M, p)
             assert -(-M // p["bm"]) * (28672 // p["bn"]) >= wg.WIDE_MIN_FILL * 132
@@ -156,6 +157,33 @@ def test_wgmma_gemm_plan_short_k_and_wide_rules():
     # 2 x 48 blocks of 256 columns, fewer than 0.75 of 132 SMs, so the rule leaves it.
     p = wg.gemm_plan(128, 12288, 4096, bits=8, splits=1)
     assert (p["bm"], p["wt"]) == (64, 1) and 2 * 12288 // 256 < wg.WIDE_MIN_FILL * 132
+
+
+def test_wgmma_gemm_plan_256_row_blocks():
+    """gemm_wgmma.BIG_M: from M = 256, 256-row blocks of two warpgroups where they pad M no more than 128-row blocks
+    and fill half the SMs in one wave, split by the factor that puts the most blocks in that wave (3 or 4 only up to
+    DSMEM_MAX_FILL of it), summed over DSMEM; INT8 with BIG_STAGES stages; never when a block shape is forced."""
+    for bits in (4, 8):
+        # (N, K) -> split at M = 256: tiles of 128 columns 16 (too few even split 4: 64 blocks < 66), 20 and 24 (4),
+        # 32 (3: 4 x 32 = 128 > 0.75 x 132), 40 to 64 (2), 80 and more (1).
+        for N, K, splits in ((2048, 8192, None), (2560, 8192, 4), (3072, 2048, 4), (4096, 4096, 3),
+                             (5120, 13824, 2), (8192, 8192, 2), (15360, 5120, 1), (28672, 4096, 1)):
+            p = wg.gemm_plan(256, N, K, bits=bits)
+            if splits is None:
+                assert p["bm"] != 256, (bits, N, p)
+                continue
+            assert (p["bm"], p["wt"], p["wgs"], p["splits"]) == (256, 1, 2, splits), (bits, N, p)
+            assert p["dsmem"] == (splits > 1) and p["stages"] == (5 if bits == 8 else wg.STAGES)  # INT8: 5 stages
+            assert p["grid"] == (N // 128, splits) and p["shared"] <= wg.SHARED_LIMIT
+        # Padding: M = 320 and 384 take 128-row blocks (512 rows in 256-row blocks against 384), 448 and 768 do not.
+        for M, big in ((255, False), (320, False), (384, False), (448, True), (512, True), (600, False), (768, True)):
+            assert (wg.gemm_plan(M, 4096, 4096, bits=bits)["bm"] == 256) == big, (bits, M)
+        # Splits of 8 stages at least: K = 512 (8 stages) stays unsplit, so 32 tiles fill too few SMs.
+        assert wg.gemm_plan(256, 4096, 512, bits=bits)["bm"] != 256
+        # Forced block shapes, stages and splits are kept.
+        assert wg.gemm_plan(512, 4096, 4096, bits=bits, bm=128)["bm"] == 128
+        assert wg.gemm_plan(512, 4096, 4096, bits=bits, stages=3)["stages"] == 3
+        assert wg.gemm_plan(512, 4096, 4096, bits=bits, splits=1)["splits"] == 1
 
 
 def test_wgmma_gemm_rejects_unsupported_input():
@@ -171,7 +199,7 @@ def test_wgmma_gemm_rejects_unsupported_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 33, 64, 100, 128, 200, 257])
+@pytest.mark.parametrize("M", [1, 33, 64, 100, 128, 200, 257, 700])
 @pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1024, 14336, 64, True),
                                                       (192, 256, 64, False)])
 def test_wgmma_gemm_matches_reference(M, N, K, group_size, symmetric):
@@ -199,7 +227,7 @@ def test_wgmma_gemm_matches_reference(M, N, K, group_size, symmetric):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [33, 100, 128, 200])
+@pytest.mark.parametrize("M", [33, 100, 128, 200, 512])
 def test_wgmma_gemm_swiglu_epilogue(M):
     """WG_SWIGLU builds: W's columns as interleaved (gate, up) pairs, out [M, N / 2], unsplit and split-K (both
     sums), every output written."""
@@ -213,7 +241,7 @@ def test_wgmma_gemm_swiglu_epilogue(M):
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, None, True)
     base = dequant_baseline(x, qw, bias, swiglu=True)
     for v in (dict(), dict(splits=1), dict(splits=3, dsmem=False), dict(bm=128, wt=1, wgs=2, splits=2, dsmem=True),
-              dict(bm=128, wt=2, wgs=2, splits=1)):
+              dict(bm=128, wt=2, wgs=2, splits=1), dict(bm=256, wt=1, wgs=2, splits=2, dsmem=True)):
         out = poisoned((M, N // 2), torch.float16, "cuda")
         y = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True, **v)
         # fp32 sums, SwiGLU in fp32, one fp16 rounding: at most twice PyTorch's fp16 error (which rounds the GEMM
@@ -223,7 +251,7 @@ def test_wgmma_gemm_swiglu_epilogue(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [5, 33, 64, 100, 128, 200, 511])
+@pytest.mark.parametrize("M", [5, 33, 64, 100, 128, 200, 511, 700])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 14336), (192, 256)])
 def test_wgmma_w8_gemm_matches_reference(M, N, K):
     """The INT8 build: every variant of VARIANTS (both tile heights, 1-4 tiles per warpgroup, workspace and DSMEM

@@ -4,7 +4,7 @@ Equivalence: on every M up to 1024 and the Llama-family shapes, the route is the
 the routing existed (``gemm_routing_legacy.py``, a frozen copy), and the ops now make exactly the calls it made (same
 kernels, same arguments), both run with stand-ins for every kernel on CPU tensors. The one route added since, W8A16's
 wgmma GEMM (Hopper, fp16, no residual, M = 17..1023, operands aligned), and W4A16's wgmma GEMM past the cascade's
-range (M = 256..511), are checked against its own rule there: the op
+range (M = 256..511, and up to 1023 where its plan takes 256-row blocks), are checked against its own rule there: the op
 calls that kernel alone, with the op's operands; everywhere else W8A16 still makes the cascade's calls. Then the
 routes of the measured shapes on an H100 as a readable table, plans and cards; on the GPU, the op's result is the
 routed kernel's, bit for bit."""
@@ -244,7 +244,8 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu, aligned=aligned)
         if got.backend == "w4_gemm_wgmma":
             _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemm_wgmma", swiglu, bias, where)
-            assert M <= routing.WGMMA_W4_MAX_M and card.sm == 90 and not residual, where
+            assert card.sm == 90 and not residual and (M <= routing.WGMMA_W4_MAX_M or (
+                M <= routing.WGMMA_W4_BIG_MAX_M and got.params["bm"] == 256)), where
             return
     calls = kernels.run(legacy.w4a16_linear, *args)
     assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
@@ -352,13 +353,16 @@ GEMV, WGMMA, DEQUANT = "w4_gemv_mma", "w4_gemm_wgmma", "dequant_cublas"
 # >= 10 warps per SM resident (qkv, gate_up, down, 8k: 11.6-15.5), not at o (7.8). SmolLM2's K = 576 is no multiple
 # of 128, which the tensor-core GEMV needs (the scalar GEMV takes M = 1, Triton up to 16); odd_dims' down has 32-wide
 # groups, which the wgmma GEMM does not take (64), and K = 608 (Triton up to 255).
+# From 512 to 1023 the wgmma GEMM only where its plan takes 256-row blocks (M padded no more than by 128-row blocks:
+# 641..768, 897..1023, and 512 itself), dequantize + cuBLAS in between; N = 960 (SmolLM2) has no 128-column tiles.
+_BIG = [(513, 640, DEQUANT), (641, 768, WGMMA), (769, 896, DEQUANT), (897, 1023, WGMMA), (1024, 1024, DEQUANT)]
 W4_H100 = {
-    "l3-8b qkv": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
-    "l3-8b o": [(1, 32, GEMV), (33, 511, WGMMA), (512, 1024, DEQUANT)],
-    "l3-8b gate_up": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
-    "l3-8b down": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
-    "8k": [(1, 16, GEMV), (17, 511, WGMMA), (512, 1024, DEQUANT)],
-    "l3-70b/8 o": [(1, 32, GEMV), (33, 511, WGMMA), (512, 1024, DEQUANT)],
+    "l3-8b qkv": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
+    "l3-8b o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG,
+    "l3-8b gate_up": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
+    "l3-8b down": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
+    "8k": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
+    "l3-70b/8 o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG,
     "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
@@ -399,7 +403,7 @@ def test_h100_routes_of_the_measured_shapes():
     assert _ranges(lambda M, s: w8(M, s, residual=True), qkv) == [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # SwiGLU: fused where the kernel has the epilogue (W8A16: the wgmma GEMM), after the GEMM otherwise.
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
-    assert w4(512, qkv, swiglu=True).swiglu == "after" and w4(256, qkv, swiglu=True).swiglu == "fused"
+    assert w4(1024, qkv, swiglu=True).swiglu == "after" and w4(1023, qkv, swiglu=True).swiglu == "fused"
     assert w4(1, qkv).swiglu == "none"
     assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 5, 16, 1024)} == {"after"}
     assert {w8(M, qkv, swiglu=True).swiglu for M in (17, 1023)} == {"fused"}
@@ -437,7 +441,10 @@ def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
     # The SM count counts: down at M = 24 keeps 15.5 warps per SM resident on 132 SMs, 9.0 (< 10) on 114.
     assert route_w4a16(24, 4096, 14336, torch.float16, H100, group_size=128).backend == WGMMA
     assert route_w4a16(24, 4096, 14336, torch.float16, H100_PCIE, group_size=128).backend == GEMV
-    assert route_w4a16(600, 4096, 4096, torch.float16, H100, group_size=128).plan == ()  # dequantize + cuBLAS
+    assert route_w4a16(1100, 4096, 4096, torch.float16, H100, group_size=128).plan == ()  # dequantize + cuBLAS
+    # 512..1023: the wgmma GEMM only with 256-row blocks (M = 600 pads to 640 rows with 128-row blocks, to 768 with 256)
+    assert route_w4a16(700, 4096, 4096, torch.float16, H100, group_size=128).params["bm"] == 256
+    assert route_w4a16(600, 4096, 4096, torch.float16, H100, group_size=128).backend == DEQUANT
     assert route_w4a16(8, 4096, 4096, torch.float16, H200, group_size=128) == \
         route_w4a16(8, 4096, 4096, torch.float16, H100, group_size=128)
 
@@ -504,12 +511,13 @@ def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 64, 128, 300, 600])
+@pytest.mark.parametrize("M", [1, 16, 64, 128, 300, 600, 768])
 def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
-    up to WGMMA_W4_MAX_M, from there (and from DEQUANT_MIN_M_W4 where the wgmma GEMM does not run: a residual, not
-    Hopper) dequantize + cuBLAS + the SwiGLU kernel on interleaved pairs; with a residual the Triton kernel below
-    DEQUANT_MIN_M_W4. All within tolerance of the reference."""
+    up to WGMMA_W4_MAX_M (up to WGMMA_W4_BIG_MAX_M with 256-row blocks: M = 768, not 600), from there (and from
+    DEQUANT_MIN_M_W4 where the wgmma GEMM does not run: a residual, not Hopper) dequantize + cuBLAS + the SwiGLU kernel
+    on interleaved pairs; with a residual the Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the
+    reference."""
     from kernels.activation import swiglu
 
     N, K = 2048, 1024
@@ -527,7 +535,8 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
     hopper = torch.cuda.get_device_capability()[0] == 9
     if M >= routing.DEQUANT_MIN_M_W4:
         assert (route_res.backend, route_res.swiglu) == (DEQUANT, "after") and torch.equal(y_res, dequant_route(r))
-        if hopper and M <= routing.WGMMA_W4_MAX_M:
+        big = M <= routing.WGMMA_W4_BIG_MAX_M and wg.gemm_plan(M, N, K)["bm"] == 256
+        if hopper and (M <= routing.WGMMA_W4_MAX_M or big):
             assert (route.backend, route.swiglu) == (WGMMA, "fused")
             assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
         else:
