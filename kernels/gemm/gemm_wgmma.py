@@ -1,8 +1,8 @@
 """Launchers for the Hopper weight-only GEMM (``gemm_wgmma.cu``), W4A16 and W8A16 (``bits`` 4 / 8: one kernel body,
 the weight format a compile flag): fp16 activations, M above the GEMVs' range, sm_90.
 
-A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64 or 128 rows
-of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the weight (and the INT4 scales
+A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64, 128 or 256
+rows of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the weight (and the INT4 scales
 and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64; INT8's per-column scales
 are applied to the fp32 sums in the epilogue. Split-K over grid y (``splits`` blocks per tile) when the tiles alone
 leave SMs idle, the fp32 partial tiles summed in a fixed order either by the last block of each tile through a global
@@ -165,9 +165,10 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     splits (each split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer
     warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
     block (x crosses L2 N / bn times). A split is summed over DSMEM or through
-    the workspace by the rule at ``DSMEM_MIN_TILE``. Two refinements the warps ranking misses, each where it was
-    measured (``SHORT_K_SPLITS``, ``WIDE_MIN_FILL``): short K may split into quarters at M = 64..128, and many unsplit
-    tiles go two to a warpgroup at M = 64..256.
+    the workspace by the rule at ``DSMEM_MIN_TILE``. Three rules the warps ranking misses, each where it was measured:
+    from M = 256 the 256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row), short
+    K may split into quarters at M = 64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at
+    M = 64..256 (``WIDE_MIN_FILL``).
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
