@@ -3,10 +3,10 @@ the weight format a compile flag): fp16 activations, M above the GEMVs' range, s
 
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64, 128 or 256
 rows of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the weight (and the INT4
-scales and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64; INT8's per-column scales
-are applied to the fp32 sums in the epilogue. Split-K over grid y (``splits`` blocks per tile) when the tiles alone
-leave SMs idle, the fp32 partial tiles summed in a fixed order either by the last block of each tile through a global
-workspace, or (``dsmem``) by all the tile's blocks, as one thread-block cluster, over distributed shared memory.
+scales and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64; INT8's per-column
+scales are applied to the fp32 sums in the epilogue. Split-K over grid y (``splits`` blocks per tile) when the tiles
+alone leave SMs idle, the fp32 partial tiles summed in a fixed order either by the last block of each tile through a
+global workspace, or (``dsmem``) by all the tile's blocks, as one thread-block cluster, over distributed shared memory.
 Compiled for sm_90a with nvcc by ``kernels.aot.compile_cuda`` (one build per variant, ``splits`` included) and launched
 with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan is a pure function of shapes and the SM
 count.
