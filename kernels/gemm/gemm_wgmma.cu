@@ -1,4 +1,4 @@
-// Weight-only GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~32 to a few hundred:
+// Weight-only GEMM for Hopper (sm_90a) on warpgroup MMAs, fp16 activations, M from ~17 to ~1000:
 // y[M, N] = x[M, K] @ W^T (+ bias), or with WG_SWIGLU (W's columns interleaved gate/up pairs) silu(gate) * up ->
 // [M, N / 2]. One kernel for both of kernels.quant's layouts (WG_BITS):
 //   4: INT4, qweight int32 [K/8, N], nibble j of packed row r is k = 8r + j; scales fp16 [K/G, N]; zeros int8 [K/G, N],
