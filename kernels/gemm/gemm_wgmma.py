@@ -73,7 +73,7 @@ WIDE_M = (64, 256)
 # dequantization. Taken where they pad M no more than 128-row blocks do (M = 320 pads to 512, 37% idle rows: there
 # they lost up to 39%) and fill at least BIG_MIN_FILL of the SMs in one wave; split by the BIG_SPLITS factor that puts
 # the most blocks in that wave (3 or more only up to DSMEM_MAX_FILL of it: clusters of 3-4 need that many free SMs in
-# one GPC; 4 x 32 blocks ran at 0.62-0.70x of 3 x 32), each split at least BIG_MIN_K_TILES stages, summed over DSMEM;
+# one GPC; 4 x 32 blocks ran at 0.63-0.69x of 3 x 32), each split at least BIG_MIN_K_TILES stages, summed over DSMEM;
 # BIG_STAGES pipeline stages (INT8: 5, 1-10% faster than 4 on every changed case; INT4 even). H100, 21 shapes, one
 # run each (benchmarks/results/dev-logs/h100/wgmma_bm256.md): read off M = 256 / 512, where the rule's plan beat the
 # plan before it on all 80 cases it changes (1.02-1.65x), judged at M = 768 / 1024: 84 of 84 faster (1.02-1.65x).
