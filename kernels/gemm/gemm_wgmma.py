@@ -221,7 +221,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     ctas, cap = -(-M // bm) * -(-N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages, bits)
     if dsmem is None:
         dsmem = (s > 1 and dsmem_fits(bm, a, b, stages, bits) and bm * bn >= DSMEM_MIN_TILE
-                 and (s <= 2 or ctas <= DSMEM_MAX_FILL * cap))
+                 and _clusters_fit(s, ctas, cap))
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
                       grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
@@ -236,11 +236,16 @@ def _big_plan(M: int, N: int, ktiles: int, sm_count: int, stages: Optional[int],
     cap = sm_count * blocks_per_sm(256, 1, 2, stages or BIG_STAGES[bits], bits)
 
     def fits(s):
-        return s == 1 or (ktiles // s >= BIG_MIN_K_TILES and tiles * s <= cap
-                          and (s <= 2 or tiles * s <= DSMEM_MAX_FILL * cap))
+        return s == 1 or (ktiles // s >= BIG_MIN_K_TILES and tiles * s <= cap and _clusters_fit(s, tiles * s, cap))
 
     s = splits or max((s for s in BIG_SPLITS if fits(s)), key=lambda s: (min(tiles * s, cap), -s))
     return (256, 1, 2, s) if min(tiles * s, cap) >= BIG_MIN_FILL * sm_count else None
+
+
+def _clusters_fit(splits: int, ctas: int, cap: int) -> bool:
+    """Whether ``ctas`` blocks in DSMEM clusters of ``splits`` find their SMs at once (``DSMEM_MAX_FILL``): clusters
+    of 1-2 anywhere, larger ones only while the blocks fill at most that share of the ``cap`` block slots."""
+    return splits <= 2 or ctas <= DSMEM_MAX_FILL * cap
 
 
 def _split_long_enough(ktiles: int, s: int, M: int) -> bool:
