@@ -82,6 +82,16 @@ BIG_MIN_FILL = 0.5
 BIG_SPLITS = (1, 2, 3, 4)
 BIG_MIN_K_TILES = 8
 BIG_STAGES = {4: 4, 8: 5}
+# ... and a split whose clusters would not fit sums through the workspace instead, where each split is at least
+# BIG_WS_MIN_K_TILES stages: the workspace sum costs a fixed few us (at M = 256, split 2 through the workspace against
+# DSMEM on the same grid: 3.7-7.6 us slower on 28 of 30 shape x bits rows), which the fuller wave repays only when
+# the splits are long. H100 (benchmarks/results/dev-logs/h100/wgmma_ws_split.md), read off M = 256 on 15 shapes, the
+# workspace split against the best DSMEM one: 56-144 stages a split won (down 4 x 32 blocks 1.02-1.08x of 3 x 32;
+# 13b_down, 32b_down 3 x 40 1.18-1.27x of 2 x 40), 27 was even (13b_o 0.98 / 1.04x), 16 lost (3b_qkv 3 x 40
+# 0.87-0.93x of 2 x 40, o 4 x 32 0.79-0.84x of 3 x 32); judged on 4 shapes outside that set (Qwen2.5-7B down,
+# Mistral-NeMo down, 13B and 70B down row-split over more GPUs) at M = 256, 400, 450, 512, and the 3 changed rows
+# again in that run: 18 of 18 changed plans faster (1.02-1.33x).
+BIG_WS_MIN_K_TILES = 48
 # Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
 # cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
 # of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
@@ -166,7 +176,8 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
     block (x crosses L2 N / bn times). A split is summed over DSMEM or through
     the workspace by the rule at ``DSMEM_MIN_TILE``. Three rules the warps ranking misses, each where it was measured:
-    from M = 256 the 256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row), short
+    from M = 256 the 256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row; long
+    splits through the workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short
     K may split into quarters at M = 64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at
     M = 64..256 (``WIDE_MIN_FILL``).
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
@@ -185,7 +196,8 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     if splits is not None and not 1 <= splits <= 8:
         raise ValueError(f"wgmma GEMM: splits={splits} must be 1..8 (a DSMEM sum makes them one cluster)")
     ktiles = K // BK
-    big = None if (bm, wt, wgs) != (None, None, None) else _big_plan(M, N, ktiles, sm_count, stages, splits, bits)
+    big = (None if (bm, wt, wgs) != (None, None, None)
+           else _big_plan(M, N, ktiles, sm_count, stages, splits, dsmem, bits))
     if big is not None:
         bm, wt, wgs, splits = big
     stages = stages or (BIG_STAGES[bits] if big else STAGES)
@@ -228,15 +240,18 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
 
 
 def _big_plan(M: int, N: int, ktiles: int, sm_count: int, stages: Optional[int], splits: Optional[int],
-              bits: int) -> Optional[tuple]:
+              dsmem: Optional[bool], bits: int) -> Optional[tuple]:
     """``(256, 1, 2, splits)``: the 256-row block and its split where the ``BIG_M`` rule takes it, else None."""
     if M < BIG_M or N % 128 or -(-M // 256) * 256 > -(-M // 128) * 128:
         return None
     tiles = -(-M // 256) * (N // 128)
     cap = sm_count * blocks_per_sm(256, 1, 2, stages or BIG_STAGES[bits], bits)
 
+    def summable(s):  # over DSMEM where the clusters fit, else (long splits, DSMEM not asked for) the workspace
+        return _clusters_fit(s, tiles * s, cap) or (not dsmem and ktiles // s >= BIG_WS_MIN_K_TILES)
+
     def fits(s):
-        return s == 1 or (ktiles // s >= BIG_MIN_K_TILES and tiles * s <= cap and _clusters_fit(s, tiles * s, cap))
+        return s == 1 or (ktiles // s >= BIG_MIN_K_TILES and tiles * s <= cap and summable(s))
 
     s = splits or max((s for s in BIG_SPLITS if fits(s)), key=lambda s: (min(tiles * s, cap), -s))
     return (256, 1, 2, s) if min(tiles * s, cap) >= BIG_MIN_FILL * sm_count else None

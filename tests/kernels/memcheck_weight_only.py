@@ -40,7 +40,8 @@ if torch.cuda.get_device_capability() == (9, 0):
         for ov in ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
                    dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
                    dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6), dict(bm=256, wt=1, wgs=2),
-                   dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2)):
+                   dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2),
+                   dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False)):
             if N % wg.gemm_plan(M, N, K, **ov)["bn"] == 0:  # blocks no wider than N
                 wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
                 wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, swiglu=True, **ov)
@@ -48,7 +49,8 @@ if torch.cuda.get_device_capability() == (9, 0):
         for ov in ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
                    dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
                    dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6), dict(bm=256, wt=1, wgs=2),
-                   dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2)):
+                   dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2),
+                   dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False)):
             if N % wg.gemm_plan(M, N, K, bits=8, **ov)["bn"] == 0:
                 wg.w8a16_gemm_wgmma(x, q8.qweight, q8.scales, b, **ov)
                 wg.w8a16_gemm_wgmma(x, q8.qweight, q8.scales, b, swiglu=True, **ov)

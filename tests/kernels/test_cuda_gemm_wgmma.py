@@ -22,7 +22,8 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
             dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3, dsmem=False),
             dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
             dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False), dict(bm=256, wt=1, wgs=2),
-            dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2, dsmem=False)]
+            dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2, dsmem=False),
+            dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
@@ -167,7 +168,7 @@ def test_wgmma_gemm_plan_256_row_blocks():
         # (N, K) -> split at M = 256: tiles of 128 columns 16 (too few even split 4: 64 blocks < 66), 20 and 24 (4),
         # 32 (3: 4 x 32 = 128 > 0.75 x 132), 40 to 64 (2), 80 and more (1).
         for N, K, splits in ((2048, 8192, None), (2560, 8192, 4), (3072, 2048, 4), (4096, 4096, 3),
-                             (5120, 13824, 2), (8192, 8192, 2), (15360, 5120, 1), (28672, 4096, 1)):
+                             (5120, 5120, 2), (8192, 8192, 2), (15360, 5120, 1), (28672, 4096, 1)):
             p = wg.gemm_plan(256, N, K, bits=bits)
             if splits is None:
                 assert p["bm"] != 256, (bits, N, p)
@@ -184,6 +185,30 @@ def test_wgmma_gemm_plan_256_row_blocks():
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, bm=128)["bm"] == 128
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, stages=3)["stages"] == 3
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, splits=1)["splits"] == 1
+
+
+def test_wgmma_gemm_plan_256_row_workspace_splits():
+    """gemm_wgmma.BIG_WS_MIN_K_TILES: a 256-row split whose DSMEM clusters would not fit sums through the workspace
+    where each split has that many K stages (the fuller wave pays for the workspace sum), not where the splits are
+    short, and never when DSMEM sums are asked for (the TensorRT plugins' plans)."""
+    for bits in (4, 8):
+        # (N, K, M) -> (splits, dsmem): 40 tiles of 128 columns (N 5120) with K 13824 (216 stages): 3 x 40 through the
+        # workspace (72 a split), not 2 x 40 over DSMEM; with K 5120 (80: 26 a split) and 3072 (48: 16) the DSMEM
+        # 2 x 40 stays; 32 tiles with K 14336 (224): 4 x 32 through the workspace (56 a split) instead of 3 x 32 over
+        # DSMEM (4 x 32 clusters exceed DSMEM_MAX_FILL), with K 4096 (64: 16 a split) the DSMEM 3 x 32 stays; two row
+        # blocks of 20 tiles (M 512, N 2560) with K 13824: 3 x 40 through the workspace.
+        for N, K, M, want in ((5120, 13824, 256, (3, False)), (5120, 5120, 256, (2, True)),
+                              (5120, 3072, 256, (2, True)), (4096, 14336, 256, (4, False)),
+                              (4096, 4096, 256, (3, True)), (2560, 13824, 512, (3, False))):
+            p = wg.gemm_plan(M, N, K, bits=bits)
+            assert (p["bm"], p["splits"], p["dsmem"]) == (256, *want), (bits, N, K, M, p)
+            assert p["grid"] == (-(-M // 256) * N // 128, want[0])
+        # At the threshold: 48 stages a split take the workspace, 47 do not (K 9216 / 9024 in 3 splits, N 5120).
+        assert wg.gemm_plan(256, 5120, 3 * 48 * wg.BK, bits=bits)["splits"] == 3
+        assert wg.gemm_plan(256, 5120, 3 * 47 * wg.BK, bits=bits)["splits"] == 2
+        # DSMEM sums asked for: only clusters that fit.
+        p = wg.gemm_plan(256, 5120, 13824, bits=bits, dsmem=True)
+        assert (p["bm"], p["splits"], p["dsmem"]) == (256, 2, True), p
 
 
 def test_wgmma_gemm_rejects_unsupported_input():
