@@ -279,7 +279,7 @@ def main():
                 p8 = mma8.gemv_plan(M, N, K, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
                 alts = [dict(vec=v) for v in mma8.VECS if v != p8["vec"]] + [
                     dict(ksplit=2 * p8["ksplit"]), dict(ksplit=p8["ksplit"] // 2), dict(warps=2 * p8["warps"]),
-                    dict(warps=p8["warps"] // 2), dict(u=2 * p8["u"]), dict(l2_128=True)]
+                    dict(warps=p8["warps"] // 2), dict(u=2 * p8["u"]), dict(l2_128=not mma8.L2_128)]
                 w8_variants = [("default", {})] + [
                     (" ".join(f"{k}={v}" for k, v in o.items()), o) for o in alts
                     if mma8.unsupported_reason(M, N, K, x.dtype, o.get("vec", p8["vec"]), o.get("u", p8["u"]),

@@ -171,7 +171,7 @@ def test_w8_gemv_matches_reference(M, N, K):
     variants = [{}]
     if (N, K) in ((4096, 256), (1000, 192)):  # every vec, ksplit 1..8, u 1..4, fewer warps, the L2 hint (each
         # variant is an nvcc build: sweeping two shapes keeps the tier to ~23 builds)
-        variants += [dict(l2_128=True), dict(warps=max(1, plan["warps"] // 2)), dict(warps=1, u=1, ksplit=1)]
+        variants += [dict(l2_128=not mma8.L2_128), dict(warps=max(1, plan["warps"] // 2)), dict(warps=1, u=1, ksplit=1)]
         variants += [dict(vec=v) for v in mma8.VECS if v != plan["vec"] and N % v == 0]
         variants += [dict(vec=4, u=2), dict(vec=8, u=4)] if N % 8 == 0 and K % 64 == 0 else []
         variants += [dict(ksplit=s) for s in mma8.KSPLITS if s != plan["ksplit"] and K % (64 * s) == 0]

@@ -28,7 +28,11 @@ VECS = (16, 8, 4)  # the longest weight loads that divide N (with clusters), or 
 KSPLITS = (1, 2, 4, 8)
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 BYTES_PER_BUFFER = 64  # weight bytes per lane per register buffer (4 rows x vec x u), as the W4 GEMV's u = 4
-L2_128 = False  # L2::128B hint on weight loads (GEMV_L2_128): not measured yet, so off
+# L2::128B hint on weight loads (GEMV_L2_128: L2 fetches each load's whole 128-byte line). H100, the plan with and
+# without it in one run (benchmarks/results/dev-logs/h100/w8_gemv_l2_hint.md): M = 1 faster on all 21 shapes (tuning
+# and generalization sets, 1.00-1.12x: 32b_down 1.59 -> 1.77x cuBLAS, 13b_down 1.77 -> 1.94, 3b_qkv 1.57 -> 1.61),
+# judged at M = 4: faster on 21 of 21 (1.003-1.14x).
+L2_128 = True
 K_MULTIPLE = 64  # K % 64 == 0: the largest default chunk (vec = 4, u = 4) is 64 rows of K
 # Register bound used for residency (ptxas, sm_90, __launch_bounds__(threads, 1): 80-95 for the default u of each
 # vec; vec = 16 with u = 2 takes 141, i.e. one 8-warp block per SM: the plan never picks it, the benchmark times it).
