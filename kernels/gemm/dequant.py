@@ -25,8 +25,16 @@ import triton.language as tl
 
 from kernels._utils import check_device
 
-BLOCK_R = 8  # packed rows (INT4: 64 values of k) or k rows (INT8) per program
+# Program tiles. INT8: BLOCK_R * 8 k rows x BLOCK_N columns. INT4: W4_BLOCK_R packed rows (8 k each) x W4_BLOCK_N
+# columns, W4_WARPS warps -- one packed row of 1024 columns (8 int32 a thread): H200, 21 projections of 1B-70B models,
+# read + written bytes 1.19-1.43x the GB/s of the 8 x 128 tile INT8 keeps (picked on the five Llama-3-8B shapes, 1.25-
+# 1.36x there, judged on the other 16, 1.19-1.43x; dequantize + cuBLAS at M = 2048 1.7-3.1% faster; INT8's own tile
+# was within 3% of the best it tried; benchmarks/results/dev-logs/h200/dequant_tiles.md).
+BLOCK_R = 8
 BLOCK_N = 128
+W4_BLOCK_R = 1
+W4_BLOCK_N = 1024
+W4_WARPS = 4
 
 
 @triton.jit
@@ -72,9 +80,10 @@ def dequantize_w4_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optiona
                          f"share one group)")
     check_device(qweight, scales, *([zeros] if zeros is not None else []))
     out = torch.empty((K, N), dtype=scales.dtype, device=qweight.device) if out is None else out
-    grid = (triton.cdiv(K // 8, BLOCK_R), triton.cdiv(N, BLOCK_N))
+    grid = (triton.cdiv(K // 8, W4_BLOCK_R), triton.cdiv(N, W4_BLOCK_N))
     _dequant_w4_kernel[grid](qweight, scales, zeros if zeros is not None else qweight, out, K // 8, N,
-                             GROUP_SIZE=group_size, HAS_ZEROS=zeros is not None, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+                             GROUP_SIZE=group_size, HAS_ZEROS=zeros is not None, BLOCK_R=W4_BLOCK_R,
+                             BLOCK_N=W4_BLOCK_N, num_warps=W4_WARPS)
     return out
 
 
