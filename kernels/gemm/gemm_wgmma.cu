@@ -251,14 +251,18 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
   const half* ssrc = scales + grow + 8 * tid;
   const uint8_t* zsrc = zeros + grow + 16 * tid;
 
-  auto load_next_stage = [&](int buf) {
+  // A stage's copies in two parts: x (written by the previous kernel) and the weight with its INT4 scales / zeros
+  // (never written by a kernel: the prologue issues those before the PDL wait).
+  auto load_x_stage = [&](int buf) {
     const uint32_t xs = smem0 + buf * kStageBytes;
-    const uint32_t ws = xs + kXBytes, ss = ws + kWBytes, zs = ss + kSBytes;
 #pragma unroll
     for (int j = 0; j < kXPer; ++j) {
       cp_async16(xs + xdst[j], xsrc[j], xok[j]);
       xsrc[j] += kBK * 2;
     }
+  };
+  auto load_w_stage = [&](int buf) {
+    const uint32_t ws = smem0 + buf * kStageBytes + kXBytes, ss = ws + kWBytes, zs = ss + kSBytes;
 #pragma unroll
     for (int j = 0; j < kWPer; ++j) {
       cp_async16(ws + wdst[j], wsrc[j], true);
@@ -368,15 +372,25 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
   };
 
   // Prologue: stages kb .. kb + STAGES - 3 in flight; one commit group per stage (empty ones past the end keep the
-  // wait_group counts uniform).
+  // wait_group counts uniform). Their weights are issued first, before the PDL wait (pdl_enter: launched as a
+  // programmatic dependent, this block may start while the previous kernel finishes; x, the output, the workspace and
+  // the counters are touched only after the wait), so they stream in during the previous kernel's tail; they join
+  // the first stage's commit group, so waiting for a stage still waits for its weights.
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s)
+    if (s < nk) load_w_stage(s);
+  pdl_enter();
 #pragma unroll
   for (int s = 0; s < kStages - 2; ++s) {
-    if (s < nk) load_next_stage(s);
+    if (s < nk) load_x_stage(s);
     cp_async_commit();
   }
   for (int i = 0; i < nk; ++i) {
     // Buffer (i + STAGES - 2) % STAGES held stage i - 2, whose wgmmas every warpgroup waited for last iteration.
-    if (i + kStages - 2 < nk) load_next_stage((i + kStages - 2) % kStages);
+    if (i + kStages - 2 < nk) {
+      load_x_stage((i + kStages - 2) % kStages);
+      load_w_stage((i + kStages - 2) % kStages);
+    }
     cp_async_commit();
     cp_async_wait<kStages - 2>();  // stage i has landed (this thread's copies)
     __syncthreads();               // ... everyone's

@@ -8,8 +8,9 @@ scales are applied to the fp32 sums in the epilogue. Split-K over grid y (``spli
 alone leave SMs idle, the fp32 partial tiles summed in a fixed order either by the last block of each tile through a
 global workspace, or (``dsmem``) by all the tile's blocks, as one thread-block cluster, over distributed shared memory.
 Compiled for sm_90a with nvcc by ``kernels.aot.compile_cuda`` (one build per variant, ``splits`` included) and launched
-with ``kernels.aot.launcher.AotKernel`` on torch's current stream; the plan is a pure function of shapes and the SM
-count.
+with ``kernels.aot.launcher.AotKernel`` on torch's current stream, as a programmatic dependent of the previous kernel
+where ``kernels._launch.pdl_enabled()`` and the plan's blocks are ``PDL_MIN_BM`` rows or more (the prologue's weight
+copies are issued before the PDL wait); the plan is a pure function of shapes and the SM count.
 
 The per-tile counters of the workspace sum live in one zeroed int32 buffer per device; the kernel leaves them at 0,
 so launches must not run concurrently on two streams of one device (the same rule as Marlin's workspace).
@@ -23,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from kernels._launch import pdl_enabled
 from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
 from kernels.gemm.cuda import plugin_build as _plugin_build
 
@@ -41,7 +43,7 @@ SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also take
 # builds, rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate (the compile test checks them against
 # ptxas).
 REGS = {4: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 152, (64, 2, 2): 152, (64, 4, 1): 248, (64, 4, 2): 248,
-            (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216, (256, 1, 2): 208},
+            (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216, (256, 1, 2): 200},
         8: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 136, (64, 2, 2): 136, (64, 4, 1): 224, (64, 4, 2): 216,
             (128, 1, 1): 136, (128, 1, 2): 112, (128, 2, 1): 216, (128, 2, 2): 200, (256, 1, 2): 200}}
 VARIANTS = tuple(REGS[4])  # the (bm, wt, wgs) block shapes built
@@ -101,6 +103,12 @@ BIG_WS_MIN_K_TILES = 48
 # slower.
 DSMEM_MIN_TILE = 128 * 64
 DSMEM_MAX_FILL = 0.75
+# Launched as a programmatic dependent (the prologue's weight copies before the PDL wait) only for blocks of at least
+# PDL_MIN_BM rows. H100, routed ops, 21 shapes x M = 32-256 x W4 / W8, PDL on vs off in one process
+# (benchmarks/results/dev-logs/h100/wgmma_pdl.md): 128- and 256-row plans 0.96-1.16x (median 1.02x; after an RMSNorm,
+# as in a model, 0.98-1.17x), 64-row plans 0.72-1.14x, below 0.97x on 37 of 73 rows (their blocks fit 2-4 to an SM, so
+# the next launch's blocks start, and prefetch, while this one's still run; not verified).
+PDL_MIN_BM = 128
 
 
 def asets(wt: int) -> int:
@@ -339,6 +347,12 @@ def plugin_build(plan: dict, group_size: Optional[int], bits: int = 4):
                          arch_specific=True, group_size=group_size if bits == 4 else None)
 
 
+def launch_as_dependent(plan: dict) -> bool:
+    """Whether the torch launcher launches ``plan``'s variant as a programmatic dependent: PDL on
+    (``kernels._launch.pdl_enabled``) and blocks of ``PDL_MIN_BM`` rows or more."""
+    return plan["bm"] >= PDL_MIN_BM and pdl_enabled()
+
+
 def _counters(device, n: int) -> torch.Tensor:
     c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
@@ -403,5 +417,5 @@ def _launch(x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, vari
                   plan["dsmem"], bool(swiglu), bits).launch(
         plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
         bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size or 0, x.stride(0),
-        int(zeros is not None), int(bias is not None))
+        int(zeros is not None), int(bias is not None), pdl=launch_as_dependent(plan))
     return out

@@ -50,6 +50,10 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in art.ptx) == (bits == 8)
         assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
         assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
+        # programmatic dependent launch: x only after the wait, the prologue's weight copies before it
+        ptx_body = art.ptx[art.ptx.index(".entry"):]
+        assert "griddepcontrol.wait" in ptx_body
+        assert ptx_body.index("cp.async.cg.shared.global") < ptx_body.index("griddepcontrol.wait")
         assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
         cubin = tmp_path / f"k{splits}{dsmem}{swiglu}.cubin"
         cubin.write_bytes(art.cubin)
@@ -185,6 +189,19 @@ def test_wgmma_gemm_plan_256_row_blocks():
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, bm=128)["bm"] == 128
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, stages=3)["stages"] == 3
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, splits=1)["splits"] == 1
+
+
+def test_wgmma_gemm_launches_as_a_dependent_only_with_128_row_blocks_or_more(monkeypatch):
+    """PDL_MIN_BM: 64-row plans launch plainly (measured slower as dependents), 128- / 256-row plans as programmatic
+    dependents, and none when PDL is off."""
+    monkeypatch.setattr(wg, "pdl_enabled", lambda: True)
+    cases = {(64, 4096, 4096): 64, (128, 4096, 6144): 128, (256, 4096, 6144): 256}
+    for (M, K, N), bm in cases.items():
+        plan = wg.gemm_plan(M, N, K, 132, bits=8)
+        assert plan["bm"] == bm
+        assert wg.launch_as_dependent(plan) == (bm >= 128), plan
+    monkeypatch.setattr(wg, "pdl_enabled", lambda: False)
+    assert not wg.launch_as_dependent(wg.gemm_plan(256, 6144, 4096, 132, bits=8))
 
 
 def test_wgmma_gemm_plan_256_row_workspace_splits():
