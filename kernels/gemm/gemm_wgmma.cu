@@ -251,8 +251,11 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
   const half* ssrc = scales + grow + 8 * tid;
   const uint8_t* zsrc = zeros + grow + 16 * tid;
 
-  // A stage's copies in two parts: x (written by the previous kernel) and the weight with its INT4 scales / zeros
-  // (never written by a kernel: the prologue issues those before the PDL wait).
+  // A stage's copies in two parts: x (written by the previous kernel) and the weight with its INT4 scales / zeros,
+  // which the prologue issues before the PDL wait. So weights must not be written by a kernel that lets its
+  // dependents start early (kernels._launch's PDL kernels -- norms, RoPE, KV writes, activations, attention, the
+  // GEMVs -- write activations only); a kernel that never triggers its dependents lets them start only after all its
+  // blocks have exited, and these copies read through L2 (cp.async.cg).
   auto load_x_stage = [&](int buf) {
     const uint32_t xs = smem0 + buf * kStageBytes;
 #pragma unroll
