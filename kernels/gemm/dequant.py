@@ -25,13 +25,13 @@ import triton.language as tl
 
 from kernels._utils import check_device
 
-# Program tiles. INT8: BLOCK_R * 8 k rows x BLOCK_N columns. INT4: W4_BLOCK_R packed rows (8 k each) x W4_BLOCK_N
+# Program tiles. INT8: W8_BLOCK_K k rows x W8_BLOCK_N columns. INT4: W4_BLOCK_R packed rows (8 k each) x W4_BLOCK_N
 # columns, W4_WARPS warps -- one packed row of 1024 columns (8 int32 a thread): H200, 21 projections of 1B-70B models,
 # read + written bytes 1.19-1.43x the GB/s of the 8 x 128 tile INT8 keeps (picked on the five Llama-3-8B shapes, 1.25-
 # 1.36x there, judged on the other 16, 1.19-1.43x; dequantize + cuBLAS at M = 2048 1.7-3.1% faster; INT8's own tile
 # was within 3% of the best it tried; benchmarks/results/dev-logs/h200/dequant_tiles.md).
-BLOCK_R = 8
-BLOCK_N = 128
+W8_BLOCK_K = 64
+W8_BLOCK_N = 128
 W4_BLOCK_R = 1
 W4_BLOCK_N = 1024
 W4_WARPS = 4
@@ -59,8 +59,8 @@ def _dequant_w4_kernel(qw_ptr, scales_ptr, zeros_ptr, out_ptr, KP, N, GROUP_SIZE
 
 
 @triton.jit
-def _dequant_w8_kernel(qw_ptr, scales_ptr, out_ptr, K, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_k = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _dequant_w8_kernel(qw_ptr, scales_ptr, out_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
     q = tl.load(qw_ptr + offs_k[:, None] * N + offs_n[None, :], mask=mask, other=0)
@@ -94,8 +94,8 @@ def dequantize_w8_kn(qweight: torch.Tensor, scales: torch.Tensor, out: Optional[
     K, N = check_w8_weight(qweight, scales, qweight.shape[0])
     check_device(qweight, scales)
     out = torch.empty((K, N), dtype=scales.dtype, device=qweight.device) if out is None else out
-    grid = (triton.cdiv(K, BLOCK_R * 8), triton.cdiv(N, BLOCK_N))
-    _dequant_w8_kernel[grid](qweight, scales, out, K, N, BLOCK_R=BLOCK_R * 8, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(K, W8_BLOCK_K), triton.cdiv(N, W8_BLOCK_N))
+    _dequant_w8_kernel[grid](qweight, scales, out, K, N, BLOCK_K=W8_BLOCK_K, BLOCK_N=W8_BLOCK_N)
     return out
 
 
