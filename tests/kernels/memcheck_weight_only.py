@@ -33,25 +33,22 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
                 print("skip", M, N, K, ov, e)
 # The Hopper wgmma GEMM (sm_90 only), INT4 and INT8 builds: ragged M, the three tile heights, 1/2 warpgroups,
 # split-K, with and without SwiGLU.
+WGMMA_VARIANTS = ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
+                  dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
+                  dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6), dict(bm=256, wt=1, wgs=2),
+                  dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2),
+                  dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False))
 if torch.cuda.get_device_capability() == (9, 0):
     for M, N, K in [(37, 192, 256), (100, 256, 512), (130, 128, 1024), (300, 256, 1024)]:
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
         b = torch.randn(N, device="cuda", dtype=torch.float16)
-        for ov in ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
-                   dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
-                   dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6), dict(bm=256, wt=1, wgs=2),
-                   dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2),
-                   dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False)):
+        for ov in WGMMA_VARIANTS:
             if N % wg.gemm_plan(M, N, K, **ov)["bn"] == 0:  # blocks no wider than N
                 wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
                 wg.w4a16_gemm_wgmma(x, q4.qweight, q4.scales, q4.zeros, 64, b, swiglu=True, **ov)
         q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")  # the INT8 build, same variants
-        for ov in ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
-                   dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
-                   dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6), dict(bm=256, wt=1, wgs=2),
-                   dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2),
-                   dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False)):
+        for ov in WGMMA_VARIANTS:
             if N % wg.gemm_plan(M, N, K, bits=8, **ov)["bn"] == 0:
                 wg.w8a16_gemm_wgmma(x, q8.qweight, q8.scales, b, **ov)
                 wg.w8a16_gemm_wgmma(x, q8.qweight, q8.scales, b, swiglu=True, **ov)
