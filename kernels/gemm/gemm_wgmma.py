@@ -96,13 +96,20 @@ BIG_STAGES = {4: 4, 8: 5}
 BIG_WS_MIN_K_TILES = 48
 # Split sums over DSMEM (one cluster per tile) for tiles of at least this many outputs (bm x bn; smaller tiles are
 # cheap to sum through the workspace) when a cluster has at most 2 blocks or the blocks fill at most DSMEM_MAX_FILL
-# of the block slots (clusters of 4-8 need that many free slots in one GPC at once). H100, asets 4, same run
-# (benchmarks/results/dev-logs/h100/bench_gemm_wgmma_dsmem.log): DSMEM vs workspace, qkv M = 128 bm128/bn128/split 4
-# (73% of the slots) 1.18x vs 1.04x cuBLAS, o M = 128 bm128/bn64/split 2 1.05 vs 0.94, but 8k M = 128
-# bm128/bn128/split 4 (97%) 1.14 vs 1.48, down M = 128 bm128/bn128/split 8 (97%) 1.14 vs 1.38, 64 x 64 tiles 2-26%
-# slower.
+# of the block slots (clusters of 3-4; DSMEM_MAX_FILL_8 for 5-8: a cluster needs that many free slots in one GPC at
+# once). H100, asets 4, same run (benchmarks/results/dev-logs/h100/bench_gemm_wgmma_dsmem.log): DSMEM vs workspace,
+# qkv M = 128 bm128/bn128/split 4 (73% of the slots) 1.18x vs 1.04x cuBLAS, o M = 128 bm128/bn64/split 2 1.05 vs 0.94,
+# but 8k M = 128 bm128/bn128/split 4 (97%) 1.14 vs 1.48, down M = 128 bm128/bn128/split 8 (97%) 1.14 vs 1.38, 64 x 64
+# tiles 2-26% slower. The bound for clusters of 3-4 is 0.875 (was 0.75; H100,
+# benchmarks/results/dev-logs/h100/wgmma_dsmem_fill.md): the same split over DSMEM against the workspace, read off the
+# 21 benchmark shapes at M = 64-256, won at 85% of the slots (14b_qkv, N 7168: 1.13-1.36x) and lost at 91-97%
+# (0.59-0.99x); judged on Qwen2.5-7B's q|k|v, o and down (N 4608 / 3584, never measured before), the 12 plans with
+# clusters of 3-4 the bound changes there (M = 96-256, 256-row split factors included): 1.04-1.31x alone, 1.03-1.23x
+# after an RMSNorm. Clusters of 8 at 85% (q7 down, M = 32-128) won alone (1.09-1.23x) but lost after an RMSNorm on 2
+# of 7 (0.88, 0.90x): they keep 0.75.
 DSMEM_MIN_TILE = 128 * 64
-DSMEM_MAX_FILL = 0.75
+DSMEM_MAX_FILL = 0.875
+DSMEM_MAX_FILL_8 = 0.75
 # Launched as a programmatic dependent (the prologue's weight copies before the PDL wait) only for blocks of at least
 # PDL_MIN_BM rows. H100, routed ops, 21 shapes x M = 32-256 x W4 / W8, PDL on vs off in one process
 # (benchmarks/results/dev-logs/h100/wgmma_pdl.md): 128- and 256-row plans 0.96-1.16x (median 1.02x; after an RMSNorm,
@@ -266,9 +273,9 @@ def _big_plan(M: int, N: int, ktiles: int, sm_count: int, stages: Optional[int],
 
 
 def _clusters_fit(splits: int, ctas: int, cap: int) -> bool:
-    """Whether ``ctas`` blocks in DSMEM clusters of ``splits`` find their SMs at once (``DSMEM_MAX_FILL``): clusters
-    of 1-2 anywhere, larger ones only while the blocks fill at most that share of the ``cap`` block slots."""
-    return splits <= 2 or ctas <= DSMEM_MAX_FILL * cap
+    """Whether ``ctas`` blocks in DSMEM clusters of ``splits`` find their SMs at once: clusters of 1-2 anywhere, of 3-4
+    while the blocks fill at most ``DSMEM_MAX_FILL`` of the ``cap`` block slots, larger ones ``DSMEM_MAX_FILL_8``."""
+    return splits <= 2 or ctas <= (DSMEM_MAX_FILL if splits <= 4 else DSMEM_MAX_FILL_8) * cap
 
 
 def _split_long_enough(ktiles: int, s: int, M: int) -> bool:

@@ -205,6 +205,27 @@ def test_wgmma_gemm_launches_as_a_dependent_only_with_128_row_blocks_or_more(mon
     assert not wg.launch_as_dependent(wg.gemm_plan(256, 6144, 4096, 132, bits=8))
 
 
+def test_wgmma_gemm_plan_dsmem_fill_bounds():
+    """DSMEM_MAX_FILL / DSMEM_MAX_FILL_8: a split sums over DSMEM where its clusters find their slots at once --
+    clusters of 3-4 up to 87.5% of the block slots, of 5-8 up to 75% -- else through the workspace."""
+    for bits in (4, 8):
+        # 14b_qkv (N 7168) at M = 128: 56 tiles of 128 x 128 in clusters of 4 fill 224 of 264 slots (85%): DSMEM ...
+        p = wg.gemm_plan(128, 7168, 5120, bits=bits)
+        assert (p["bm"], p["bn"], p["splits"], p["dsmem"]) == (128, 128, 4, True), (bits, p)
+        # ... 8k (N 8192): 64 tiles x 4 fill 256 of 264 (97%): the workspace.
+        p = wg.gemm_plan(128, 8192, 8192, bits=bits)
+        assert (p["splits"], p["dsmem"]) == (4, False), (bits, p)
+        # 256-row blocks: the split that fills the most slots whose clusters fit, Qwen2.5-7B o (28 tiles of 128): 4 x 28
+        # = 112 of 132 (85%), no longer 3.
+        p = wg.gemm_plan(256, 3584, 3584, bits=bits)
+        assert (p["bm"], p["splits"], p["dsmem"]) == (256, 4, True), (bits, p)
+    # Clusters of 8 at 85% keep the workspace: Qwen2.5-7B down (N 3584, K 18944) at M = 128, 28 tiles x 8 = 224 of 264.
+    p = wg.gemm_plan(128, 3584, 18944, bits=8)
+    assert (p["bm"], p["splits"], p["dsmem"]) == (128, 8, False), p
+    ctas, cap = p["grid"][0] * p["grid"][1], 132 * wg.blocks_per_sm(128, 1, 2, p["stages"], 8)
+    assert wg.DSMEM_MAX_FILL_8 * cap < ctas <= wg.DSMEM_MAX_FILL * cap
+
+
 def test_wgmma_gemm_plan_256_row_workspace_splits():
     """gemm_wgmma.BIG_WS_MIN_K_TILES: a 256-row split whose DSMEM clusters would not fit sums through the workspace
     where each split has that many K stages (the fuller wave pays for the workspace sum), not where the splits are
