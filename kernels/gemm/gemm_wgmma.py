@@ -106,7 +106,8 @@ BIG_WS_MIN_K_TILES = 48
 # (0.59-0.99x); judged on Qwen2.5-7B's q|k|v, o and down (N 4608 / 3584, never measured before), the 12 plans with
 # clusters of 3-4 the bound changes there (M = 96-256, 256-row split factors included): 1.04-1.31x alone, 1.03-1.23x
 # after an RMSNorm. Clusters of 8 at 85% (q7 down, M = 32-128) won alone (1.09-1.23x) but lost after an RMSNorm on 2
-# of 7 (0.88, 0.90x): they keep 0.75.
+# of 7 (0.88, 0.90x): they keep 0.75. The driver agrees (cuOccupancyMaxActiveClusters, same dev-log): clusters of 3-8
+# are placed all at once up to 89-94% of the modelled slots (128-row split 4: 62 clusters, so 56 fit and 64 do not).
 DSMEM_MIN_TILE = 128 * 64
 DSMEM_MAX_FILL = 0.875
 DSMEM_MAX_FILL_8 = 0.75
