@@ -41,7 +41,10 @@ SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may have (sm_90)
 SM_SHARED = 228 * 1024  # shared memory of one SM; each resident block also takes 1 KB reserved by the system
 # ptxas registers per thread by weight bits and (bm, wt, wgs), the most of the unsplit, workspace-split and DSMEM-split
 # builds, rounded up to 8 (sm_90a, nvcc 13.0), for the blocks-per-SM estimate (the compile test checks them against
-# ptxas).
+# ptxas). The most, on purpose: counting each build's own (INT8 64-row blocks of two warpgroups take 80 unsplit or
+# DSMEM-summed, so 3 fit an SM, not 2) re-ranks 7922 INT8 routes on 28 shapes toward 64-row blocks, and those lost:
+# H100, 130 of them forced old vs new, 104 of 104 block changes 0.61-0.93x, the 26 workspace -> DSMEM changes of the
+# same block 0.92-1.12x, 19 slower (benchmarks/results/dev-logs/h100/wgmma_regs_per_sum.md).
 REGS = {4: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 152, (64, 2, 2): 152, (64, 4, 1): 248, (64, 4, 2): 248,
             (128, 1, 1): 144, (128, 1, 2): 128, (128, 2, 1): 224, (128, 2, 2): 216, (256, 1, 2): 200},
         8: {(64, 1, 1): 112, (64, 1, 2): 112, (64, 2, 1): 136, (64, 2, 2): 136, (64, 4, 1): 224, (64, 4, 2): 216,
