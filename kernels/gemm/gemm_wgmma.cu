@@ -32,7 +32,9 @@
 //     j - ASETS + 1 is waited for, so the dequantization of the next steps runs while the tensor cores work; the A
 //     registers cycle through WG_ASETS sets (2 or 4). A stage's buffer is refilled two iterations after its wgmmas
 //     were issued (prefetch distance STAGES - 2), when they are known complete (at most 3 of the 4 steps after them
-//     are outstanding).
+//     are outstanding). Blocks of 128 or 256 rows take one block barrier per stage (the refill waits for it: the
+//     barrier that says stage i has landed also says every warpgroup is past stage i - 1, so stage i - 2's buffer is
+//     free), 64-row blocks two (refill first, the wait covers one more stage in flight; see kOneBarrier).
 //   * Split-K over grid y (WG_SPLITS blocks per tile) when the tiles alone leave SMs idle, summed in split order
 //     (deterministic) one of two ways. WG_DSMEM 0: fp32 partials in `workspace` [splits, M, N]; the last block of a
 //     tile to arrive sums them and resets the tile's counter to 0 (so counters start and end at 0; two launches
@@ -101,6 +103,13 @@ static_assert(kWT * kBM <= 256, "at most 128 fp32 accumulators per thread (WG_WT
 static_assert(kStages >= 3, "WG_STAGES >= 3 (prefetch distance STAGES - 2)");
 static_assert(kSplits >= 1 && kSplits <= 8, "WG_SPLITS is 1..8 (with WG_DSMEM: the portable cluster size)");
 static_assert(kASets == 2 || kASets == 4, "WG_ASETS is 2 or 4 (a stage's 4 k16 steps cycle through them)");
+// One block barrier per pipeline stage instead of two (the refill issued after it). H100, every routed plan forced,
+// one vs two barriers in one process (benchmarks/results/dev-logs/h100/wgmma_one_barrier.md): read off the five
+// Llama-3-8B shapes at M = 24-768, 128- and 256-row blocks 1.023x (W4) / 1.016x (W8) geometric mean, 64-row blocks
+// 1.000-1.002x; judged on 20 other shapes, 128 / 256 rows 1.022x / 1.017x (2 of 232 rows below 0.98x, 0.977x at
+// worst), 64 rows 1.000-1.006x with INT8's two-warpgroup blocks split 14 slower / 15 faster. The 64-row blocks run
+// short stages, where the deeper wait of two barriers is worth more than the barrier.
+constexpr bool kOneBarrier = kBM >= 128;
 // The split-K partial tile (fp32, rows padded by 4 floats against bank conflicts) reuses the stage buffers.
 constexpr int kTileStride = kBN + 4;
 static_assert(kSplits == 1 || !WG_DSMEM || kBM * kTileStride * 4 <= kStages * kStageBytes,
@@ -388,18 +397,24 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
     if (s < nk) load_x_stage(s);
     cp_async_commit();
   }
-  for (int i = 0; i < nk; ++i) {
-    // Buffer (i + STAGES - 2) % STAGES held stage i - 2, whose wgmmas every warpgroup waited for last iteration.
+  // Stage i + STAGES - 2 into the buffer of stage i - 2, whose wgmmas are complete in every warpgroup once all of them
+  // are past compute_stage(i - 1) (it leaves at most ASETS - 1 <= 3 steps in flight, all of stage i - 1); one commit
+  // group per iteration, empty past the end.
+  auto refill = [&](int i) {
     if (i + kStages - 2 < nk) {
       load_x_stage((i + kStages - 2) % kStages);
       load_w_stage((i + kStages - 2) % kStages);
     }
     cp_async_commit();
-    cp_async_wait<kStages - 2>();  // stage i has landed (this thread's copies)
-    __syncthreads();               // ... everyone's
+  };
+  for (int i = 0; i < nk; ++i) {
+    if constexpr (!kOneBarrier) refill(i);  // every warpgroup passed the barrier after compute_stage(i - 1)
+    cp_async_wait<kOneBarrier ? kStages - 3 : kStages - 2>();  // stage i has landed (this thread's copies)
+    __syncthreads();  // ... everyone's (one barrier: and every warpgroup is past compute_stage(i - 1))
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> visible to the tensor cores
-    compute_stage(i % kStages);  // leaves at most its last ASETS - 1 <= 3 steps in flight: stage i - 1 is complete
-    __syncthreads();             // every warpgroup is past stage i - 1 before its buffer is refilled
+    if constexpr (kOneBarrier) refill(i);
+    compute_stage(i % kStages);
+    if constexpr (!kOneBarrier) __syncthreads();  // every warpgroup is past compute_stage(i) before the next refill
   }
   wgmma_wait<0>();
 #pragma unroll
