@@ -31,8 +31,9 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
 @pytest.mark.parametrize("bm,wt,wgs", sorted(wg.VARIANTS))
 def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
     """Unsplit, workspace-split and (where the tile fits) DSMEM-split builds, each with and without the SwiGLU
-    epilogue: sm_90a PTX/cubin with warpgroup MMAs (INT8: its A fragments from ldmatrix), no spills, and the plan's
-    register count is the most any of them allocates."""
+    epilogue: sm_90a PTX/cubin with warpgroup MMAs (INT8: its A fragments from ldmatrix), one block barrier per
+    pipeline stage for 128- and 256-row blocks and two for 64-row ones, no spills, and the plan's register count is
+    the most any of them allocates."""
     import subprocess
 
     from kernels.aot.cache import AotCache
@@ -56,6 +57,8 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
         assert "griddepcontrol.wait" in ptx_body
         assert ptx_body.index("cp.async.cg.shared.global") < ptx_body.index("griddepcontrol.wait")
         assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
+        if splits == 1:  # the mainloop's block barriers are the unsplit build's only ones: one per stage from 128 rows
+            assert len(re.findall(r"\bbar(?:rier)?\.sync\b", ptx_body)) == (1 if bm >= 128 else 2)
         cubin = tmp_path / f"k{splits}{dsmem}{swiglu}.cubin"
         cubin.write_bytes(art.cubin)
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
