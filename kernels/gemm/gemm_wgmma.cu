@@ -32,9 +32,10 @@
 //     j - ASETS + 1 is waited for, so the dequantization of the next steps runs while the tensor cores work; the A
 //     registers cycle through WG_ASETS sets (2 or 4). A stage's buffer is refilled two iterations after its wgmmas
 //     were issued (prefetch distance STAGES - 2), when they are known complete (at most 3 of the 4 steps after them
-//     are outstanding). Blocks of 128 or 256 rows take one block barrier per stage (the refill waits for it: the
-//     barrier that says stage i has landed also says every warpgroup is past stage i - 1, so stage i - 2's buffer is
-//     free), 64-row blocks two (refill first, the wait covers one more stage in flight; see kOneBarrier).
+//     are outstanding). Blocks of 128 or 256 rows, and 64-row blocks of 5 stages or more, take one block barrier per
+//     stage (the refill waits for it: the barrier that says stage i has landed also says every warpgroup is past
+//     stage i - 1, so stage i - 2's buffer is free), other 64-row blocks two (refill first, the wait covers one more
+//     stage in flight; see kOneBarrier).
 //   * Split-K over grid y (WG_SPLITS blocks per tile) when the tiles alone leave SMs idle, summed in split order
 //     (deterministic) one of two ways. WG_DSMEM 0: fp32 partials in `workspace` [splits, M, N]; the last block of a
 //     tile to arrive sums them and resets the tile's counter to 0 (so counters start and end at 0; two launches
@@ -103,13 +104,15 @@ static_assert(kWT * kBM <= 256, "at most 128 fp32 accumulators per thread (WG_WT
 static_assert(kStages >= 3, "WG_STAGES >= 3 (prefetch distance STAGES - 2)");
 static_assert(kSplits >= 1 && kSplits <= 8, "WG_SPLITS is 1..8 (with WG_DSMEM: the portable cluster size)");
 static_assert(kASets == 2 || kASets == 4, "WG_ASETS is 2 or 4 (a stage's 4 k16 steps cycle through them)");
-// One block barrier per pipeline stage instead of two (the refill issued after it). H100, every routed plan forced,
-// one vs two barriers in one process (benchmarks/results/dev-logs/h100/wgmma_one_barrier.md): read off the five
-// Llama-3-8B shapes at M = 24-768, 128- and 256-row blocks 1.023x (W4) / 1.016x (W8) geometric mean, 64-row blocks
-// 1.000-1.002x; judged on 20 other shapes, 128 / 256 rows 1.022x / 1.017x (2 of 232 rows below 0.98x, 0.977x at
-// worst), 64 rows 1.000-1.006x with INT8's two-warpgroup blocks split 14 slower / 15 faster. The 64-row blocks run
-// short stages, where the deeper wait of two barriers is worth more than the barrier.
-constexpr bool kOneBarrier = kBM >= 128;
+// One block barrier per pipeline stage instead of two (the refill issued after it), which leaves STAGES - 3 stages
+// in flight at the wait instead of STAGES - 2. H100, every routed plan forced, one vs two barriers in one process
+// (benchmarks/results/dev-logs/h100/wgmma_one_barrier.md): read off the five Llama-3-8B shapes at M = 24-768, 128-
+// and 256-row blocks 1.023x (W4) / 1.016x (W8) geometric mean, 64-row blocks 1.000-1.002x; judged on 20 other
+// shapes, 128 / 256 rows 1.022x / 1.017x (2 of 232 rows below 0.98x, 0.977x at worst), 64 rows 1.000-1.006x with
+// INT8's two-warpgroup blocks split 14 slower / 15 faster. The 64-row blocks run short stages, where the deeper wait
+// of two barriers is worth more than the barrier: they take one barrier only with a fifth stage, which restores the
+// depth (the plans give it to INT8 64-row DSMEM-split blocks alone on their SMs, gemm_wgmma.py SOLO_STAGES).
+constexpr bool kOneBarrier = kBM >= 128 || kStages >= 5;
 // The split-K partial tile (fp32, rows padded by 4 floats against bank conflicts) reuses the stage buffers.
 constexpr int kTileStride = kBN + 4;
 static_assert(kSplits == 1 || !WG_DSMEM || kBM * kTileStride * 4 <= kStages * kStageBytes,

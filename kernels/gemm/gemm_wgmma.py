@@ -120,6 +120,15 @@ DSMEM_MAX_FILL_8 = 0.75
 # as in a model, 0.98-1.17x), 64-row plans 0.72-1.14x, below 0.97x on 37 of 73 rows (their blocks fit 2-4 to an SM, so
 # the next launch's blocks start, and prefetch, while this one's still run; not verified).
 PDL_MIN_BM = 128
+# INT8 64-row blocks of two warpgroups with their split summed over DSMEM, where the grid puts at most one block on
+# each SM: SOLO_STAGES stages, which the kernel runs with one block barrier per stage (gemm_wgmma.cu kOneBarrier; the
+# wait still has two stages in flight, as two barriers with 4 stages have). A block alone on its SM has no neighbour
+# to run while it waits at a barrier. H100, every such routed plan forced both ways in one process
+# (benchmarks/results/dev-logs/h100/wgmma_solo_stages.md): read off the five Llama-3-8B shapes, o at M = 24-64 (128
+# blocks) 1.022-1.034x, qkv (192 blocks, two on some SMs) 0.986-1.008x; on 20 other shapes the 26 plans of at most
+# 132 blocks 1.001-1.095x (geometric mean 1.057x), the 58 of more blocks 0.957-1.067x (22 below 0.99x); INT4 blocks
+# and workspace-summed splits lost with 5 stages (the INT4 64-row block then fits 3 to an SM, not 4).
+SOLO_STAGES = 5
 
 
 def asets(wt: int) -> int:
@@ -198,7 +207,8 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     from M = 256 the 256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row; long
     splits through the workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short
     K may split into quarters at M = 64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at
-    M = 64..256 (``WIDE_MIN_FILL``).
+    M = 64..256 (``WIDE_MIN_FILL``). Then the stage count: ``STAGES``, ``BIG_STAGES`` for 256-row blocks, and
+    ``SOLO_STAGES`` (one block barrier per stage) for INT8 64-row DSMEM splits with at most one block per SM.
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
@@ -219,6 +229,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
            else _big_plan(M, N, ktiles, sm_count, stages, splits, dsmem, bits))
     if big is not None:
         bm, wt, wgs, splits = big
+    forced_stages = stages
     stages = stages or (BIG_STAGES[bits] if big else STAGES)
     best = None
     for bm_ in [bm] if bm else [64] if M <= 64 else [128, 64]:
@@ -253,6 +264,8 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
     if dsmem is None:
         dsmem = (s > 1 and dsmem_fits(bm, a, b, stages, bits) and bm * bn >= DSMEM_MIN_TILE
                  and _clusters_fit(s, ctas, cap))
+    if not forced_stages and bits == 8 and (bm, a, b) == (64, 1, 2) and dsmem and s > 1 and ctas <= sm_count:
+        stages = SOLO_STAGES  # alone on its SM: one barrier per stage (SOLO_STAGES)
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
                       grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())

@@ -23,7 +23,8 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
             dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
             dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False), dict(bm=256, wt=1, wgs=2),
             dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2, dsmem=False),
-            dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False)]
+            dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False),
+            dict(bm=64, wt=1, wgs=2, stages=5, splits=2, dsmem=True), dict(bm=64, wt=2, wgs=1, stages=5)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
@@ -31,20 +32,23 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
 @pytest.mark.parametrize("bm,wt,wgs", sorted(wg.VARIANTS))
 def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
     """Unsplit, workspace-split and (where the tile fits) DSMEM-split builds, each with and without the SwiGLU
-    epilogue: sm_90a PTX/cubin with warpgroup MMAs (INT8: its A fragments from ldmatrix), one block barrier per
-    pipeline stage for 128- and 256-row blocks and two for 64-row ones, no spills, and the plan's register count is
-    the most any of them allocates."""
+    epilogue, and for the INT8 64-row block of two warpgroups (the plans' SOLO_STAGES variant) an unsplit and a
+    DSMEM-split build of 5 stages: sm_90a PTX/cubin with warpgroup MMAs (INT8: its A fragments from ldmatrix), one
+    block barrier per pipeline stage for 128- and 256-row blocks and 64-row ones of 5 stages, two for 64-row ones of
+    4, no spills, and the plan's register count is the most any of them allocates."""
     import subprocess
 
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
-    builds = [(1, False), (4, False)] + ([(4, True)] if wg.dsmem_fits(bm, wt, wgs, bits=bits) else [])
+    builds = [(1, False, wg.STAGES), (4, False, wg.STAGES)]
+    builds += [(4, True, wg.STAGES)] if wg.dsmem_fits(bm, wt, wgs, bits=bits) else []
+    builds += [(1, False, wg.SOLO_STAGES), (4, True, wg.SOLO_STAGES)] if (bits, bm, wt, wgs) == (8, 64, 1, 2) else []
     most = 0
-    for splits, dsmem, swiglu in [(*b, swiglu) for b in builds for swiglu in (False, True)]:
+    for splits, dsmem, stages, swiglu in [(*b, swiglu) for b in builds for swiglu in (False, True)]:
         art = compile_cuda(wg.SOURCE, wg.KERNELS[bits], wg.PARAMS, sm=90, threads=128 * wgs,
-                           shared=wg.shared_bytes(bm, wt, wgs, bits=bits), cache=AotCache(tmp_path),
-                           extra_flags=wg.variant_flags(bm, wt, wgs, wg.STAGES, splits, dsmem, swiglu, bits),
+                           shared=wg.shared_bytes(bm, wt, wgs, stages, bits), cache=AotCache(tmp_path),
+                           extra_flags=wg.variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits),
                            arch_specific=True)
         assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
         assert len(entry_params(art.ptx, wg.KERNELS[bits])) == len(wg.PARAMS)
@@ -58,8 +62,8 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
         assert ptx_body.index("cp.async.cg.shared.global") < ptx_body.index("griddepcontrol.wait")
         assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
         if splits == 1:  # the mainloop's block barriers are the unsplit build's only ones: one per stage from 128 rows
-            assert len(re.findall(r"\bbar(?:rier)?\.sync\b", ptx_body)) == (1 if bm >= 128 else 2)
-        cubin = tmp_path / f"k{splits}{dsmem}{swiglu}.cubin"
+            assert len(re.findall(r"\bbar(?:rier)?\.sync\b", ptx_body)) == (1 if bm >= 128 or stages >= 5 else 2)
+        cubin = tmp_path / f"k{splits}{dsmem}{stages}{swiglu}.cubin"
         cubin.write_bytes(art.cubin)
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         assert f"HGMMA.64x{bm}x16.F32" in sass
@@ -193,6 +197,25 @@ def test_wgmma_gemm_plan_256_row_blocks():
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, bm=128)["bm"] == 128
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, stages=3)["stages"] == 3
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, splits=1)["splits"] == 1
+
+
+def test_wgmma_gemm_plan_solo_stages():
+    """gemm_wgmma.SOLO_STAGES: INT8 64-row blocks of two warpgroups with a DSMEM-summed split take 5 stages (one block
+    barrier per stage) where the grid has at most one block per SM; everything else keeps STAGES."""
+    # o (N 4096, K 4096) at M = 32: 32 tiles of 128 columns x split 4 = 128 blocks <= 132, over DSMEM.
+    p = wg.gemm_plan(32, 4096, 4096, bits=8)
+    assert (p["bm"], p["wt"], p["wgs"], p["splits"], p["dsmem"]) == (64, 1, 2, 4, True)
+    assert p["stages"] == wg.SOLO_STAGES == 5 and p["shared"] == wg.shared_bytes(64, 1, 2, 5, 8)
+    assert wg.blocks_per_sm(64, 1, 2, 5, 8) == wg.blocks_per_sm(64, 1, 2, 4, 8)  # the search's capacity holds
+    # q|k|v (N 6144): 48 tiles x split 4 = 192 blocks, two on some SMs: 4 stages.
+    p = wg.gemm_plan(32, 6144, 4096, bits=8)
+    assert (p["bm"], p["splits"], p["dsmem"], p["stages"]) == (64, 4, True, wg.STAGES)
+    # The same o at M = 128: 256 blocks summed through the workspace: 4 stages. INT4 never (its 64-row block would
+    # fit 3 to an SM instead of 4), nor a forced stage count or 128-row blocks.
+    assert wg.gemm_plan(128, 4096, 4096, bits=8)["stages"] == wg.STAGES
+    assert wg.gemm_plan(32, 4096, 4096, bits=4)["stages"] == wg.STAGES
+    assert wg.gemm_plan(32, 4096, 4096, bits=8, stages=4)["stages"] == 4
+    assert wg.gemm_plan(128, 6144, 4096, bits=8)["stages"] == wg.STAGES
 
 
 def test_wgmma_gemm_launches_as_a_dependent_only_with_128_row_blocks_or_more(monkeypatch):
