@@ -5,9 +5,9 @@ not a pytest module: memcheck wraps the whole process). On a GPU machine:
         python3 tests/kernels/memcheck_weight_only.py
 
 API errors are not reported: cuda.bindings' driver-function lookup trips cuGetProcAddress_v2 invalid-value errors
-that are not memory errors. Last run: 0 errors (H100, 2026-11-27, a7e1178: the wgmma builds of 128- and 256-row
-blocks run one block barrier per pipeline stage; WGMMA_VARIANTS for both builds; their prologue's weight copies are
-issued before the PDL wait, 128- and 256-row plans launch as dependents).
+that are not memory errors. Last run: 0 errors (H100, 2026-11-27, 114503d: WGMMA_VARIANTS for both builds, among
+them 64-row blocks of 5 stages, which run one block barrier per pipeline stage as 128- and 256-row blocks do; their
+prologue's weight copies are issued before the PDL wait, 128- and 256-row plans launch as dependents).
 """
 import torch
 from kernels.gemm import gemm_wgmma as wg
