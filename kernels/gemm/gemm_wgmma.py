@@ -189,6 +189,14 @@ def blocks_per_sm(bm: int, wt: int, wgs: int, stages: int = STAGES, bits: int = 
     return max(1, min(SM_SHARED // (shared_bytes(bm, wt, wgs, stages, bits) + 1024), 65536 // (regs * 128 * wgs)))
 
 
+def wave_fill(M: int, plan: dict, sm_count: int = 132, bits: int = 4) -> float:
+    """The share of the block slots of ``plan``'s waves (``sm_count`` SMs, ``blocks_per_sm`` each) that compute real
+    rows: its blocks over the slots of the waves they take, times M over M padded to the block's rows."""
+    ctas = plan["grid"][0] * plan["grid"][1]
+    cap = sm_count * blocks_per_sm(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], bits)
+    return ctas / (-(-ctas // cap) * cap) * M / (-(-M // plan["bm"]) * plan["bm"])
+
+
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
               wgs: Optional[int] = None, stages: Optional[int] = None, splits: Optional[int] = None,
               dsmem: Optional[bool] = None, bits: int = 4) -> dict:

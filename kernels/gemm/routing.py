@@ -9,7 +9,9 @@ M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``
 ``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
 ``WGMMA_W4_BIG_MAX_M`` where its plan takes 256-row blocks).
 W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper from ``WGMMA_W8_MIN_M`` the
-wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Everything else below
+wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Both, past those limits up
+to ``WGMMA_PREFILL_MAX_M``: the wgmma GEMM where its unsplit 256-row grid fills its waves (``wgmma_fills_prefill``).
+Everything else below
 ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
 and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into the W4A16 tensor-core
 GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
@@ -63,6 +65,16 @@ DEQUANT_MIN_M_W8 = 512
 WGMMA_W4_MAX_M = 511
 WGMMA_W4_BIG_MAX_M = 1023
 WGMMA_W8_MAX_M = 1023
+# Prefill sizes, past WGMMA_W4_BIG_MAX_M / WGMMA_W8_MAX_M up to WGMMA_PREFILL_MAX_M: the wgmma GEMM's unsplit 256-row
+# plan (both builds) where its grid does real rows in at least WGMMA_PREFILL_MIN_FILL of the block slots of its waves
+# (``gemm_wgmma.wave_fill``: a last wave that leaves SMs idle, or rows padded to 256, cost it what dequantize +
+# cuBLAS does not pay). H100, read off 11 shapes (4 of Llama-3-8B, 7 of 1B-32B) at M = 1024 / 2048, 256-row blocks
+# against dequantize + cuBLAS, speed-up over cuBLAS fp16 (benchmarks/results/dev-logs/h100/wgmma_prefill.md): at a
+# fill of 0.94-0.97 ahead on all 24 rows (W4 M = 2048 0.889-0.960x vs 0.844-0.935x, W8 0.915-0.960x vs
+# 0.851-0.899x), at 0.61-0.81 behind on 19 of 20 (0.62-0.86x vs 0.74-0.89x); at M = 4096 / 8192 behind on every
+# shape (0.77-0.91x vs 0.88-1.02x: x no longer stays in L2 while the blocks of one weight tile run).
+WGMMA_PREFILL_MAX_M = 2048
+WGMMA_PREFILL_MIN_FILL = 0.9
 # fp16 W4A16 (no residual) with CUDA_GEMV_MMA_MAX_M < M <= WGMMA_W4_MAX_M on sm_90 goes to the wgmma GEMM
 # (kernels.gemm.gemm_wgmma) when it takes the shape. H100 sweep (h100/bench_gemm_wgmma_sweep.md), its plan's
 # variant vs cuBLAS on the five Llama shapes: M=64 1.13-1.75x (Triton 0.80-1.09x), M=128 0.85-1.35x (Triton
@@ -152,6 +164,14 @@ def wgmma_plan(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.d
     return _wg.plan_for(M, N, K, group_size, dtype, card.sm, card.sm_count)[0]
 
 
+def wgmma_fills_prefill(M: int, wg_plan: dict, card: Card, bits: int) -> bool:
+    """Whether a call of M > WGMMA_W4_BIG_MAX_M (W4A16) / WGMMA_W8_MAX_M (W8A16) rows, up to WGMMA_PREFILL_MAX_M, goes
+    to the wgmma GEMM (plan ``wg_plan``) rather than dequantize + cuBLAS: its unsplit 256-row plan, filling at least
+    WGMMA_PREFILL_MIN_FILL of its waves (see there)."""
+    return (M <= WGMMA_PREFILL_MAX_M and wg_plan["bm"] == 256 and wg_plan["splits"] == 1
+            and _wg.wave_fill(M, wg_plan, card.sm_count, bits) >= WGMMA_PREFILL_MIN_FILL)
+
+
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
     """Whether an fp16 W4A16 call with M <= CUDA_GEMV_MMA_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
     the tensor-core GEMV (see GEMV_ONLY_MAX_M)."""
@@ -172,9 +192,11 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
         return _route("reference", "fused" if swiglu else "none")
     fused = "fused" if swiglu else "none"
     wg = (wgmma_plan(M, N, K, group_size, dtype, card)
-          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M <= WGMMA_W4_BIG_MAX_M else None)
+          if not residual and aligned and WGMMA_W4 and GEMV_ONLY_MAX_M < M <= WGMMA_PREFILL_MAX_M else None)
     if wg is not None and M > WGMMA_W4_MAX_M and wg["bm"] != 256:
         wg = None  # past WGMMA_W4_MAX_M only with 256-row blocks
+    if wg is not None and M > WGMMA_W4_BIG_MAX_M and not wgmma_fills_prefill(M, wg, card, 4):
+        wg = None
     if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
@@ -212,9 +234,9 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
         return _route("w8_gemv_mma", after, _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
-    if not residual and aligned and WGMMA_W8 and WGMMA_W8_MIN_M <= M <= WGMMA_W8_MAX_M:
+    if not residual and aligned and WGMMA_W8 and WGMMA_W8_MIN_M <= M <= WGMMA_PREFILL_MAX_M:
         wg = wgmma_plan(M, N, K, None, dtype, card)
-        if wg is not None:
+        if wg is not None and (M <= WGMMA_W8_MAX_M or wgmma_fills_prefill(M, wg, card, 8)):
             return _route("w8_gemm_wgmma", "fused" if swiglu else "none", wg)
     if M >= DEQUANT_MIN_M_W8:
         return _route("dequant_cublas", after)

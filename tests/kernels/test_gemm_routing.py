@@ -245,7 +245,8 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         if got.backend == "w4_gemm_wgmma":
             _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemm_wgmma", swiglu, bias, where)
             assert card.sm == 90 and not residual and (M <= routing.WGMMA_W4_MAX_M or (
-                M <= routing.WGMMA_W4_BIG_MAX_M and got.params["bm"] == 256)), where
+                M <= routing.WGMMA_W4_BIG_MAX_M and got.params["bm"] == 256)
+                or routing.wgmma_fills_prefill(M, got.params, card, 4)), where
             return
     calls = kernels.run(legacy.w4a16_linear, *args)
     assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
@@ -277,8 +278,8 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         aligned = WGMMA_X_OK[layout] and bias != "misaligned"
         got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=aligned)
         if got.backend == "w8_gemm_wgmma":
-            assert (routing.WGMMA_W8_MIN_M <= M <= routing.WGMMA_W8_MAX_M and card.sm == 90
-                    and dtype == torch.float16 and not residual), where
+            assert (routing.WGMMA_W8_MIN_M <= M and card.sm == 90 and dtype == torch.float16 and not residual
+                    and (M <= routing.WGMMA_W8_MAX_M or routing.wgmma_fills_prefill(M, got.params, card, 8))), where
             _only_call(kernels, ops_gemm._w8a16_linear, args, "w8_gemm_wgmma", swiglu, bias, where)
             return
     calls = kernels.run(legacy.w8a16_linear, *args)
@@ -355,14 +356,18 @@ GEMV, WGMMA, DEQUANT = "w4_gemv_mma", "w4_gemm_wgmma", "dequant_cublas"
 # groups, which the wgmma GEMM does not take (64), and K = 608 (Triton up to 255).
 # From 512 to 1023 the wgmma GEMM only where its plan takes 256-row blocks (M padded no more than by 128-row blocks:
 # 641..768, 897..1023, and 512 itself), dequantize + cuBLAS in between; N = 960 (SmolLM2) has no 128-column tiles.
-_BIG = [(513, 640, DEQUANT), (641, 768, WGMMA), (769, 896, DEQUANT), (897, 1023, WGMMA), (1024, 1024, DEQUANT)]
+# At 1024 (a prefill size: WGMMA_PREFILL_MIN_FILL) only where the 256-row grid fills its waves: 4 x 32 = 128 blocks
+# (o, down, 70b/8 o at N = 8192: 4 x 64 = 256 of 264 slots), 4 x 224 = 896 of 924 (gate_up), not 4 x 48 = 192 of 264
+# (qkv).
+_BIG = [(513, 640, DEQUANT), (641, 768, WGMMA), (769, 896, DEQUANT)]
+_BIG_FULL = _BIG + [(897, 1024, WGMMA)]
 W4_H100 = {
-    "l3-8b qkv": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
-    "l3-8b o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG,
-    "l3-8b gate_up": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
-    "l3-8b down": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
-    "8k": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG,
-    "l3-70b/8 o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG,
+    "l3-8b qkv": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG + [(897, 1023, WGMMA), (1024, 1024, DEQUANT)],
+    "l3-8b o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG_FULL,
+    "l3-8b gate_up": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG_FULL,
+    "l3-8b down": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG_FULL,
+    "8k": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG_FULL,
+    "l3-70b/8 o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG_FULL,
     "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
@@ -371,8 +376,7 @@ W4_H100 = {
 W8_H100 = {
     "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
                   (1024, 1024, DEQUANT)],
-    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
-                  (1024, 1024, DEQUANT)],
+    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1024, "w8_gemm_wgmma")],
     "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
                   (1024, 1024, DEQUANT)],
     "odd_dims down": [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],  # K = 608: no multiple of 64
@@ -413,6 +417,39 @@ def test_h100_routes_of_the_measured_shapes():
     assert _ranges(lambda M, s: route_w4a16(M, *s[:2], torch.float16, A100, group_size=128), qkv) == [
         (1, 32, GEMV), (33, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
     assert route_w4a16(1, 4096, 4096, torch.float16, None, group_size=128).backend == "reference"
+
+
+def test_prefill_sizes_take_the_wgmma_gemm_where_its_256_row_waves_are_full():
+    """Past WGMMA_W4_BIG_MAX_M / WGMMA_W8_MAX_M up to WGMMA_PREFILL_MAX_M (H100, fp16, no residual): the unsplit
+    256-row plan where ``wave_fill`` >= WGMMA_PREFILL_MIN_FILL, else dequantize + cuBLAS. Fills by hand: blocks =
+    cdiv(M, 256) x N / 128, one per SM, over the slots of their waves, times M / (M padded to 256)."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "13b_o": (5120, 5120)}
+    fills = {("qkv", 1024): 192 / 264, ("qkv", 1280): 240 / 264, ("qkv", 1536): 288 / 396, ("o", 2048): 256 / 264,
+             ("gate_up", 2048): 1792 / 1848, ("13b_o", 2048): 320 / 396, ("o", 2000): 256 / 264 * 2000 / 2048}
+    for (name, M), want in fills.items():
+        N, K = shapes[name]
+        assert wg.wave_fill(M, wg.gemm_plan(M, N, K), 132) == pytest.approx(want), (name, M)
+    # qkv 48 column tiles: 5 x 48 = 240 of 264 (1280), 288 of 396 (1536, not), 384 of 396 (2000: x 2000 / 2048);
+    # o and down 32: only 8 row tiles fill (256 of 264); gate_up 224: 1120 of 1188, 1344 of 1452, 1792 of 1848;
+    # 13b_o 40: 240 of 264 at 1536 only (200 of 264, 320 of 396 otherwise).
+    takes = {("qkv", 1280), ("qkv", 2000), ("qkv", 2048), ("o", 2000), ("o", 2048), ("down", 2000), ("down", 2048),
+             ("gate_up", 1280), ("gate_up", 1536), ("gate_up", 2000), ("gate_up", 2048), ("13b_o", 1536)}
+    for name, (N, K) in shapes.items():
+        for M in (1280, 1536, 2000, 2048, 2049, 4096):
+            w4 = route_w4a16(M, N, K, torch.float16, H100, group_size=128)
+            w8 = route_w8a16(M, N, K, torch.float16, H100)
+            if (name, M) in takes:
+                assert (w4.backend, w8.backend) == (WGMMA, "w8_gemm_wgmma"), (name, M)
+                assert w4.params["bm"] == w8.params["bm"] == 256 and w4.params["splits"] == w8.params["splits"] == 1
+                assert route_w4a16(M, N, K, torch.float16, H100, group_size=128, swiglu=True).swiglu == "fused"
+                assert route_w8a16(M, N, K, torch.float16, H100, swiglu=True).swiglu == "fused"
+            else:
+                assert (w4.backend, w8.backend) == (DEQUANT, DEQUANT), (name, M)
+            # Not with a residual, not in bf16, not off Hopper: the dequantize route, as before.
+            assert route_w4a16(M, N, K, torch.float16, H100, group_size=128, residual=True).backend == DEQUANT
+            assert route_w8a16(M, N, K, torch.bfloat16, H100).backend == DEQUANT
+            assert route_w4a16(M, N, K, torch.float16, A100, group_size=128).backend == DEQUANT
 
 
 def test_wgmma_takes_over_from_the_gemv_above_16_rows_where_it_keeps_enough_warps():
@@ -554,6 +591,39 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
         ref = w4a16_reference(*args, res, True)
         assert_close_to_ref(out, ref, baseline=dequant_baseline(x, qw, bias, res, swiglu=True), factor=2.0,
                             atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M, N", [(2048, 2048), (2000, 2048), (2048, 3072)])
+def test_op_routes_prefill_sizes_to_wgmma_where_its_waves_are_full(bits, M, N):
+    """M = 2000 / 2048, K = 1024: N = 2048 gives 8 x 16 = 128 blocks of 256 rows (fill 0.97 / 0.94 on an H100): the
+    wgmma GEMM; N = 3072 gives 192 (0.73): dequantize + cuBLAS. Either way within tolerance of the reference."""
+    K = 1024
+    g = torch.Generator().manual_seed(M + N + bits)
+    x = torch.randn(M, K, generator=g).half().cuda()
+    w = torch.randn(N, K, generator=g).half()
+    if bits == 4:
+        qw = quantize_int4(w, 128).to("cuda")
+        args = (x, qw.qweight, qw.scales, qw.zeros, 128)
+        y = torch.ops.tritrt.w4a16_linear(*args, None, None)
+        route = _gpu_route("w4", M, N, K, group_size=128)
+        kernel, w_kn, ref = (wg.w4a16_gemm_wgmma(*args), dequantize_w4_kn(*args[1:]), w4a16_reference(*args))
+    else:
+        qw = quantize_int8(w).to("cuda")
+        args = (x, qw.qweight, qw.scales)
+        y = torch.ops.tritrt.w8a16_linear(*args, None, None)
+        route = _gpu_route("w8", M, N, K)
+        kernel, w_kn, ref = wg.w8a16_gemm_wgmma(*args), dequantize_w8_kn(*args[1:]), w8a16_reference(*args)
+    card = routing.card_of()
+    plan = wg.gemm_plan(M, N, K, card.sm_count, bits=bits)
+    if card.sm == 90 and plan["bm"] == 256 and wg.wave_fill(M, plan, card.sm_count, bits) >= 0.9:
+        assert route.backend.endswith("gemm_wgmma") and torch.equal(y, kernel)
+    else:
+        assert route.backend == DEQUANT and torch.equal(y, dequant_matmul(x, w_kn))
+    assert (N == 2048) == route.backend.endswith("gemm_wgmma") or card.sm_count != 132
+    assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
+                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
 
 
 @pytest.mark.gpu
