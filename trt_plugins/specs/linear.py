@@ -1,8 +1,9 @@
 """W8A16Linear and W4A16Linear plugins: the weight-only GEMM kernels of ``kernels.gemm`` (``w8a16`` / ``w4a16``).
 
 AOT rule work-around: the torch op picks its kernel and plan from M, the token count, which is dynamic in an engine.
-The plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune tactic: 1, 16, 128; TensorRT
-times each on the profile's shapes and keeps the fastest): on the build's card it runs what the torch op routes to
+The plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune tactic: 1, 16, 128 for decode
+batches, 2048 for prefill chunks; TensorRT times each on the profile's shapes and keeps the fastest): on the build's
+card it runs what the torch op routes to
 for M = m_hint -- the CUDA tensor-core GEMV, scalar GEMV or Hopper wgmma GEMM with the route's plan, through their
 plugin entries (``linear_kernels``, which also says where a route is not launchable from a plugin) -- or else the
 Triton kernel, its tiles fixed from m_hint with ``SPLIT_K = 1``, so the split-K partials / ticket workspace are not
@@ -20,7 +21,9 @@ from ._base import Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, requi
 from .linear_kernels import cuda_kernel_w4a16, cuda_kernel_w8a16
 
 _HALF = ("bf16", "fp16")
-TACTICS = (1, 16, 128)
+# 2048: a prefill chunk, where the route takes the wgmma GEMM's 256-row plan on Hopper where its waves are full
+# (kernels.gemm.routing.WGMMA_PREFILL_MAX_M), else dequantize + cuBLAS, which a plugin cannot run: Triton tiles for it.
+TACTICS = (1, 16, 128, 2048)
 _M_HINT = Attr(int, 16, f"M the tiles are chosen for (one of {TACTICS}); also the autotune tactic")
 
 

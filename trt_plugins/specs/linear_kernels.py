@@ -8,7 +8,8 @@ the same kernel body, parameters in plugin order). Where the route names somethi
 - ``triton_w4_gemm`` / ``triton_w8_gemm`` (bf16 activations, shapes the CUDA kernels do not take, M between their
   ranges): the spec's Triton entry, as before.
 - ``dequant_cublas`` (M >= ``DEQUANT_MIN_M_W4`` / ``_W8``: dequantize, then cuBLAS; two launches and a weight-sized
-  temporary): the Triton entry. No tactic reaches it today (``TACTICS`` stop at 128 < 256).
+  temporary): the Triton entry, its tiles for M = ``m_hint`` (the 2048 tactic, where the route's wgmma GEMM does
+  not fill its waves, ``routing.wgmma_fills_prefill``, or is not Hopper).
 - ``w4_gemm_wgmma`` / ``w8_gemm_wgmma`` with a plan that sums its K splits through the global workspace
   (``splits > 1`` and not ``dsmem``): that sum needs per-tile counters that start at zero and persist from launch to
   launch, which a plugin (no workspace in TensorRT's AOT plugin contract, scratch only as graph inputs) does not have.
