@@ -11,10 +11,9 @@ M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``
 W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper from ``WGMMA_W8_MIN_M`` the
 wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Both, past those limits up
 to ``WGMMA_PREFILL_MAX_M``: the wgmma GEMM where its unsplit 256-row grid fills its waves (``wgmma_fills_prefill``).
-Everything else below
-``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes): dequantize the weight once
-and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into the W4A16 tensor-core
-GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
+Everything else below ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes):
+dequantize the weight once and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into
+the W4A16 tensor-core GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
 ``kernels.activation.swiglu`` on the pairs (then the residual), for dequantize + cuBLAS and the other W8A16 routes. No
 CUDA device: the fp32 torch reference.
 

@@ -1,14 +1,13 @@
 """W8A16Linear and W4A16Linear plugins: the weight-only GEMM kernels of ``kernels.gemm`` (``w8a16`` / ``w4a16``).
 
-AOT rule work-around: the torch op picks its kernel and plan from M, the token count, which is dynamic in an engine.
-The plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune tactic: 1, 16, 128 for decode
-batches, 2048 for prefill chunks; TensorRT times each on the profile's shapes and keeps the fastest): on the build's
-card it runs what the torch op routes to
-for M = m_hint -- the CUDA tensor-core GEMV, scalar GEMV or Hopper wgmma GEMM with the route's plan, through their
-plugin entries (``linear_kernels``, which also says where a route is not launchable from a plugin) -- or else the
-Triton kernel, its tiles fixed from m_hint with ``SPLIT_K = 1``, so the split-K partials / ticket workspace are not
-needed (their pointers are fed a harmless valid tensor). Every such configuration is correct for any M; it is only
-tuned for M near m_hint.
+AOT rule work-around: the torch op picks its kernel and plan from M, the token count, which is dynamic in an engine. The
+plugin fixes them at build time from ``m_hint`` (an attribute, and the autotune tactic: 1, 16, 128 for decode batches,
+2048 for prefill chunks; TensorRT times each on the profile's shapes and keeps the fastest): on the build's card it runs
+what the torch op routes to for M = m_hint -- the CUDA tensor-core GEMV, scalar GEMV or Hopper wgmma GEMM with the
+route's plan, through their plugin entries (``linear_kernels``, which also says where a route is not launchable from a
+plugin) -- or else the Triton kernel, its tiles fixed from m_hint with ``SPLIT_K = 1``, so the split-K partials / ticket
+workspace are not needed (their pointers are fed a harmless valid tensor). Every such configuration is correct for any
+M; it is only tuned for M near m_hint.
 Layouts (``kernels.quant``): INT8 ``qweight [K, N]`` int8 + ``scales [N]``; INT4 ``qweight [K/8, N]`` int32 +
 ``scales [K/g, N]`` + ``zeros [K/g, N]`` int8 (0..16; symmetric checkpoints: zeros filled with
 8). Not uint8: TensorRT's ONNX parser converts UINT8 initializers to INT32 and its builder takes no UINT8 plugin
