@@ -21,6 +21,9 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol, Sequence
 
 Value = Any  # a backend's handle: torch.Tensor (torch), a tensor name (ONNX), None (recorder)
+# A layer's gate/up weight as (gate, up) column pairs, in place of ``w13`` ([gate | up]): what the torch model runs
+# after ``export.model.LlamaModel.fuse_swiglu_``; never in a checkpoint, a saved build or an ONNX graph.
+GATE_UP_PAIRS = "w13_pairs"
 
 
 class DecoderOps(Protocol):
@@ -64,6 +67,10 @@ class DecoderOps(Protocol):
     def swiglu(self, gate_up: Value, intermediate: int, name: str) -> Value:
         """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
 
+    def linear_swiglu(self, x: Value, weight: str, intermediate: int, name: str) -> Value:
+        """[T, K] -> silu(x @ gate.T) * (x @ up.T), [T, I], for a ``weight`` of (gate, up) column pairs. Asked only of
+        a backend that has such a weight (``has_weight``): the torch model after ``LlamaModel.fuse_swiglu_``."""
+
     def last_tokens(self, h: Value, cu_seqlens_q: Value) -> Value:
         """[T, hidden] -> [S, hidden]: each sequence's last new token."""
 
@@ -101,7 +108,11 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
                                    p + "attention")
         x = ops.linear(ops.merge_heads(attn, c.q_size), p + "wo")
         h, residual = ops.fused_add_rms_norm(x, residual, p + "mlp_norm", eps, p + "mlp_norm")
-        x = ops.linear(ops.swiglu(ops.linear(h, p + "w13"), c.intermediate_size, p + "swiglu"), p + "w2")
+        if ops.has_weight(p + GATE_UP_PAIRS):  # SwiGLU in the gate/up GEMM's epilogue
+            act = ops.linear_swiglu(h, p + GATE_UP_PAIRS, c.intermediate_size, p + "swiglu")
+        else:
+            act = ops.swiglu(ops.linear(h, p + "w13"), c.intermediate_size, p + "swiglu")
+        x = ops.linear(act, p + "w2")
     h, _ = ops.fused_add_rms_norm(x, residual, "norm", eps, "final_norm")
     if not all_logits:
         h = ops.last_tokens(h, cu_seqlens_q)  # only the last new token of each sequence samples
@@ -156,6 +167,9 @@ class NameRecorder:
     def swiglu(self, gate_up, intermediate, name):
         return None
 
+    def linear_swiglu(self, x, weight, intermediate, name):
+        self._use(weight)
+
     def last_tokens(self, h, cu_seqlens_q):
         return None
 
@@ -172,3 +186,13 @@ def required_names(config) -> list[str]:
 
 def missing_weights(config, weights) -> list[str]:
     return [n for n in required_names(config) if n not in weights]
+
+
+def check_unfused(weights, what: str) -> None:
+    """Raise if ``weights`` hold a gate/up weight re-laid out for the torch runtime (``GATE_UP_PAIRS``), which
+    ``what`` (a saved build, an ONNX graph) must not: they keep the checkpoint's ``[gate | up]`` layout."""
+    fused = [n for n in weights if n.endswith("." + GATE_UP_PAIRS)]
+    if fused:
+        raise ValueError(f"{what}: {fused[0]} (and {len(fused) - 1} more) is a gate/up weight fused for the torch "
+                         f"runtime (LlamaModel.fuse_swiglu_, which TorchBackend applies on CUDA); use a model that was "
+                         f"not fused, e.g. load it again")

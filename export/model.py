@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .batch import Batch
 from .checkpoint import LlamaConfig, load_checkpoint
-from .decoder import decoder_forward, missing_weights, required_names  # noqa: F401  (required_names: public here)
+from .decoder import GATE_UP_PAIRS, decoder_forward, missing_weights, required_names  # noqa: F401  (required_names: public here)
 
 QUANT_MODES = ("none", "int8", "int4")
 
@@ -51,6 +51,14 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, ops=None) ->
     from kernels.quant import linear as qlinear
 
     return qlinear(x, w, bias, ops=ops)
+
+
+def linear_swiglu(x: torch.Tensor, w, ops=None) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` for a quantized ``w`` of (gate, up) column pairs (``fuse_swiglu_``), in the
+    GEMM's epilogue where the routed kernel has one (``kernels.gemm.routing``), else right after it."""
+    from kernels.quant import linear as qlinear
+
+    return qlinear(x, w, swiglu=True, ops=ops)
 
 
 class LlamaModel(torch.nn.Module):
@@ -86,6 +94,32 @@ class LlamaModel(torch.nn.Module):
         from .quantize import group_size_map
 
         return group_size_map(self.weights)
+
+    def fuse_swiglu_(self) -> "LlamaModel":
+        """Re-lay each quantized gate/up weight (``layers.{i}.w13``, ``[gate | up]`` columns) out as (gate, up) column
+        pairs under ``layers.{i}.w13_pairs`` (``export.decoder.GATE_UP_PAIRS``, ``kernels.quant.interleave_halves``),
+        so that the gate/up GEMM applies SwiGLU in its epilogue instead of writing ``[T, 2I]`` for the activation
+        kernel to read back. In place, one layer's copy at a time (the ``[gate | up]`` weight is dropped); plain
+        (unquantized) gate/up weights stay as they are. Returns ``self``.
+
+        Why (H100, ``benchmarks/results/dev-logs/h100/fused_swiglu.md``): on the gate/up shapes of 1B-70B models the
+        fused GEMM ran 1.03-1.10x the GEMM + activation kernel at M = 1-8 (W4 GEMV), 1.0-1.14x at M = 32-128, and
+        even to 1.03x at 512-2048 rows. A fused model runs; it is not a build artifact: ``export_onnx`` and
+        ``save_weights`` refuse its weights (the ONNX graph and saved files keep the checkpoint's layout)."""
+        from kernels.quant import interleave_halves
+
+        for i in range(self.config.num_layers):
+            w = self.weights.get(f"layers.{i}.w13")
+            if w is None or isinstance(w, torch.Tensor):
+                continue  # already fused, or a plain weight (no fused kernel: the activation kernel runs)
+            self.weights[f"layers.{i}.{GATE_UP_PAIRS}"] = interleave_halves(w)
+            del self.weights[f"layers.{i}.w13"], w
+        return self
+
+    @property
+    def swiglu_fused(self) -> bool:
+        """Whether ``fuse_swiglu_`` re-laid out any gate/up weight."""
+        return any(k.endswith("." + GATE_UP_PAIRS) for k in self.weights)
 
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -127,8 +161,12 @@ class LlamaModel(torch.nn.Module):
         slow and dequantizing int4 weights again at every step costs more than the matmul itself."""
         from kernels.quant import dequantize
 
-        weights = {k: v.float() if isinstance(v, torch.Tensor) else dequantize(v, torch.float32)
-                   for k, v in self.weights.items()}
+        weights = {}
+        for k, v in self.weights.items():
+            w = v.float() if isinstance(v, torch.Tensor) else dequantize(v, torch.float32)
+            if k.endswith("." + GATE_UP_PAIRS):  # (gate, up) row pairs -> [gate | up]: the CPU model runs unfused
+                k, w = k[:-len(GATE_UP_PAIRS)] + "w13", torch.cat([w[0::2], w[1::2]])
+            weights[k] = w
         if self.weights.get("lm_head") is self.weights["embed"]:
             weights["lm_head"] = weights["embed"]
         return LlamaModel(self.config, weights)
@@ -207,6 +245,9 @@ class TorchOps:
 
     def swiglu(self, gate_up, intermediate, name):
         return self.ops.swiglu(gate_up, None)
+
+    def linear_swiglu(self, x, weight, intermediate, name):
+        return linear_swiglu(x, self.w[weight], self.ops)
 
     def last_tokens(self, h, cu_seqlens_q):
         return h[(cu_seqlens_q[1:] - 1).long()]

@@ -53,7 +53,7 @@ from onnx import TensorProto
 from trt_plugins.specs import torch_dtype
 from trt_plugins.specs.paged_attention import scratch_shapes
 
-from .decoder import decoder_forward, missing_weights
+from .decoder import check_unfused, decoder_forward, missing_weights
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import ATTN_MAX_SPLITS, OpEmitter
@@ -75,6 +75,7 @@ def _weights_and_config(model_or_weights, config):
 
 
 def _check_weights(weights: Mapping[str, Any], config) -> None:
+    check_unfused(weights, "export_onnx")
     missing = missing_weights(config, weights)
     if missing:
         raise KeyError(f"weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}: expected the internal names "
@@ -214,6 +215,11 @@ class OnnxOps:
 
     def swiglu(self, gate_up, intermediate, name):
         return self.em.swiglu(gate_up, intermediate, name)
+
+    def linear_swiglu(self, x, weight, intermediate, name):
+        # ONNX graphs keep the checkpoint's [gate | up] layout: build_graph refuses fused weights before the walk
+        check_unfused(self.w, "export_onnx")
+        raise AssertionError(f"{weight}: linear_swiglu asked of an ONNX backend without fused weights")
 
     def last_tokens(self, h, cu_seqlens_q):
         # gathered before the (large) lm_head

@@ -167,6 +167,9 @@ def save_weights(state: dict, path) -> None:
     fields (``name::field``) plus its other fields as JSON in the file's metadata. A tied ``lm_head`` is stored once."""
     from safetensors.torch import save_file
 
+    from .decoder import check_unfused
+
+    check_unfused(state, f"save_weights({path})")
     tensors, meta = {}, {}
     tied = "lm_head" in state and state["lm_head"] is state.get("embed")
     for name, v in state.items():

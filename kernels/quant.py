@@ -132,6 +132,21 @@ def interleave_columns(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeigh
                            a.group_size, a.in_features, 2 * a.out_features, a.perm)
 
 
+def interleave_halves(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw``'s output columns ``[a | b]`` (two halves, e.g. a checkpoint's ``[gate | up]``) as ``interleave_columns(a,
+    b)``: the layout ``linear(..., swiglu=True)`` takes, made without re-quantizing."""
+    if qw.out_features % 2:
+        raise ValueError(f"interleave_halves: out_features={qw.out_features} is odd; expected [a | b] halves")
+    n = qw.out_features // 2
+
+    def half(t, lo):
+        return None if t is None else t[..., lo:lo + n].contiguous()
+
+    a, b = (QuantizedWeight(qw.bits, half(qw.qweight, lo), half(qw.scales, lo), half(qw.zeros, lo), qw.group_size,
+                            qw.in_features, n, qw.perm) for lo in (0, n))
+    return interleave_columns(a, b)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack unsigned 4-bit values ``q[K, N]`` (0..15) into int32 ``[K // 8, N]``, element ``k`` at bits
     ``4 * (k % 8)``."""

@@ -32,14 +32,21 @@ def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class TorchBackend:
-    """``LlamaModel.forward`` over a paged cache it allocates; CUDA graphs for decode on CUDA devices."""
+    """``LlamaModel.forward`` over a paged cache it allocates; CUDA graphs for decode on CUDA devices.
+
+    ``fuse_swiglu`` (default: on CUDA devices) applies ``model.fuse_swiglu_()``: the quantized gate/up GEMMs run
+    SwiGLU in their epilogue. It re-lays out the model's gate/up weights in place, after which the model can no
+    longer be saved or exported (load it again for that)."""
 
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, max_model_len: int | None = None,
                  kv_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
-                 graph_batch_sizes=DEFAULT_GRAPH_BATCH_SIZES, gpu_memory_fraction: float = 0.9):
+                 graph_batch_sizes=DEFAULT_GRAPH_BATCH_SIZES, gpu_memory_fraction: float = 0.9,
+                 fuse_swiglu: bool | None = None):
         self.model = model
         self.config = model.config
         self.device = torch.device(_model_device(model))
+        if (self.device.type == "cuda" if fuse_swiglu is None else fuse_swiglu) and hasattr(model, "fuse_swiglu_"):
+            model.fuse_swiglu_()
         self.vocab_size = self.config.vocab_size
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings

@@ -84,11 +84,15 @@ def test_prefill_decode_chunked_vs_hf(tiny_dirs, variant):
     _run_steps(model, hf, model.config.vocab_size, [[7, 13], [1, 1], [5, 1]], gen)
 
 
-@pytest.mark.parametrize("variant, quant, group_size", [("llama", "int8", 128), ("llama", "int4", 32),
-                                                         ("odd_dims", "int4", 128)])
-def test_quantized_model_vs_hf_with_dequantized_weights(tiny_dirs, variant, quant, group_size):
+@pytest.mark.parametrize("variant, quant, group_size, fused", [("llama", "int8", 128, False),
+                                                                ("llama", "int4", 32, False),
+                                                                ("odd_dims", "int4", 128, False),
+                                                                ("llama", "int8", 128, True),
+                                                                ("odd_dims", "int4", 128, True)])
+def test_quantized_model_vs_hf_with_dequantized_weights(tiny_dirs, variant, quant, group_size, fused):
     """The quantized model equals HF running the dequantized weights: quantization error is not counted. odd_dims
-    (hidden 320, intermediate 608) at the default group size mixes group sizes 64 and 32 (``group_sizes``)."""
+    (hidden 320, intermediate 608) at the default group size mixes group sizes 64 and 32 (``group_sizes``). ``fused``:
+    after ``fuse_swiglu_`` (gate/up as column pairs, SwiGLU applied by the GEMM op; on the CPU its fp32 reference)."""
     import kernels.quant as kq
 
     tiny_llama_dir = tiny_dirs(variant)
@@ -111,8 +115,33 @@ def test_quantized_model_vs_hf_with_dequantized_weights(tiny_dirs, variant, quan
                            (layer.mlp.down_proj, kq.dequantize(model.weights[f"layers.{i}.w2"]))):
                 assert not torch.equal(mod.weight, w)  # quantization did change the weight: the test can fail
                 mod.weight.copy_(w)
+    if fused:
+        assert model.fuse_swiglu_() is model and model.swiglu_fused
+        assert not any(k.endswith(".w13") for k in model.weights)
     gen = torch.Generator().manual_seed(2)
     _run_steps(model, hf, c.vocab_size, [[7, 13], [1, 1]], gen)
+
+
+def test_fuse_swiglu_is_for_running_only(tiny_llama_dir, tmp_path):
+    """A fused model runs (for_cpu() gives back the [gate | up] weights exactly); it cannot be saved or exported, and
+    nothing is written when that is refused. Plain (unquantized) gate/up weights are left alone."""
+    from export.onnx_export import export_onnx
+    from export.quantize import save_weights
+
+    model = LlamaModel.from_checkpoint(tiny_llama_dir, quant="int4", group_size=32)
+    want = model.for_cpu().weights
+    assert not model.swiglu_fused
+    model.fuse_swiglu_().fuse_swiglu_()  # a second call finds nothing left to fuse
+    assert model.swiglu_fused and "layers.1.w13_pairs" in model.weights and "layers.1.w13" not in model.weights
+    got = model.for_cpu().weights
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="fuse_swiglu_"):
+        save_weights(model.weights, tmp_path / "w.safetensors")
+    with pytest.raises(ValueError, match="fuse_swiglu_"):
+        export_onnx(model, path=tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+    plain = LlamaModel.from_checkpoint(tiny_llama_dir)
+    assert not plain.fuse_swiglu_().swiglu_fused and "layers.0.w13" in plain.weights
 
 
 def test_allocate_kv_cache_shape(tiny_llama_dir):
@@ -142,15 +171,20 @@ def test_bad_inputs(tiny_llama_dir):
 
 # --- GPU: the Triton kernels in half precision ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant, quant, group_size", [("qwen2", "none", 128), ("llama", "int8", 128),
-                                                         ("llama", "int4", 32), ("qwen3", "none", 128),
-                                                         ("qwen3", "int4", 32)])
+@pytest.mark.parametrize("variant, quant, group_size, fused", [("qwen2", "none", 128, False),
+                                                                ("llama", "int8", 128, False),
+                                                                ("llama", "int4", 32, False),
+                                                                ("qwen3", "none", 128, False),
+                                                                ("qwen3", "int4", 32, False),
+                                                                ("llama", "int8", 128, True),
+                                                                ("llama", "int4", 32, True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_half_model_vs_hf(tiny_dirs, variant, quant, group_size, dtype):
+def test_gpu_half_model_vs_hf(tiny_dirs, variant, quant, group_size, fused, dtype):
     """Our kernels in fp16/bf16 on CUDA vs HF in fp32 on the same (dequantized) weights, over prefill, decode and
-    chunked prefill. Bound: 3x HF's own error when it runs in the same half dtype, + 1e-2 abs (logits are O(1)): fused
-    kernels round at different points than eager PyTorch, which is of the same size as HF's own rounding error; a
-    wiring error (head, position, block) moves logits by O(1)."""
+    chunked prefill (``fused``: after ``fuse_swiglu_``, SwiGLU in the gate/up GEMMs). Bound: 3x HF's own error when it
+    runs in the same half dtype, + 1e-2 abs (logits are O(1)): fused kernels round at different points than eager
+    PyTorch, which is of the same size as HF's own rounding error; a wiring error (head, position, block) moves logits
+    by O(1)."""
     import kernels.quant as kq
     from tests.helpers import assert_close_to_ref
 
@@ -169,6 +203,8 @@ def test_gpu_half_model_vs_hf(tiny_dirs, variant, quant, group_size, dtype):
                 layer.mlp.up_proj.weight.copy_(up)
                 layer.self_attn.o_proj.weight.copy_(kq.dequantize(model.weights[f"layers.{i}.wo"]).float())
                 layer.mlp.down_proj.weight.copy_(kq.dequantize(model.weights[f"layers.{i}.w2"]).float())
+    if fused:
+        model.fuse_swiglu_()
     hf_half = type(hf32)(hf32.config).to(device="cuda", dtype=dtype).eval()
     hf_half.load_state_dict(hf32.state_dict())
     gen = torch.Generator().manual_seed(3)

@@ -227,6 +227,30 @@ def test_interleave_columns_and_fused_swiglu_linear(bits):
     assert all(v == "SUCCESS" for v in res.values()), res
 
 
+@pytest.mark.parametrize("bits, symmetric, act_order", [(4, False, False), (4, True, True), (8, False, False)])
+def test_interleave_halves_pairs_a_weights_two_halves(bits, symmetric, act_order):
+    # interleave_halves([a | b]) == interleave_columns(a, b): output column 2j is a's j, 2j + 1 is b's j, codes,
+    # scales, zero points and the act-order permutation carried over, nothing re-quantized.
+    from kernels.quant import interleave_columns, interleave_halves
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(2 * 24, 128, generator=g).half()
+    qw = quantize_int4(w, 32, symmetric=symmetric) if bits == 4 else quantize_int8(w)
+    if act_order:
+        qw.perm = torch.randperm(128, generator=g)
+    pairs = interleave_halves(qw)
+    assert (pairs.out_features, pairs.bits, pairs.group_size) == (qw.out_features, bits, qw.group_size)
+    d, dp = dequantize(qw), dequantize(pairs)
+    assert torch.equal(dp[0::2], d[:24]) and torch.equal(dp[1::2], d[24:])
+    assert not torch.equal(dp, d)  # a real re-layout: the check above can fail
+    ref = interleave_columns(*[quantize_int4(h, 32, symmetric=symmetric) if bits == 4 else quantize_int8(h)
+                               for h in w.split(24)])
+    if not act_order:  # quantization is per column (group), so quantizing the halves alone gives the same codes
+        assert torch.equal(pairs.qweight, ref.qweight) and torch.equal(pairs.scales, ref.scales)
+    with pytest.raises(ValueError, match="out_features=15 is odd"):
+        interleave_halves(quantize_int8(torch.randn(15, 128).half()))
+
+
 def test_interleave_columns_rejects_mismatched_weights():
     from kernels.quant import interleave_columns
 
