@@ -102,10 +102,12 @@ class LlamaModel(torch.nn.Module):
         kernel to read back. In place, one layer's copy at a time (the ``[gate | up]`` weight is dropped); plain
         (unquantized) gate/up weights stay as they are. Returns ``self``.
 
-        Why (H100, ``benchmarks/results/dev-logs/h100/fused_swiglu.md``): on the gate/up shapes of 1B-70B models the
-        fused GEMM ran 1.03-1.10x the GEMM + activation kernel at M = 1-8 (W4 GEMV), 1.0-1.14x at M = 32-128, and
-        even to 1.03x at 512-2048 rows. A fused model runs; it is not a build artifact: ``export_onnx`` and
-        ``save_weights`` refuse its weights (the ONNX graph and saved files keep the checkpoint's layout)."""
+        Why (H100, ``benchmarks/results/dev-logs/h100/fused_swiglu.md``, gate/up of five 1B-70B models): the fused
+        GEMM against the GEMM + activation kernel, W4A16 1.03-1.10x at M = 1-8 (the tensor-core GEMV), 1.00-1.16x at
+        M = 32-128, 0.98-1.05x at 512-2048 (geometric means 0.99-1.03x); W8A16 1.00-1.18x from M = 32, even below
+        (its GEMV runs the activation after either way). A fused model runs; it is not a build artifact:
+        ``export_onnx`` and ``save_weights`` refuse its weights (graphs and saved files keep the checkpoint's
+        layout)."""
         from kernels.quant import interleave_halves
 
         for i in range(self.config.num_layers):
