@@ -47,6 +47,8 @@ class TorchBackend:
         self.device = torch.device(_model_device(model))
         if (self.device.type == "cuda" if fuse_swiglu is None else fuse_swiglu) and hasattr(model, "fuse_swiglu_"):
             model.fuse_swiglu_()
+            if self.device.type == "cuda":  # the re-layout's freed copies, before free memory sizes the KV cache
+                torch.cuda.empty_cache()
         self.vocab_size = self.config.vocab_size
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings

@@ -39,7 +39,7 @@ __device__ __forceinline__ uint32_t lop3_and_xor(uint32_t a, uint32_t mask, uint
 // SwiGLU of one interleaved (gate, up) column pair, in fp32: silu(gate) * up. __expf's and __fdividef's errors (a few
 // fp32 ulps) are far below the fp16 rounding of the result; a gate below about -88 gives exp = inf and silu = -0 (its
 // quotient is 0 from a denominator of 2^126 on), as it should. With the IEEE division it replaced, the wgmma GEMM
-// with SwiGLU ran 1-5% slower at M = 128-2048 on H100 (benchmarks/results/dev-logs/h100/fused_swiglu.md).
+// with SwiGLU ran 1-6% slower at M = 128-2048 on H100 (benchmarks/results/dev-logs/h100/fused_swiglu.md).
 __device__ __forceinline__ float silu_mul(float gate, float up) { return __fdividef(gate, 1.f + __expf(-gate)) * up; }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
