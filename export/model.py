@@ -53,14 +53,6 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, ops=None) ->
     return qlinear(x, w, bias, ops=ops)
 
 
-def linear_swiglu(x: torch.Tensor, w, ops=None) -> torch.Tensor:
-    """``silu(x @ gate.T) * (x @ up.T)`` for a quantized ``w`` of (gate, up) column pairs (``fuse_swiglu_``), in the
-    GEMM's epilogue where the routed kernel has one (``kernels.gemm.routing``), else right after it."""
-    from kernels.quant import linear as qlinear
-
-    return qlinear(x, w, swiglu=True, ops=ops)
-
-
 class LlamaModel(torch.nn.Module):
     """LLaMA-family decoder on ``kernels.ops``; ``weights`` is the internal-name state dict it runs on."""
 
@@ -249,7 +241,11 @@ class TorchOps:
         return self.ops.swiglu(gate_up, None)
 
     def linear_swiglu(self, x, weight, intermediate, name):
-        return linear_swiglu(x, self.w[weight], self.ops)
+        # a quantized weight of (gate, up) column pairs (fuse_swiglu_): SwiGLU in the GEMM's epilogue where the routed
+        # kernel has one (kernels.gemm.routing), else right after it
+        from kernels.quant import linear as qlinear
+
+        return qlinear(x, self.w[weight], swiglu=True, ops=self.ops)
 
     def last_tokens(self, h, cu_seqlens_q):
         return h[(cu_seqlens_q[1:] - 1).long()]
