@@ -218,12 +218,12 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     """The kernel ``w8a16_linear`` runs for ``x[M, K]`` (``dtype``) times an INT8 ``[K, N]`` weight on ``card``
     (None: no CUDA device), with a residual input and/or SwiGLU (``N / 2`` out).
 
-    The wgmma GEMM fuses SwiGLU into its epilogue, as for W4A16. No other W8A16 kernel fuses it better than running
-    it after: Triton's epilogue (a split of the MMA accumulator into
+    The wgmma GEMM and the tensor-core GEMV (without a residual) fuse SwiGLU into their epilogues, as for W4A16. No
+    other W8A16 kernel fuses it better than running it after: Triton's epilogue (a split of the MMA accumulator into
     column pairs) ran at 1.33x / 0.81x of cuBLAS + F.silu * up on gate/up at M = 64 / 128 against 1.53x / 1.00x for
     the GEMM without it + the activation kernel, and equal at M = 1 / 16 (H100,
-    benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` those routes run the GEMM without SwiGLU and
-    without the residual (added after the activation).
+    benchmarks/results/h100/bench_gemm_swiglu.md). So with ``swiglu`` those routes (and the GEMV with a residual)
+    run the GEMM without SwiGLU and without the residual (added after the activation).
     ``aligned``: the operands are what the named kernel needs beyond shapes (the GEMV: ``w8a16.gemv_mma.operands_ok``
     and x 8-byte aligned once contiguous; the wgmma GEMM: ``gemm_wgmma.operands_ok``); the op checks them only when a
     route names that kernel, as ``route_w4a16``."""
@@ -232,7 +232,8 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     after = "after" if swiglu else "none"
     if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
-        return _route("w8_gemv_mma", after, _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
+        return _route("w8_gemv_mma", "fused" if swiglu and not residual else after,
+                      _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
     if not residual and aligned and WGMMA_W8 and WGMMA_W8_MIN_M <= M <= WGMMA_PREFILL_MAX_M:
         wg = wgmma_plan(M, N, K, None, dtype, card)
         if wg is not None and (M <= WGMMA_W8_MAX_M or wgmma_fills_prefill(M, wg, card, 8)):

@@ -75,7 +75,7 @@ def _w8_shapes(x, qweight, scales, bias, swiglu, op="w8a16_linear"):
 def _w8_gemv_mma(x2, qweight, scales, bias, r2, swiglu):
     from ..gemm.w8a16 import gemv_mma as mma8
 
-    return mma8.w8a16_gemv_mma(x2, qweight, scales, bias)
+    return mma8.w8a16_gemv_mma(x2, qweight, scales, bias, swiglu=swiglu)
 
 
 def _w8_gemm_wgmma(x2, qweight, scales, bias, r2, swiglu):

@@ -27,7 +27,7 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
     q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
     dequantize_w8_kn(q8.qweight, q8.scales)
     if M <= 8 and N % 4 == 0:
-        for ov in ({}, dict(vec=4), dict(ksplit=2)):
+        for ov in ({}, dict(vec=4), dict(ksplit=2), dict(swiglu=True), dict(swiglu=True, vec=4, ksplit=2)):
             try:
                 mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, b, **ov)
             except ValueError as e:

@@ -191,6 +191,33 @@ def test_w8_gemv_matches_reference(M, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N,K", [(28672, 4096), (1000, 192)])
+def test_w8_gemv_swiglu_epilogue(M, N, K):
+    """W's columns as interleaved (gate, up) pairs: out [M, N / 2] = silu(gate + bias) * (up + bias), every output
+    written (poisoned buffer), for the plan (the 8B gate/up: a cluster K split) and both reduction paths, every vec
+    that divides N (N = 1000: partial blocks, pairs in a block's last lanes)."""
+    from tests.helpers import assert_close_to_ref, dequant_baseline
+
+    x, q, bias = _case(M, N, K, M * 17 + N + K)
+    ref = w8a16_reference(x, q.qweight, q.scales, bias, None, True)
+    base = dequant_baseline(x, q, bias, swiglu=True)
+    for ov in ({}, dict(ksplit=1), dict(ksplit=2), dict(ksplit=8)) + tuple(
+            dict(vec=v) for v in mma8.VECS if N % v == 0):
+        if K % (64 * ov.get("ksplit", 1)):
+            continue
+        out = poisoned((M, N // 2), torch.float16, "cuda")
+        y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias, out=out, swiglu=True, **ov)
+        assert y is out
+        # fp32 sums, SwiGLU in fp32, one fp16 rounding: at most twice PyTorch's fp16 error (which rounds the GEMM
+        # output before the activation) plus half an ulp of the largest output, as the W4 GEMV's epilogue.
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
+    with pytest.raises(ValueError, match=r"out must be contiguous float16 \(%d, %d\)" % (M, N // 2)):
+        mma8.w8a16_gemv_mma(x, q.qweight, q.scales, out=poisoned((M, N), torch.float16, "cuda"), swiglu=True)
+
+
+@pytest.mark.gpu
 def test_w8_gemv_extreme_codes_and_deterministic():
     """q = -127, 0, 127 in every column (the ends of the magic-number range), and a repeat call is bit-identical."""
     x, q, _ = _case(8, 264, 512, 5)

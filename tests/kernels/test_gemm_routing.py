@@ -289,6 +289,10 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         # 608 here); the op copies it for the GEMV only. Same result: the Triton kernel reads x by its row stride.
         triton = calls[0][0], tuple((k, "arg0" if k == "x" else v) for k, v in calls[0][1])
         calls = [triton, *calls[1:]]
+    if swiglu and not residual and [c[0] for c in calls] == ["w8_gemv_mma", "swiglu"]:
+        # The other change since the cascade: the GEMV's SwiGLU epilogue, one call with swiglu=True where the
+        # cascade made the same GEMV call without it and then ran the activation kernel.
+        calls = [(calls[0][0], tuple((k, True if k == "swiglu" else v) for k, v in calls[0][1]))]
     assert not op or kernels.run(ops_gemm._w8a16_linear, *args) == calls, where
     aligned = W8_ALIGNED[layout] and (route.backend != "w8_gemm_wgmma")  # wgmma refused: the cascade's kernel
     got = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=aligned)
@@ -405,12 +409,16 @@ def test_h100_routes_of_the_measured_shapes():
         (1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
     assert _ranges(lambda M, s: w4(M, s, residual=True), qkv) == [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
     assert _ranges(lambda M, s: w8(M, s, residual=True), qkv) == [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
-    # SwiGLU: fused where the kernel has the epilogue (W8A16: the wgmma GEMM), after the GEMM otherwise.
+    # SwiGLU: fused where the kernel has the epilogue (W8A16: the GEMV without a residual and the wgmma GEMM), after
+    # the GEMM otherwise.
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
     assert w4(1024, qkv, swiglu=True).swiglu == "after" and w4(1023, qkv, swiglu=True).swiglu == "fused"
     assert w4(1, qkv).swiglu == "none"
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 5, 16, 1024)} == {"after"}
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (17, 1023)} == {"fused"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (5, 16, 1024)} == {"after"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 17, 1023)} == {"fused"}
+    assert w8(1, qkv, swiglu=True).backend == "w8_gemv_mma"
+    assert (w8(1, qkv, residual=True, swiglu=True).backend, w8(1, qkv, residual=True, swiglu=True).swiglu) == (
+        "w8_gemv_mma", "after")
     assert _ranges(lambda M, s: route_w8a16(M, *s[:2], torch.float16, A100), qkv) == [
         (1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.

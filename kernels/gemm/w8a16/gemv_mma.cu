@@ -1,5 +1,7 @@
 // W8A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
-// INT8 layout (qweight int8 [K, N], w[n, k] = q[k, n] * s[n], q in [-127, 127], scales fp16 [N]).
+// INT8 layout (qweight int8 [K, N], w[n, k] = q[k, n] * s[n], q in [-127, 127], scales fp16 [N]). With `swiglu` W's
+// columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2] (a pair never straddles two blocks or
+// two cluster slices: both hold an even number of columns).
 //
 // Why: the Triton W8A16 GEMV reaches 1.39-1.73x cuBLAS fp16 at M = 1 (H200); bytes alone allow ~1.9x. As in
 // w4a16/gemv_mma.cu the weights are the mma's A operand (16 columns of W x 16 k) and x is B (16 k x 8 rows of x),
@@ -131,7 +133,7 @@ __device__ __forceinline__ uint32_t pair_to_half2(uint32_t lo, uint32_t hi, int 
 TRITRT_ENTRY(TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1))
 w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
                const half* __restrict__ bias, half* __restrict__ out, int M, int N, int K, int stride_xm,
-               int has_bias) {
+               int has_bias, int swiglu) {
   __shared__ float red[kWarps][8][kCols];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -225,17 +227,28 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
     }
   }
   __syncthreads();
+  // Column n's finished value from its fp32 sum; with SwiGLU each thread takes a (gate, up) pair of columns, n even.
+  const int per = swiglu ? 2 : 1;
+  auto finish = [&](int n, float sum) {
+    sum *= __half2float(scales[n]);
+    return has_bias ? sum + __half2float(bias[n]) : sum;
+  };
 #if GEMV_KSPLIT == 1
-  for (int i = threadIdx.x; i < 8 * kCols; i += 32 * kWarps) {
-    const int m = i / kCols, cl = i % kCols;
+  auto column_sum = [&](int m, int cl) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
+    return sum;
+  };
+  for (int i = threadIdx.x; i < 8 * kCols / per; i += 32 * kWarps) {
+    const int m = i / (kCols / per), cl = per * (i % (kCols / per));
     const int n = blockIdx.x * kCols + cl;
     if (m < M && n < N) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
-      sum *= __half2float(scales[n]);
-      if (has_bias) sum += __half2float(bias[n]);
-      out[(size_t)m * N + n] = __float2half_rn(sum);
+      const float y = finish(n, column_sum(m, cl));
+      if (swiglu)
+        out[(size_t)m * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
+      else
+        out[(size_t)m * N + n] = __float2half_rn(y);
     }
   }
 #else
@@ -255,17 +268,23 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   }
   cluster.sync();
   constexpr int kSlice = kCols / kSplit;
+  static_assert(kSlice % 2 == 0, "a cluster slice must hold whole (gate, up) pairs");
   const int c0 = (int)cluster.block_rank() * kSlice;
-  for (int i = threadIdx.x; i < 8 * kSlice; i += 32 * kWarps) {
-    const int m = i / kSlice, cl = c0 + i % kSlice;
+  auto column_sum = [&](int m, int cl) {
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
+    return sum;
+  };
+  for (int i = threadIdx.x; i < 8 * kSlice / per; i += 32 * kWarps) {
+    const int m = i / (kSlice / per), cl = c0 + per * (i % (kSlice / per));
     const int n = blockIdx.x * kCols + cl;
     if (m < M && n < N) {
-      float sum = 0.f;
-#pragma unroll
-      for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
-      sum *= __half2float(scales[n]);
-      if (has_bias) sum += __half2float(bias[n]);
-      out[(size_t)m * N + n] = __float2half_rn(sum);
+      const float y = finish(n, column_sum(m, cl));
+      if (swiglu)
+        out[(size_t)m * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
+      else
+        out[(size_t)m * N + n] = __float2half_rn(y);
     }
   }
   cluster.sync();
@@ -275,13 +294,13 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
 #ifdef TRITRT_PLUGIN_ENTRY
 // TensorRT plugin entry (W8A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
 // int32 extra args, then the outputs: (x, qweight, scales, M, N, K, unused, y); the unused int is the Triton entry's
-// residual stride (0). The kernel above runs with no bias and x rows of K halves. It takes at most 8 rows, so grid z
+// residual stride (0). The kernel above runs with no bias, no SwiGLU and x rows of K halves. It takes at most 8 rows, so grid z
 // walks the row tiles of any M: grid (N / (8 GEMV_VEC), GEMV_KSPLIT, cdiv(M, 8)), each tile the launch the torch
 // path makes for its rows.
 extern "C" __global__ void TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1)
 tritrt_w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
                       int M, int N, int K, int /*unused*/, half* __restrict__ y) {
   const int m0 = blockIdx.z * 8;
-  w8a16_gemv_mma(x + (size_t)m0 * K, qweight, scales, scales, y + (size_t)m0 * N, min(M - m0, 8), N, K, K, 0);
+  w8a16_gemv_mma(x + (size_t)m0 * K, qweight, scales, scales, y + (size_t)m0 * N, min(M - m0, 8), N, K, K, 0, 0);
 }
 #endif  // TRITRT_PLUGIN_ENTRY

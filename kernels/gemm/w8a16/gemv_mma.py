@@ -39,7 +39,7 @@ K_MULTIPLE = 64  # K % 64 == 0: the largest default chunk (vec = 4, u = 4) is 64
 REGS_BOUND = 128
 SMEM_PER_SM = 227 * 1024
 PARAMS = [("x", "*fp16"), ("qweight", "*i8"), ("scales", "*fp16"), ("bias", "*fp16"), ("out", "*fp16"),
-          ("M", "i32"), ("N", "i32"), ("K", "i32"), ("stride_xm", "i32"), ("has_bias", "i32")]
+          ("M", "i32"), ("N", "i32"), ("K", "i32"), ("stride_xm", "i32"), ("has_bias", "i32"), ("swiglu", "i32")]
 
 _KERNELS: dict = {}
 
@@ -166,10 +166,12 @@ def plugin_build(plan: dict):
 
 def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, vec: Optional[int] = None, warps: Optional[int] = None,
-                   u: Optional[int] = None, ksplit: Optional[int] = None, l2_128: bool = L2_128) -> torch.Tensor:
+                   u: Optional[int] = None, ksplit: Optional[int] = None, l2_128: bool = L2_128,
+                   swiglu: bool = False) -> torch.Tensor:
     """``x[M, K] @ W^T (+ bias) -> [M, N]`` fp16, M <= 8, on tensor cores; W is ``kernels.quant.quantize_int8``'s
-    ``qweight`` int8 ``[K, N]`` and ``scales`` fp16 ``[N]``. ``vec``/``warps``/``u``/``ksplit``/``l2_128`` override
-    the plan's variant (benchmarks, tests)."""
+    ``qweight`` int8 ``[K, N]`` and ``scales`` fp16 ``[N]``; with ``swiglu`` (W's columns interleaved gate/up pairs,
+    ``kernels.quant.interleave_columns``) ``silu(gate) * up -> [M, N / 2]``. ``vec``/``warps``/``u``/``ksplit``/
+    ``l2_128`` override the plan's variant (benchmarks, tests)."""
     from kernels.gemm.w8a16.triton_gemm import check_w8_weight
 
     if x.dim() != 2:
@@ -182,7 +184,7 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if reason:
         raise ValueError(f"tensor-core W8A16 GEMV: {reason}; use kernels.gemm.w8a16.triton_gemm.w8a16_gemm")
     check_operands("tensor-core W8A16 GEMV", x, 8, (("qweight", qweight, 16), ("scales", scales, 2), ("bias", bias, 2)),
-                   scales, bias, out, (M, N), dtype_hint=" (quantize_int8(w.half()))")
+                   scales, bias, out, (M, N // 2 if swiglu else N), dtype_hint=" (quantize_int8(w.half()))")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"tensor-core W8A16 GEMV: bias must have shape [{N}], got {tuple(bias.shape)}")
     clusters = ksplit is not None and ksplit > 1  # opt-in (see gemv_plan)
@@ -195,9 +197,9 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if K % (16 * plan["u"] * plan["ksplit"]):
         raise ValueError(f"tensor-core W8A16 GEMV: K={K} is not a multiple of 16 * u * ksplit = "
                          f"{16 * plan['u'] * plan['ksplit']}")
-    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    out = torch.empty((M, N // 2 if swiglu else N), dtype=torch.float16, device=x.device) if out is None else out
     build = (plan["warps"], plan["vec"], plan["u"], plan["ksplit"], bool(l2_128))
     cached_kernel(_KERNELS, compile_variant, *build).launch(
         plan["grid"], x, qweight, scales, bias if bias is not None else scales, out, M, N, K, x.stride(0),
-        int(bias is not None), pdl=pdl_enabled())
+        int(bias is not None), int(swiglu), pdl=pdl_enabled())
     return out
