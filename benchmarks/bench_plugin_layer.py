@@ -9,8 +9,11 @@ makes dense for the plugins, are copies; PagedAttention gets its decode scratch 
 its kernel (tactic q_hint = 1, the decode profile's) takes its split-KV decode program on this step. "torch": the same
 layer through ``export.model.TorchOps`` (``torch.ops.tritrt.*``), the model's own path. Both are captured in CUDA graphs
 (``harness.bench(cuda_graph=True)``), cycling through layer weight sets larger than L2, so the times are device time
-without host launch overhead, and the ratio torch / plugin is the issue's target (>= 0.95x). fp16 activations; weights
-int4 (g128) and int8. Then each op alone, both paths, on the inputs it had in the layer (``--no-per-op`` skips this
+without host launch overhead, and the ratio torch / plugin is the issue's target (>= 0.95x). "torch_fused": the same
+layer as the runtime runs it on CUDA since ``LlamaModel.fuse_swiglu_`` (gate/up weight interleaved, SwiGLU in the GEMM's
+epilogue: ``TorchOps.linear_swiglu``); the plugin graph still runs the GEMM then the SwiGLU plugin, so
+``fused_torch_over_path`` is the plugin path against the model's own fastest path. fp16 activations; weights int4
+(g128) and int8. Then each op alone, torch and plugin, on the inputs it had in the layer (``--no-per-op`` skips this
 breakdown).
 
 Usage: ``python benchmarks/bench_plugin_layer.py [--quant int4,int8]``; writes
@@ -53,9 +56,11 @@ def layer_weights(quant: str, seed: int) -> dict:
             "wo": lin(HIDDEN, q_size), "w13": lin(2 * INTER, HIDDEN), "w2": lin(HIDDEN, INTER)}
 
 
-def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, seq_lens, cu_seqlens_q):
+def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, seq_lens, cu_seqlens_q,
+               fused_swiglu=False):
     """One layer of ``export.decoder.decoder_forward`` (a layer after the first: its norm fuses the residual add),
-    on any ``DecoderOps`` backend; returns (x, residual) for the next layer."""
+    on any ``DecoderOps`` backend; returns (x, residual) for the next layer. ``fused_swiglu``: the gate/up GEMM with
+    SwiGLU in its epilogue on the interleaved weight ``w13_pairs`` (a fused model's layer)."""
     h, residual = ops.fused_add_rms_norm(x, residual, "attn_norm", EPS, "attn_norm")
     q, k, v = ops.split_heads(ops.linear(h, "wqkv"), [HEADS, KV_HEADS, KV_HEADS], HEAD_DIM, "qkv_split")
     q, k = ops.rope(q, k, positions, "rope")
@@ -63,6 +68,8 @@ def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, s
     attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, 1, HEAD_DIM ** -0.5, "attention")
     x = ops.linear(ops.merge_heads(attn, HEADS * HEAD_DIM), "wo")
     h, residual = ops.fused_add_rms_norm(x, residual, "mlp_norm", EPS, "mlp_norm")
+    if fused_swiglu:
+        return ops.linear(ops.linear_swiglu(h, "w13_pairs", INTER, "gate_up"), "w2"), residual
     return ops.linear(ops.swiglu(ops.linear(h, "w13"), INTER, "swiglu"), "w2"), residual
 
 
@@ -168,8 +175,10 @@ def weight_bytes(w: dict) -> int:
 
 
 def run(quant: str, breakdown: bool = True) -> list[dict]:
+    from export.decoder import GATE_UP_PAIRS
     from export.model import TorchOps
     from kernels.paged_attention import paged_attention_scratch
+    from kernels.quant import interleave_halves
     from kernels.rope import rope_cos_sin_cache
 
     cos_sin = rope_cos_sin_cache(HEAD_DIM, 8192, THETA, device=DEVICE)
@@ -186,24 +195,30 @@ def run(quant: str, breakdown: bool = True) -> list[dict]:
         x = torch.randn(1, HIDDEN, device=DEVICE, dtype=torch.float16)
         inputs.append((w, x, torch.randn_like(x), (kc, torch.randn_like(kc))))
 
+    for w in sets:  # the fused model's gate/up weight beside the checkpoint's (export.model.LlamaModel.fuse_swiglu_)
+        w[GATE_UP_PAIRS] = interleave_halves(w["w13"])
+
     def step(backend):
         def fn(w, x, residual, caches):
             ops = PluginOps(w, cos_sin, scratch) if backend == "plugin" else TorchOps(w, cos_sin)
             return layer_step(ops, x, residual, batch["positions"], caches, batch["slot_mapping"],
-                              batch["block_table"], batch["seq_lens"], batch["cu_seqlens_q"])
+                              batch["block_table"], batch["seq_lens"], batch["cu_seqlens_q"],
+                              fused_swiglu=backend == "torch_fused")
         return fn
 
     # Same inputs, same answer (the GEMMs' kernels are the same; attention / norms are the same Triton kernels).
     w, x, r, caches = inputs[0]
     yp, rp = step("plugin")(w, x, r, tuple(c.clone() for c in caches))
     yt, rt = step("torch")(w, x, r, tuple(c.clone() for c in caches))
-    diff = float((yp.float() - yt.float()).abs().max())
+    yf, rf = step("torch_fused")(w, x, r, tuple(c.clone() for c in caches))
+    diff = {"torch": 0.0, "plugin": float((yp.float() - yt.float()).abs().max()),
+            "torch_fused": float((yf.float() - yt.float()).abs().max())}
     rows = []
-    times = {b: bench(step(b), inputs, cuda_graph=True) for b in ("torch", "plugin")}
+    times = {b: bench(step(b), inputs, cuda_graph=True) for b in ("torch", "torch_fused", "plugin")}
     for b, ms in times.items():
         rows.append(dict(path=b, quant=quant, op="layer", us=ms * 1e3,
                          weight_gbs=per_set / (ms * 1e-3) / 1e9, torch_over_path=times["torch"] / ms,
-                         max_abs_diff_vs_torch=diff if b == "plugin" else 0.0))
+                         fused_torch_over_path=times["torch_fused"] / ms, max_abs_diff_vs_torch=diff[b]))
     if breakdown:  # where the difference is: each op alone (its launch in a graph; no overlap with its neighbours)
         ops = {b: per_op(lambda w, b=b: PluginOps(w, cos_sin, scratch) if b == "plugin" else TorchOps(w, cos_sin),
                          inputs, batch) for b in ("torch", "plugin")}
@@ -237,10 +252,12 @@ def main():
         sp = spec.specialise(shapes, {n_: dtypes[n_] for n_ in spec.inputs}, attrs, card=card)
         kernels[op] = sp.cuda.route[0] if sp.cuda else "triton"
     write_results("bench_plugin_layer", rows, ["path", "quant", "op", "us", "weight_gbs", "torch_over_path",
-                                               "max_abs_diff_vs_torch"],
+                                               "fused_torch_over_path", "max_abs_diff_vs_torch"],
                   meta=dict(shape="Llama-3-8B layer", batch=1, ctx=CTX, group_size=GROUP_SIZE, card=card.name,
                             plugin_gemm_qkv_m1=str(kernels), target="torch_over_path >= 0.95 for the plugin rows"),
-                  notes="torch_over_path: torch time / this path's time (>= 1: as fast as the torch path or faster). "
+                  notes="torch_over_path: torch time / this path's time (>= 1: as fast as the torch path or faster); "
+                        "fused_torch_over_path: the same against torch_fused (the model's path on CUDA: SwiGLU in the "
+                        "gate/up GEMM's epilogue). "
                         "Rows other than 'layer': each op alone in a CUDA graph (split_heads: the plugin path's q/k/v "
                         "copies, views in the torch path); their sum exceeds the layer's time by the launch gaps a "
                         "graph overlaps.")
