@@ -190,7 +190,8 @@ def missing_weights(config, weights) -> list[str]:
 
 def check_unfused(weights, what: str) -> None:
     """Raise if ``weights`` hold a gate/up weight re-laid out for the torch runtime (``GATE_UP_PAIRS``), which
-    ``what`` (a saved build, an ONNX graph) must not: they keep the checkpoint's ``[gate | up]`` layout."""
+    ``what`` (a saved build, an ONNX graph) must not be given: they start from the checkpoint's ``[gate | up]`` layout
+    (the ONNX exporter makes the pairs itself where its plugin flavour fuses SwiGLU)."""
     fused = [n for n in weights if n.endswith("." + GATE_UP_PAIRS)]
     if fused:
         raise ValueError(f"{what}: {fused[0]} (and {len(fused) - 1} more) is a gate/up weight fused for the torch "

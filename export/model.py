@@ -99,8 +99,8 @@ class LlamaModel(torch.nn.Module):
         M = 32-128, 0.98-1.05x at 512-2048 (geometric means 0.99-1.03x); W8A16 1.00-1.18x from M = 32, and since its
         GEMV took the epilogue too 1.02-1.09x at M = 1-4 (``dev-logs/h100/w8_gemv_swiglu.md``; between, Triton runs
         the activation after). A fused model runs; it is not a build artifact:
-        ``export_onnx`` and ``save_weights`` refuse its weights (graphs and saved files keep the checkpoint's
-        layout)."""
+        ``export_onnx`` and ``save_weights`` refuse its weights (saved files keep the checkpoint's layout; the ONNX
+        exporter makes the same pairs itself for its plugin graph, ``export.onnx_export``)."""
         from kernels.quant import interleave_halves
 
         for i in range(self.config.num_layers):

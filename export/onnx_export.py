@@ -4,7 +4,10 @@
 decoder op to an ``export.onnx_ops.OpEmitter`` call (and weight names to initializers). The flavour is the emitter's:
 
 - ``plugin``: the hot ops are ``tritrt`` plugin nodes (``trt_plugins.specs``) that the TensorRT engine runs with our
-  kernels; quantized linears are W8A16Linear/W4A16Linear nodes on the packed tensors the GEMM kernels read.
+  kernels; quantized linears are W8A16Linear/W4A16Linear nodes on the packed tensors the GEMM kernels read, and a
+  quantized gate/up projection is one such node with ``swiglu=1`` on the weight's (gate, up) column pairs
+  (``kernels.quant.interleave_halves``, made here as each layer is written), SwiGLU in the GEMM's epilogue as the torch
+  runtime runs it on CUDA (``export.model.LlamaModel.fuse_swiglu_``), not a GEMM node then a SwiGLU node.
 - ``reference``: the same model in standard ONNX ops only (opset 21), runnable by ONNX Runtime, so that Polygraphy
   can compare our engine with an independent runtime. Quantized linears are ``DequantizeLinear`` (blocked int4 for
   group-wise INT4) + ``MatMul`` over the same integer codes.
@@ -53,7 +56,7 @@ from onnx import TensorProto
 from trt_plugins.specs import torch_dtype
 from trt_plugins.specs.paged_attention import scratch_shapes
 
-from .decoder import check_unfused, decoder_forward, missing_weights
+from .decoder import GATE_UP_PAIRS, check_unfused, decoder_forward, missing_weights
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import ATTN_MAX_SPLITS, OpEmitter
@@ -84,6 +87,37 @@ def _check_weights(weights: Mapping[str, Any], config) -> None:
         raise ValueError(f"num_heads {config.num_heads} is not a multiple of num_kv_heads {config.num_kv_heads}")
 
 
+class _GateUpPairs(Mapping):
+    """``weights`` with each quantized gate/up weight ``layers.{i}.w13`` seen as ``layers.{i}.w13_pairs``, its (gate,
+    up) column pairs (``kernels.quant.interleave_halves``), made when the graph asks for it: one layer's copy at a time,
+    nothing kept. The plugin flavour's weights (the decoder walk then asks for ``linear_swiglu``)."""
+
+    def __init__(self, weights: Mapping[str, Any]):
+        self.base = weights
+        self.fused = {k[:-len("w13")] + GATE_UP_PAIRS: k for k, v in weights.items()
+                      if k.startswith("layers.") and k.endswith(".w13") and not isinstance(v, torch.Tensor)}
+        self.hidden = set(self.fused.values())
+
+    def __getitem__(self, name):
+        if name in self.fused:
+            from kernels.quant import interleave_halves
+
+            return interleave_halves(self.base[self.fused[name]])
+        if name in self.hidden:
+            raise KeyError(name)
+        return self.base[name]
+
+    def __contains__(self, name):  # without making the pairs (Mapping's would call __getitem__)
+        return name in self.fused or (name not in self.hidden and name in self.base)
+
+    def __iter__(self):
+        yield from (k for k in self.base if k not in self.hidden)
+        yield from self.fused
+
+    def __len__(self):
+        return len(self.base) - len(self.hidden) + len(self.fused)
+
+
 def _act_dtype(weights, dtype) -> torch.dtype:
     if dtype is not None:
         return _DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -100,6 +134,8 @@ def build_graph(weights: Mapping[str, Any], config, flavour: str, block_size: in
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     _check_weights(weights, config)
     act = _act_dtype(weights, dtype)
+    if flavour == "plugin":
+        weights = _GateUpPairs(weights)  # quantized gate/up: one GEMM plugin with SwiGLU in its epilogue
     c = config
     hk, d = c.num_kv_heads, c.head_dim
     g = GraphBuilder(f"tritrt_llama_{flavour}", data)
@@ -217,9 +253,8 @@ class OnnxOps:
         return self.em.swiglu(gate_up, intermediate, name)
 
     def linear_swiglu(self, x, weight, intermediate, name):
-        # ONNX graphs keep the checkpoint's [gate | up] layout: build_graph refuses fused weights before the walk
-        check_unfused(self.w, "export_onnx")
-        raise AssertionError(f"{weight}: linear_swiglu asked of an ONNX backend without fused weights")
+        # the plugin flavour's quantized gate/up (build_graph's _GateUpPairs): the GEMM plugin with swiglu=1
+        return self.em.linear(x, self.w[weight], None, weight, swiglu=True)
 
     def last_tokens(self, h, cu_seqlens_q):
         # gathered before the (large) lm_head

@@ -215,9 +215,13 @@ class OpEmitter:
         return self._cast(out, self.act_onnx), scratch
 
     # -- linear layers -------------------------------------------------------------------------------------------------
-    def linear(self, x: str, weight, bias: torch.Tensor | None, name: str) -> str:
-        """y = x @ W.T (+ bias) for x [T, K]; ``weight`` is a [N, K] tensor or a ``kernels.quant.QuantizedWeight``."""
+    def linear(self, x: str, weight, bias: torch.Tensor | None, name: str, swiglu: bool = False) -> str:
+        """y = x @ W.T (+ bias) for x [T, K]; ``weight`` is a [N, K] tensor or a ``kernels.quant.QuantizedWeight``.
+        ``swiglu`` (plugin flavour, a quantized weight of interleaved (gate, up) column pairs, no bias): silu(gate) *
+        up, [T, N / 2], in the GEMM plugin's epilogue."""
         g = self.g
+        if swiglu and (not self.plugin or isinstance(weight, torch.Tensor) or bias is not None):
+            raise ValueError(f"{name}: SwiGLU in the GEMM is a plugin-flavour node on a quantized weight without bias")
         bias_name = g.initializer(f"{name}.bias", bias.to(self.act_dtype)) if bias is not None else None
         if isinstance(weight, torch.Tensor):
             # stored pre-transposed [K, N] so that MatMul needs no Transpose node
@@ -236,6 +240,7 @@ class OpEmitter:
                 fields["zeros"] = g.initializer(f"{name}.zeros", parts.zeros.to(torch.int8))
             op_type = "W8A16Linear" if parts.bits == 8 else "W4A16Linear"
             attrs = {"group_size": int(parts.group_size)} if parts.bits == 4 else {}
+            attrs["swiglu"] = int(swiglu)
             # no bias input on the GEMM plugins (only Qwen2's qkv has one): a separate Add
             y = self.plugin_node(op_type, {"x": x, **fields}, attrs, name if bias_name is None else f"{name}_mm")[0]
             return y if bias_name is None else g.op1("Add", [y, bias_name], name=name)

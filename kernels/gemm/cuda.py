@@ -51,11 +51,14 @@ def check_operands(kernel: str, x, x_align: int, aligned, scales, bias, out, out
 
 
 def plugin_build(source, entry: str, variant_flags: tuple, threads: int, shared: int = 0, arch_specific: bool = False,
-                 group_size: int | None = None):
+                 group_size: int | None = None, swiglu: bool = False):
     """The ``kernels.aot.CudaBuild`` of a .cu's TensorRT plugin entry ``entry`` for the variant of ``variant_flags``
     (the flags the torch launcher builds the same plan with): the same kernel body, compiled with
-    ``-DTRITRT_PLUGIN_ENTRY`` (``plugin_entry.cuh``); W4A16 entries bake ``group_size`` in."""
+    ``-DTRITRT_PLUGIN_ENTRY`` (``plugin_entry.cuh``); W4A16 entries bake ``group_size`` in; ``swiglu`` builds the
+    entry with SwiGLU in the epilogue (``-DTRITRT_SWIGLU=1``: W's columns interleaved (gate, up) pairs, y ``[M, N /
+    2]``)."""
     from kernels.aot.compile import CudaBuild
 
     flags = (*variant_flags, "-DTRITRT_PLUGIN_ENTRY") + ((f"-DTRITRT_GROUP_SIZE={group_size}",) if group_size else ())
+    flags += ("-DTRITRT_SWIGLU=1",) if swiglu else ()
     return CudaBuild(str(source), entry, flags, threads=threads, shared=shared, arch_specific=arch_specific)

@@ -572,12 +572,12 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
 #ifdef TRITRT_PLUGIN_ENTRY
 // TensorRT plugin entries (W4A16Linear / W8A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the
 // inputs, the int32 extra args, then the outputs: W4 (x, qweight, scales, zeros, M, N, K, unused, y), W8 (x, qweight,
-// scales, M, N, K, unused, y); the unused int is the Triton entry's residual stride (0). The kernel above runs with
+// scales, M, N, K, unused, y); the unused int is the Triton entry's output row stride. The kernel above runs with
 // what a plugin has: W4 with zero points and the group size baked in (TRITRT_GROUP_SIZE), no bias, x rows of K
-// halves, no SwiGLU, and no workspace: a plugin has no zeroed counters that persist from launch to launch, so only
-// variants that do not sum their K splits through the workspace (no split, or the DSMEM sum) have this entry.
+// halves, SwiGLU as built (WG_SWIGLU; y [M, N / 2] with it), and no workspace: a plugin has no zeroed counters that
+// persist from launch to launch, so only variants that do not sum their K splits through the workspace (no split, or
+// the DSMEM sum) have this entry.
 static_assert(kSplits == 1 || WG_DSMEM, "the plugin entry has no workspace: split K over DSMEM (WG_DSMEM 1) or not");
-static_assert(!kSwiglu, "the plugin entry has no SwiGLU");
 #if WG_BITS == 4
 #ifndef TRITRT_GROUP_SIZE
 #error "the W4 plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"

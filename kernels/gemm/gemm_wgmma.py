@@ -364,17 +364,17 @@ def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, ds
                         extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits), arch_specific=True)
 
 
-def plugin_build(plan: dict, group_size: Optional[int], bits: int = 4):
+def plugin_build(plan: dict, group_size: Optional[int], bits: int = 4, swiglu: bool = False):
     """The plugin entry of ``plan``'s variant (a ``gemm_plan(..., bits=bits)`` without workspace sums: ``splits == 1``
     or ``dsmem``; the entry has no workspace) for ``trt_plugins``: W4 (x, qweight, scales, zeros, M, N, K, unused, y)
-    with zero points and ``group_size`` baked in, W8 (x, qweight, scales, M, N, K, unused, y); no bias, no SwiGLU,
-    sm_90a; grid ``(cdiv(M, bm) * N / bn, splits)``."""
+    with zero points and ``group_size`` baked in, W8 (x, qweight, scales, M, N, K, unused, y); no bias, SwiGLU as
+    asked (y ``[M, N / 2]``), sm_90a; grid ``(cdiv(M, bm) * N / bn, splits)``."""
     _check_bits(bits)
     if plan["splits"] > 1 and not plan["dsmem"]:
         raise ValueError("wgmma GEMM: the plugin entry has no workspace; plan with dsmem=True "
                          "(gemm_plan(..., dsmem=True)) for a K split")
     flags = variant_flags(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], plan["splits"], plan["dsmem"],
-                          bits=bits)
+                          swiglu=swiglu, bits=bits)
     return _plugin_build(SOURCE, PLUGIN_KERNELS[bits], flags, threads=128 * plan["wgs"],
                          shared=shared_bytes(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], bits),
                          arch_specific=True, group_size=group_size if bits == 4 else None)

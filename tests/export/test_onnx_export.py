@@ -124,8 +124,12 @@ def test_graph_contract(exported):
             assert not plugin_nodes and all(n.domain == "" for n in model.graph.node)
             continue
         kinds = {n.op_type for n in plugin_nodes}
-        assert kinds == {"RmsNorm", "FusedAddRmsNorm", "SwiGLU", "Rope", "WriteKvCache", "PagedAttention",
-                         "W4A16Linear"}
+        # quantized gate/up: SwiGLU in the GEMM plugin's epilogue (no SwiGLU node), on the layer's (gate, up) pairs
+        assert kinds == {"RmsNorm", "FusedAddRmsNorm", "Rope", "WriteKvCache", "PagedAttention", "W4A16Linear"}
+        fused = {n.name: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}["swiglu"]
+                 for n in plugin_nodes if n.op_type == "W4A16Linear"}
+        want = {f"{i}.w13_pairs" for i in range(c.num_layers)}
+        assert {k.split("layers.")[-1] for k, v in fused.items() if v} == want
         for n in plugin_nodes:
             in_names, attr_names, n_out = plugin_contract(n.op_type)
             assert len(n.input) == len(in_names) and len(n.output) == n_out, n.op_type
@@ -157,7 +161,7 @@ def test_int4_group_size_per_weight_on_every_node(exported):
         nodes = [n for n in model.graph.node if n.op_type == op]
         assert len(nodes) == 4 * ckpt.config.num_layers
         for n in nodes:
-            proj = n.name.split(".")[-1].removesuffix("_dq").removesuffix("_mm")
+            proj = n.name.split(".")[-1].removesuffix("_dq").removesuffix("_mm").removesuffix("_pairs")
             got = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}[attr]
             assert got == want[proj], (n.name, got)
         meta = {p.key: p.value for p in model.metadata_props}

@@ -23,9 +23,10 @@ def _paged_batch(q_lens, ctx_lens, page, num_blocks, device, width=0):
             cu.to(device))
 
 
-# (op, variant) of every case: one per op, and PagedAttention's decode steps as a second case.
+# (op, variant) of every case: one per op, PagedAttention's decode steps and the GEMMs with SwiGLU (swiglu=1) as
+# second cases.
 CASES = ("FusedAddRmsNorm", "PagedAttention", "PagedAttention:decode", "RmsNorm", "Rope", "SwiGLU", "W4A16Linear",
-         "W8A16Linear", "WriteKvCache")
+         "W4A16Linear:swiglu", "W8A16Linear", "W8A16Linear:swiglu", "WriteKvCache")
 
 
 # Outputs whose contents are unspecified (PagedAttention's decode partials): compared nowhere. Its counter_out is
@@ -84,11 +85,12 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         m, k, n = (7, 4096, 4096) if big else (3, 256, 96)
         w = _t((n, k), torch.float32, device, 0.05)
         x = _t((m, k), dtype, device)
+        sw = int(variant == "swiglu")  # the weight's columns taken as (gate, up) pairs: y [m, n / 2]
         if op == "W8A16Linear":
             qw = quantize_int8(w, scale_dtype=dtype)
-            return [x, qw.qweight, qw.scales], {"m_hint": 16}
+            return [x, qw.qweight, qw.scales], {"m_hint": 16, "swiglu": sw}
         qw = quantize_int4(w, 128, scale_dtype=dtype)
-        return [x, qw.qweight, qw.scales, qw.zeros], {"group_size": 128, "m_hint": 16}
+        return [x, qw.qweight, qw.scales, qw.zeros], {"group_size": 128, "m_hint": 16, "swiglu": sw}
     raise KeyError(op)
 
 
@@ -126,14 +128,15 @@ def fp32_reference(op, ins, attrs):
     if op == "W8A16Linear":
         from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 
-        return [w8a16_reference(*ins)]
+        return [w8a16_reference(*ins, swiglu=bool(attrs.get("swiglu")))]
     if op == "W4A16Linear":
         from kernels.quant import unpack_int4
 
         x, qw, s, z = ins
         g = attrs["group_size"]
         w = (unpack_int4(qw).float() - z.float().repeat_interleave(g, 0)) * s.float().repeat_interleave(g, 0)
-        return [x.float() @ w]
+        y = x.float() @ w
+        return [torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2] if attrs.get("swiglu") else y]
     raise KeyError(op)
 
 
@@ -168,11 +171,11 @@ def jit_run(op, ins, attrs):
     if op == "W8A16Linear":
         from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
 
-        return [w8a16_gemm(*ins)]
+        return [w8a16_gemm(*ins, swiglu=bool(attrs.get("swiglu")))]
     if op == "W4A16Linear":
         from kernels.gemm.w4a16.triton_gemm import w4a16_gemm
 
-        return [w4a16_gemm(*ins, attrs["group_size"])]
+        return [w4a16_gemm(*ins, attrs["group_size"], swiglu=bool(attrs.get("swiglu")))]
     raise KeyError(op)
 
 

@@ -3,7 +3,8 @@ by the GPU tier (tests/trt_plugins/test_linear_aot_gpu.py), the memcheck script 
 plugin-layer benchmark.
 
 ``plugin_cases(card, shapes)``: one ``Case`` per distinct CUDA build the plugins pick on ``card`` for the given
-projections, fp16, every group size that divides K and every tactic. ``same_variant(case, ...)``: the torch launcher
+projections, fp16, every group size that divides K, every tactic, without and with SwiGLU (``swiglu=1``: the
+weight's columns taken as (gate, up) pairs, y ``[M, N / 2]``). ``same_variant(case, ...)``: the torch launcher
 of the route's kernel forced to the plugin's variant (the plugin entry runs the same body, so the results must be
 bitwise equal; the GEMVs that take at most a few rows are run on the same row tiles the plugin walks over grid z).
 """
@@ -34,16 +35,21 @@ class Case:
     group_size: int  # 0 for W8A16Linear
     m_hint: int
     what: str
+    swiglu: int = 0
 
     @property
     def attrs(self) -> dict:
-        return ({"group_size": self.group_size, "m_hint": self.m_hint} if self.op == "W4A16Linear"
-                else {"m_hint": self.m_hint})
+        return ({"group_size": self.group_size, "m_hint": self.m_hint, "swiglu": self.swiglu}
+                if self.op == "W4A16Linear" else {"m_hint": self.m_hint, "swiglu": self.swiglu})
+
+    @property
+    def n_out(self) -> int:
+        return self.N // 2 if self.swiglu else self.N
 
     @property
     def id(self) -> str:
         g = f"-g{self.group_size}" if self.group_size else ""
-        return f"{self.op[:5]}-{self.what.replace(' ', '_')}{g}-t{self.m_hint}"
+        return f"{self.op[:5]}-{self.what.replace(' ', '_')}{g}-t{self.m_hint}" + ("-swiglu" if self.swiglu else "")
 
     def shapes(self, m: int) -> dict:
         K, N, g = self.K, self.N, self.group_size
@@ -62,17 +68,17 @@ class Case:
 
 
 def plugin_cases(card, shapes=SHAPES) -> list[Case]:
-    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic)."""
+    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic, without
+    and with SwiGLU)."""
     seen, cases = set(), []
     for K, N, what in shapes:
         for op, groups in (("W4A16Linear", [g for g in GROUPS if K % g == 0]), ("W8A16Linear", [0])):
-            for g in groups:
-                for m in TACTICS:
-                    case = Case(op, K, N, g, m, what)
-                    sp = case.specialise(m, card)
-                    if sp.cuda is not None and sp.cuda.build not in seen:
-                        seen.add(sp.cuda.build)
-                        cases.append(case)
+            for g, m, sw in ((g, m, sw) for g in groups for m in TACTICS for sw in (0, 1)):
+                case = Case(op, K, N, g, m, what, sw)
+                sp = case.specialise(m, card)
+                if sp.cuda is not None and sp.cuda.build not in seen:
+                    seen.add(sp.cuda.build)
+                    cases.append(case)
     return cases
 
 
@@ -100,26 +106,26 @@ def same_variant(case: Case, sp, ins) -> torch.Tensor:
 
     backend, plan = sp.cuda.route
     p = dict(plan)
-    x = ins[0]
+    x, sw = ins[0], bool(case.swiglu)
     if backend == "w4_gemv_mma":
         extra = {"ksplit": p["ksplit"]} if "ksplit" in p else {}  # fixed: the torch plan's K split moves with M
         return gemv_mma.w4a16_gemv_mma(*ins, case.group_size, warps=p["warps"], u=p["u"], mmax=p["mmax"],
                                        chains=p["chains"], mt=p["mt"], wscale=p["wscale"], sz_ahead=p["sz_ahead"],
-                                       x_ahead=p["x_ahead"], minb=p["minb"], **extra)
+                                       x_ahead=p["x_ahead"], minb=p["minb"], swiglu=sw, **extra)
     if backend == "w4_gemm_wgmma":
         return gemm_wgmma.w4a16_gemm_wgmma(*ins, case.group_size, bm=p["bm"], wt=p["wt"], wgs=p["wgs"],
-                                           stages=p["stages"], splits=p["splits"], dsmem=p["dsmem"])
+                                           stages=p["stages"], splits=p["splits"], dsmem=p["dsmem"], swiglu=sw)
     if backend == "w8_gemm_wgmma":
         return gemm_wgmma.w8a16_gemm_wgmma(*ins, bm=p["bm"], wt=p["wt"], wgs=p["wgs"], stages=p["stages"],
-                                           splits=p["splits"], dsmem=p["dsmem"])
-    if backend == "w4_gemv":  # row tiles of gemv_m rows, as the plugin entry walks them over grid z
+                                           splits=p["splits"], dsmem=p["dsmem"], swiglu=sw)
+    if backend == "w4_gemv" and not sw:  # row tiles of gemv_m rows, as the plugin entry walks them over grid z
         rows = p["gemv_m"]
         return torch.cat([gemv.w4a16_gemv(x[i:i + rows], *ins[1:], case.group_size, tn=p["tn"])
                           for i in range(0, x.shape[0], rows)])
     if backend == "w8_gemv_mma":
         return torch.cat([w8_gemv_mma.w8a16_gemv_mma(x[i:i + 8], *ins[1:], vec=p["vec"], warps=p["warps"], u=p["u"],
-                                                     ksplit=p["ksplit"]) for i in range(0, x.shape[0], 8)])
-    raise KeyError(backend)
+                                                     ksplit=p["ksplit"], swiglu=sw) for i in range(0, x.shape[0], 8)])
+    raise KeyError((backend, sw))
 
 
 def routed_op(case: Case, ins) -> torch.Tensor:
@@ -127,8 +133,8 @@ def routed_op(case: Case, ins) -> torch.Tensor:
     import kernels.ops  # noqa: F401  (registers torch.ops.tritrt)
 
     if case.op == "W4A16Linear":
-        return torch.ops.tritrt.w4a16_linear(*ins, case.group_size)
-    return torch.ops.tritrt.w8a16_linear(*ins)
+        return torch.ops.tritrt.w4a16_linear(*ins, case.group_size, None, None, bool(case.swiglu))
+    return torch.ops.tritrt.w8a16_linear(*ins, None, None, bool(case.swiglu))
 
 
 def warm(sm: int = 90) -> int:
@@ -155,7 +161,8 @@ def warm(sm: int = 90) -> int:
     for case in plugin_cases(card, ODD_SHAPES + SHAPES):
         sp = case.specialise(case.m_hint, card)
         b, (mod, kernel) = sp.cuda.build, torch_kernels[sp.cuda.route[0]]
-        flags = tuple(f for f in b.flags if not f.startswith(("-DTRITRT_PLUGIN_ENTRY", "-DTRITRT_GROUP_SIZE")))
+        flags = tuple(f for f in b.flags
+                      if not f.startswith(("-DTRITRT_PLUGIN_ENTRY", "-DTRITRT_GROUP_SIZE", "-DTRITRT_SWIGLU")))
         jobs.append(lambda sp=sp, case=case: compile_specialisation(SPECS[case.op], sp, sm=sm))
         jobs.append(lambda b=b, mod=mod, kernel=kernel, flags=flags: compile_cuda(
             b.source, kernel, mod.PARAMS, sm=sm, threads=b.threads, shared=b.shared, extra_flags=flags,

@@ -1,5 +1,6 @@
 """GPU tier: every CUDA kernel variant the GEMM plugins can select (``linear_variants.plugin_cases`` on this GPU:
-Llama-3-8B and SmolLM2-135M projections and small odd ones, fp16, group sizes 32/64/128, every tactic), run the way
+Llama-3-8B and SmolLM2-135M projections and small odd ones, fp16, group sizes 32/64/128, every tactic, without and
+with SwiGLU in the epilogue), run the way
 the engine runs it -- its plugin entry compiled ahead of time (cubin, and the PTX TensorRT embeds), launched through
 the CUDA driver with the plugin's argument list and grid (``trt_plugins.aot.run_aot``) -- at odd M around its tactic:
 
@@ -48,17 +49,19 @@ def test_plugin_cuda_variant_aot_equals_torch_and_reference(case):
         assert sp.cuda is not None
         ins, w = make_inputs(case, m)
         ref = ins[0].float() @ w
+        if case.swiglu:  # columns (2j, 2j + 1) as (gate, up) pairs, as the kernels take them
+            ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
         jit = same_variant(case, sp, ins)
         op = routed_op(case, ins)
         for use_ptx in (False, True):
-            out = poisoned((m, case.N), torch.float16, "cuda")
+            out = poisoned((m, case.n_out), torch.float16, "cuda")
             (aot,) = run_aot(case.op, ins, case.attrs, outputs=[out], use_ptx=use_ptx)
             torch.cuda.synchronize()
             where = f"{case.id} M={m} {'ptx' if use_ptx else 'cubin'} {sp.cuda.route[0]}"
             assert not torch.isnan(aot).any(), f"{where}: {int(torch.isnan(aot).sum())} outputs not written"
             if not torch.equal(aot, jit):
                 diff = (aot.float() - jit.float()).abs()
-                idx = tuple(int(i) for i in divmod(int(diff.argmax()), case.N))
+                idx = tuple(int(i) for i in divmod(int(diff.argmax()), case.n_out))
                 raise AssertionError(f"{where}: AOT != the same variant through its torch launcher: max |diff| "
                                      f"{float(diff.max()):.3e} at {idx}")
             assert_close_to_ref(aot, ref, baseline=op, factor=2.0,

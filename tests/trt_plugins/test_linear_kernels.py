@@ -39,11 +39,13 @@ def _z_tiles(route, m):
     return -(-m // 8) if route.backend == "w8_gemv_mma" else None
 
 
-def _check(sp, torch_route, m):
+def _check(sp, torch_route, m, swiglu=False):
     """The specialisation runs ``torch_route`` (the op's route at M = m) where a plugin can; its grid at M = m is the
-    launcher's plan grid (plus the row tiles over z)."""
-    if torch_route.backend not in (*CUDA_W4, *CUDA_W8):
+    launcher's plan grid (plus the row tiles over z). With ``swiglu``: only a route that fuses it (else the Triton
+    entry, with its SwiGLU epilogue), its entry built with the epilogue."""
+    if torch_route.backend not in (*CUDA_W4, *CUDA_W8) or (swiglu and torch_route.swiglu != "fused"):
         assert sp.cuda is None, f"route {torch_route.backend}: the plugin must keep its Triton entry"
+        assert sp.constexprs["SWIGLU"] == swiglu
         return
     assert sp.cuda is not None, f"route {torch_route.backend}: the plugin runs Triton instead"
     backend, plan = sp.cuda.route
@@ -61,34 +63,60 @@ def _check(sp, torch_route, m):
     assert sp.num_warps * 32 == sp.cuda.build.threads and sp.constexprs == {}
     assert "-DTRITRT_PLUGIN_ENTRY" in sp.cuda.build.flags
     assert sp.cuda.build.arch_specific == backend.endswith("gemm_wgmma")
+    flag = "-DWG_SWIGLU=1" if backend.endswith("gemm_wgmma") else "-DTRITRT_SWIGLU=1"
+    assert (flag in sp.cuda.build.flags) == swiglu, sp.cuda.build.flags
 
 
 def _nk(sp):
     return sp.scalars["n"], sp.scalars["k"]
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("K,N,what", SHAPES)
-def test_w4_plugin_runs_the_torch_route(K, N, what, dt):
+def test_w4_plugin_runs_the_torch_route(K, N, what, dt, swiglu):
     spec = SPECS["W4A16Linear"]
     for g in GROUPS:
         if K % g:
             continue
         for m in TACTICS:
             shapes, dtypes = _w4_case(K, N, g, dt, m)
-            sp = spec.specialise(shapes, dtypes, {"group_size": g, "m_hint": m}, card=routing.H100)
+            attrs = {"group_size": g, "m_hint": m, "swiglu": int(swiglu)}
+            sp = spec.specialise(shapes, dtypes, attrs, card=routing.H100)
+            assert spec.output_specs[0].shape(shapes, attrs) == (m, N // 2 if swiglu else N)
             _check(sp, routing.route_w4a16(m, N, K, getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dt]),
-                                           routing.H100, group_size=g), m)
+                                           routing.H100, group_size=g, swiglu=swiglu), m, swiglu)
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("K,N,what", SHAPES)
-def test_w8_plugin_runs_the_torch_route(K, N, what, dt):
+def test_w8_plugin_runs_the_torch_route(K, N, what, dt, swiglu):
     spec = SPECS["W8A16Linear"]
     for m in TACTICS:
         shapes, dtypes = _w8_case(K, N, dt, m)
-        sp = spec.specialise(shapes, dtypes, {"m_hint": m}, card=routing.H100)
-        _check(sp, routing.route_w8a16(m, N, K, {"fp16": torch.float16, "bf16": torch.bfloat16}[dt], routing.H100), m)
+        attrs = {"m_hint": m, "swiglu": int(swiglu)}
+        sp = spec.specialise(shapes, dtypes, attrs, card=routing.H100)
+        assert spec.output_specs[0].shape(shapes, attrs) == (m, N // 2 if swiglu else N)
+        _check(sp, routing.route_w8a16(m, N, K, {"fp16": torch.float16, "bf16": torch.bfloat16}[dt], routing.H100,
+                                       swiglu=swiglu), m, swiglu)
+
+
+def test_swiglu_plugins_fuse_where_the_op_does():
+    """Not vacuous: on the 8B gate/up (fp16, g128) the SwiGLU plugins run the fused CUDA kernels the op routes to --
+    the GEMVs at tactic 1, the wgmma GEMM at 128 and 2048 -- and Triton's epilogue where the op would run the
+    activation after the GEMM (W8A16 at tactic 16)."""
+    K, N = 4096, 28672
+    w4 = {m: SPECS["W4A16Linear"].specialise(*_w4_case(K, N, 128, "fp16", m),
+                                            {"group_size": 128, "m_hint": m, "swiglu": 1}, card=routing.H100)
+          for m in TACTICS}
+    w8 = {m: SPECS["W8A16Linear"].specialise(*_w8_case(K, N, "fp16", m), {"m_hint": m, "swiglu": 1},
+                                            card=routing.H100) for m in TACTICS}
+    assert w4[1].cuda.route[0] == "w4_gemv_mma" and w8[1].cuda.route[0] == "w8_gemv_mma"
+    assert {w4[m].cuda.route[0] for m in (128, 2048)} == {"w4_gemm_wgmma"}
+    assert {w8[m].cuda.route[0] for m in (128, 2048)} == {"w8_gemm_wgmma"}
+    assert w8[16].cuda is None and w8[16].constexprs["SWIGLU"]
+    assert w4[1].scalars["n_out"] == N // 2 and w4[1].scalars["n"] == N
 
 
 def test_the_cuda_kernels_are_selected_where_the_op_uses_them():

@@ -8,6 +8,10 @@ route's plan, through their plugin entries (``linear_kernels``, which also says 
 plugin) -- or else the Triton kernel, its tiles fixed from m_hint with ``SPLIT_K = 1``, so the split-K partials / ticket
 workspace are not needed (their pointers are fed a harmless valid tensor). Every such configuration is correct for any
 M; it is only tuned for M near m_hint.
+``swiglu`` (an attribute, 0 or 1): the weight's N columns are interleaved (gate, up) pairs (``kernels.quant.
+interleave_halves`` of the checkpoint's ``[gate | up]``) and y = silu(gate) * up, ``[M, N / 2]``: the model's gate/up
+GEMM with SwiGLU in its epilogue, as the torch path runs it on CUDA (``export.model.LlamaModel.fuse_swiglu_``), instead
+of the GEMM plugin then the SwiGLU plugin. The fourth int32 extra arg is the output's row stride (N, or N / 2).
 Layouts (``kernels.quant``): INT8 ``qweight [K, N]`` int8 + ``scales [N]``; INT4 ``qweight [K/8, N]`` int32 +
 ``scales [K/g, N]`` + ``zeros [K/g, N]`` int8 (0..16; symmetric checkpoints: zeros filled with
 8). Not uint8: TensorRT's ONNX parser converts UINT8 initializers to INT32 and its builder takes no UINT8 plugin
@@ -24,6 +28,18 @@ _HALF = ("bf16", "fp16")
 # (kernels.gemm.routing.WGMMA_PREFILL_MAX_M), else dequantize + cuBLAS, which a plugin cannot run: Triton tiles for it.
 TACTICS = (1, 16, 128, 2048)
 _M_HINT = Attr(int, 16, f"M the tiles are chosen for (one of {TACTICS}); also the autotune tactic")
+_SWIGLU = Attr(int, 0, "1: W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2]")
+
+
+def _n_out(shapes, attrs):
+    """y's columns (and row stride): N, or N / 2 with SwiGLU (N is a static dim)."""
+    n = shapes["qweight"][1]
+    return n // 2 if attrs["swiglu"] else n
+
+
+def _check_swiglu(op, n, attrs):
+    require(attrs["swiglu"] in (0, 1), op, f"swiglu must be 0 or 1, got {attrs['swiglu']}")
+    require(not attrs["swiglu"] or n % 2 == 0, op, f"swiglu=1 needs an even N (gate/up column pairs), got N={n}")
 
 
 def _w8_kernel():
@@ -36,7 +52,8 @@ def _w8_launch(shapes, dtypes, attrs):
     from kernels.gemm.w8a16.triton_gemm import w8a16_launch_config
 
     k, n = shapes["qweight"]
-    return w8a16_launch_config(attrs["m_hint"], n, k, False, False, split_k=1, use_dot=attrs["m_hint"] > 1)
+    return w8a16_launch_config(attrs["m_hint"], n, k, False, False, swiglu=bool(attrs["swiglu"]), split_k=1,
+                               use_dot=attrs["m_hint"] > 1)
 
 
 def _w8_check(shapes, dtypes, attrs):
@@ -48,25 +65,31 @@ def _w8_check(shapes, dtypes, attrs):
     require(k % 16 == 0, "W8A16Linear", f"K={k} must be a multiple of 16")
     if attrs is not None:
         require(attrs["m_hint"] in TACTICS, "W8A16Linear", f"m_hint must be one of {TACTICS}, got {attrs['m_hint']}")
+        _check_swiglu("W8A16Linear", n, attrs)
 
 
 def _w8_ref(inputs, attrs):
     from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 
     x, qw, s = inputs
-    return [w8a16_reference(x, qw, s).to(x.dtype)]
+    return [w8a16_reference(x, qw, s, swiglu=bool(attrs["swiglu"])).to(x.dtype)]
 
 
+# no residual: stride_rm is never read (fed the output stride, like res_ptr the output)
 _COMMON_ARGS = {"x_ptr": "x", "qw_ptr": "qweight", "scales_ptr": "scales", "bias_ptr": "scales", "res_ptr": "y",
                 "out_ptr": "y", "partial_ptr": "scales", "ticket_ptr": "scales", "M": "m", "N": "n", "K": "k",
-                "stride_xm": "k", "stride_om": "n", "stride_rm": "zero"}
+                "stride_xm": "k", "stride_om": "n_out", "stride_rm": "n_out"}
+_SCALARS = {"m": lambda s, a: s["x"][0], "n": lambda s, a: s["qweight"][1], "k": lambda s, a: s["x"][1],
+            "n_out": _n_out}
 
 
 def _w8_samples():
     return tuple(Sample({"x": (1, k), "qweight": (k, n), "scales": (n,)}, {"x": dt, "qweight": "int8", "scales": dt},
-                        {"m_hint": m}, note)
-                 for k, n, note in ((4096, 4096, "Llama 7B/8B attention out"), (4096, 14336, "Llama-3-8B up"),
-                                    (576, 576, "SmolLM2-135M attention out"), (64, 96, "tiny test model"))
+                        {"m_hint": m, "swiglu": sw}, note)
+                 for k, n, sw, note in ((4096, 4096, 0, "Llama 7B/8B attention out"), (4096, 14336, 0, "Llama-3-8B up"),
+                                        (576, 576, 0, "SmolLM2-135M attention out"), (64, 96, 0, "tiny test model"),
+                                        (4096, 28672, 1, "Llama-3-8B gate/up, SwiGLU fused"),
+                                        (64, 256, 1, "tiny test model gate/up, SwiGLU fused"))
                  for dt in _HALF for m in TACTICS)
 
 
@@ -74,18 +97,18 @@ W8A16_LINEAR = PluginSpec(
     op_type="W8A16Linear",
     doc="y[M, N] = x[M, K] @ (qweight[K, N] * scales[N]) with INT8 per-channel weights, in x's dtype.",
     input_specs=(TensorSpec("x", _HALF, 2), TensorSpec("qweight", ("int8",), 2), TensorSpec("scales", _HALF, 1)),
-    output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], s["qweight"][1]), lambda d, a: d["x"]),),
-    attrs={"m_hint": _M_HINT},
+    output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], _n_out(s, a)), lambda d, a: d["x"]),),
+    attrs={"m_hint": _M_HINT, "swiglu": _SWIGLU},
     kernel=_w8_kernel,
     launch=_w8_launch,
     kernel_args=dict(_COMMON_ARGS),
-    scalars={"m": lambda s, a: s["x"][0], "n": lambda s, a: s["qweight"][1], "k": lambda s, a: s["x"][1],
-             "zero": lambda s, a: 0},
+    scalars=dict(_SCALARS),
     grid=lambda s, a, c: (cdiv(s["x"][0], c["BLOCK_M"]) * cdiv(s["qweight"][1], c["BLOCK_N"]), 1),
     static_dims=(("x", 1), ("qweight", 0), ("qweight", 1), ("scales", 0)),
     reference=_w8_ref,
     samples=_w8_samples(),
-    div16=lambda s, d, a: ("x", "qweight", "scales", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ()),
+    div16=lambda s, d, a: ("x", "qweight", "scales", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ())
+    + (("n_out",) if _n_out(s, a) % 16 == 0 else ()),
     check=_w8_check,
     tactics=TACTICS,
     tactic_attr="m_hint",
@@ -103,8 +126,8 @@ def _w4_launch(shapes, dtypes, attrs):
     from kernels.gemm.w4a16.triton_gemm import w4a16_launch_config
 
     k, n = shapes["x"][1], shapes["qweight"][1]
-    return w4a16_launch_config(attrs["m_hint"], n, k, attrs["group_size"], True, False, False, split_k=1,
-                               use_dot=attrs["m_hint"] > 1)
+    return w4a16_launch_config(attrs["m_hint"], n, k, attrs["group_size"], True, False, False,
+                               swiglu=bool(attrs["swiglu"]), split_k=1, use_dot=attrs["m_hint"] > 1)
 
 
 def _w4_check(shapes, dtypes, attrs):
@@ -118,22 +141,26 @@ def _w4_check(shapes, dtypes, attrs):
             require(tuple(shapes[name]) == (k // g, n) and dtypes[name] == dt, "W4A16Linear",
                     f"{name} must be [K/g, N] = {(k // g, n)} {dt}, got {tuple(shapes[name])} {dtypes[name]}")
         require(attrs["m_hint"] in TACTICS, "W4A16Linear", f"m_hint must be one of {TACTICS}, got {attrs['m_hint']}")
+        _check_swiglu("W4A16Linear", n, attrs)
 
 
 def _w4_ref(inputs, attrs):
     from kernels.gemm.w4a16.triton_gemm import w4a16_reference
 
     x, qw, s, z = inputs
-    return [w4a16_reference(x, qw, s, z, attrs["group_size"]).to(x.dtype)]
+    return [w4a16_reference(x, qw, s, z, attrs["group_size"], swiglu=bool(attrs["swiglu"])).to(x.dtype)]
 
 
 def _w4_samples():
     return tuple(Sample({"x": (1, k), "qweight": (k // 8, n), "scales": (k // g, n), "zeros": (k // g, n)},
                         {"x": dt, "qweight": "int32", "scales": dt, "zeros": "int8"},
-                        {"group_size": g, "m_hint": m}, note)
-                 for k, n, g, note in ((4096, 4096, 128, "Llama 7B/8B attention out"),
-                                       (4096, 14336, 128, "Llama-3-8B up"),
-                                       (576, 576, 64, "SmolLM2-135M attention out"), (256, 96, 128, "tiny test model"))
+                        {"group_size": g, "m_hint": m, "swiglu": sw}, note)
+                 for k, n, g, sw, note in ((4096, 4096, 128, 0, "Llama 7B/8B attention out"),
+                                           (4096, 14336, 128, 0, "Llama-3-8B up"),
+                                           (576, 576, 64, 0, "SmolLM2-135M attention out"),
+                                           (256, 96, 128, 0, "tiny test model"),
+                                           (4096, 28672, 128, 1, "Llama-3-8B gate/up, SwiGLU fused"),
+                                           (256, 256, 128, 1, "tiny test model gate/up, SwiGLU fused"))
                  for dt in _HALF for m in TACTICS)
 
 
@@ -142,18 +169,19 @@ W4A16_LINEAR = PluginSpec(
     doc="y[M, N] = x[M, K] @ dequant(qweight, scales, zeros) with group-wise INT4 weights, in x's dtype.",
     input_specs=(TensorSpec("x", _HALF, 2), TensorSpec("qweight", ("int32",), 2), TensorSpec("scales", _HALF, 2),
                  TensorSpec("zeros", ("int8",), 2)),
-    output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], s["qweight"][1]), lambda d, a: d["x"]),),
-    attrs={"group_size": Attr(int, 128, "INT4 group size along K (32, 64 or 128)"), "m_hint": _M_HINT},
+    output_specs=(OutputSpec("y", lambda s, a: (s["x"][0], _n_out(s, a)), lambda d, a: d["x"]),),
+    attrs={"group_size": Attr(int, 128, "INT4 group size along K (32, 64 or 128)"), "m_hint": _M_HINT,
+           "swiglu": _SWIGLU},
     kernel=_w4_kernel,
     launch=_w4_launch,
     kernel_args={**_COMMON_ARGS, "zeros_ptr": "zeros"},
-    scalars={"m": lambda s, a: s["x"][0], "n": lambda s, a: s["qweight"][1], "k": lambda s, a: s["x"][1],
-             "zero": lambda s, a: 0},
+    scalars=dict(_SCALARS),
     grid=lambda s, a, c: (cdiv(s["x"][0], c["BLOCK_M"]) * cdiv(s["qweight"][1], c["BLOCK_N"]), 1),
     static_dims=(("x", 1), ("qweight", 0), ("qweight", 1), ("scales", 0), ("scales", 1), ("zeros", 0), ("zeros", 1)),
     reference=_w4_ref,
     samples=_w4_samples(),
-    div16=lambda s, d, a: ("x", "qweight", "scales", "zeros", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ()),
+    div16=lambda s, d, a: ("x", "qweight", "scales", "zeros", "y", "k") + (("n",) if s["qweight"][1] % 16 == 0 else ())
+    + (("n_out",) if _n_out(s, a) % 16 == 0 else ()),
     check=_w4_check,
     tactics=TACTICS,
     tactic_attr="m_hint",

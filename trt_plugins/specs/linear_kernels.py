@@ -18,6 +18,11 @@ the same kernel body, parameters in plugin order). Where the route names somethi
   bench_gemm_wgmma_dsmem.log): on 64 x 64 tiles 2-26% slower than the workspace sum, on 128 x 128 tiles with 8 splits
   1.14x vs 1.38x cuBLAS (down, M = 128); still the wgmma GEMM, which ran ahead of Triton (0.56-0.74x) at M = 128.
 
+With ``swiglu`` (the gate/up GEMM on interleaved (gate, up) column pairs, y ``[M, N / 2]``) the route is asked with
+SwiGLU: where it fuses it (the tensor-core GEMVs, the wgmma GEMM) the entry is built with the epilogue; where the torch
+op would run the activation after the GEMM (a second launch, which a plugin cannot make) the Triton entry runs, with
+its own SwiGLU epilogue.
+
 The CUDA GEMVs that take at most 8 rows (``w4_gemv``: ``gemv_m``, ``w8_gemv_mma``: 8) walk row tiles over grid z in
 their plugin entry, so like the Triton tiles every variant is correct for any M of the engine's profile, tuned for M
 near ``m_hint``.
@@ -44,25 +49,33 @@ def _without_workspace(route, m_hint: int, N: int, K: int, dt, card, group_size)
     return None if plan is None else routing.Route(route.backend, route.swiglu, tuple(sorted(plan.items())))
 
 
-def plugin_route_w4a16(m_hint: int, N: int, K: int, dtype: str, card, group_size: int):
+def _launchable(route, cuda: tuple, swiglu: bool) -> bool:
+    """Whether a plugin runs ``route`` as it is: a CUDA kernel of ``cuda`` that, with ``swiglu``, fuses it."""
+    return route is not None and route.backend in cuda and (not swiglu or route.swiglu == "fused")
+
+
+def plugin_route_w4a16(m_hint: int, N: int, K: int, dtype: str, card, group_size: int, swiglu: bool = False):
     """The ``kernels.gemm.routing.Route`` a W4A16Linear tactic runs (see the module doc for where it differs from
     ``route_w4a16``); ``dtype`` is our dtype name of x."""
     from kernels.gemm import routing
 
     dt = torch_dtype(dtype)
-    route = _without_workspace(routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size), m_hint, N, K, dt,
-                               card, group_size)
-    return route if route is not None and route.backend in W4_CUDA else routing.Route("triton_w4_gemm")
+    route = _without_workspace(routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size, swiglu=swiglu),
+                               m_hint, N, K, dt, card, group_size)
+    fused = "fused" if swiglu else "none"
+    return route if _launchable(route, W4_CUDA, swiglu) else routing.Route("triton_w4_gemm", fused)
 
 
-def plugin_route_w8a16(m_hint: int, N: int, K: int, dtype: str, card):
+def plugin_route_w8a16(m_hint: int, N: int, K: int, dtype: str, card, swiglu: bool = False):
     """The ``Route`` a W8A16Linear tactic runs: ``route_w8a16``'s (wgmma plans without workspace sums, as W4A16), with
-    Triton for what is not a CUDA kernel."""
+    Triton for what is not a CUDA kernel (or, with ``swiglu``, a CUDA kernel the route runs without it)."""
     from kernels.gemm import routing
 
     dt = torch_dtype(dtype)
-    route = _without_workspace(routing.route_w8a16(m_hint, N, K, dt, card), m_hint, N, K, dt, card, None)
-    return route if route is not None and route.backend in W8_CUDA else routing.Route("triton_w8_gemm")
+    route = _without_workspace(routing.route_w8a16(m_hint, N, K, dt, card, swiglu=swiglu), m_hint, N, K, dt, card,
+                               None)
+    fused = "fused" if swiglu else "none"
+    return route if _launchable(route, W8_CUDA, swiglu) else routing.Route("triton_w8_gemm", fused)
 
 
 def _m(shapes):
@@ -74,19 +87,19 @@ def cuda_kernel_w4a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     from kernels.gemm import gemm_wgmma
     from kernels.gemm.w4a16 import gemv, gemv_mma
 
-    K, N, g = shapes["x"][1], shapes["qweight"][1], attrs["group_size"]
-    route = plugin_route_w4a16(attrs["m_hint"], N, K, dtypes["x"], card, g)
+    K, N, g, sw = shapes["x"][1], shapes["qweight"][1], attrs["group_size"], bool(attrs.get("swiglu", 0))
+    route = plugin_route_w4a16(attrs["m_hint"], N, K, dtypes["x"], card, g, sw)
     p = route.params
     if route.backend == "w4_gemv_mma":
         rows, cols = 8 * p["mt"], -(-N // 32)
         grid = lambda s, a: (cdiv(_m(s), rows) * cols, p.get("ksplit", 1))  # noqa: E731
-        build = gemv_mma.plugin_build(p, g)
-    elif route.backend == "w4_gemv":
+        build = gemv_mma.plugin_build(p, g, swiglu=sw)
+    elif route.backend == "w4_gemv":  # never with SwiGLU (route_w4a16 does not pick it then)
         grid = lambda s, a: (-(-N // (4 * p["tn"])), 1, cdiv(_m(s), p["gemv_m"]))  # noqa: E731
         build = gemv.plugin_build(p, g)
     elif route.backend == "w4_gemm_wgmma":
         grid = lambda s, a: (cdiv(_m(s), p["bm"]) * (N // p["bn"]), p["splits"])  # noqa: E731
-        build = gemm_wgmma.plugin_build(p, g)
+        build = gemm_wgmma.plugin_build(p, g, swiglu=sw)
     else:
         return None
     return CudaKernel(build=build, grid=grid, route=(route.backend, route.plan))
@@ -97,15 +110,15 @@ def cuda_kernel_w8a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     from kernels.gemm import gemm_wgmma
     from kernels.gemm.w8a16 import gemv_mma
 
-    K, N = shapes["x"][1], shapes["qweight"][1]
-    route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card)
+    K, N, sw = shapes["x"][1], shapes["qweight"][1], bool(attrs.get("swiglu", 0))
+    route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card, sw)
     p = route.params
     if route.backend == "w8_gemv_mma":
         grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8))  # noqa: E731
-        build = gemv_mma.plugin_build(p)
+        build = gemv_mma.plugin_build(p, swiglu=sw)
     elif route.backend == "w8_gemm_wgmma":
         grid = lambda s, a: (cdiv(_m(s), p["bm"]) * (N // p["bn"]), p["splits"])  # noqa: E731
-        build = gemm_wgmma.plugin_build(p, None, bits=8)
+        build = gemm_wgmma.plugin_build(p, None, bits=8, swiglu=sw)
     else:
         return None
     return CudaKernel(build=build, grid=grid, route=(route.backend, route.plan))

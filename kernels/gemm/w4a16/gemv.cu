@@ -144,8 +144,9 @@ w4a16_gemv(const half* __restrict__ x, const int* __restrict__ qweight, const ha
 #ifdef TRITRT_PLUGIN_ENTRY
 // TensorRT plugin entry (W4A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
 // int32 extra args, then the outputs: (x, qweight, scales, zeros, M, N, K, unused, y); the unused int is the Triton
-// entry's residual stride (0). The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
-// the group size baked in (TRITRT_GROUP_SIZE). It takes at most GEMV_M rows, so grid z walks
+// entry's output row stride. The kernel above runs with what a plugin has: zero points, no bias, no SwiGLU (the
+// routing never picks this GEMV for it), x rows of K halves, the group size baked in (TRITRT_GROUP_SIZE). It takes at
+// most GEMV_M rows, so grid z walks
 // the row tiles of any M: grid (N / (4 GEMV_TN), 1, cdiv(M, GEMV_M)), each tile the launch the torch path makes for
 // its rows.
 #ifndef TRITRT_GROUP_SIZE

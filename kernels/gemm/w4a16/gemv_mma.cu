@@ -373,15 +373,18 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
 #ifdef TRITRT_PLUGIN_ENTRY
 // TensorRT plugin entry (W4A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
 // int32 extra args, then the outputs: (x, qweight, scales, zeros, M, N, K, unused, y); the unused int is the Triton
-// entry's residual stride (0). The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
-// the group size baked in (TRITRT_GROUP_SIZE), no SwiGLU.
+// entry's output row stride. The kernel above runs with what a plugin has: zero points, no bias, x rows of K halves,
+// the group size baked in (TRITRT_GROUP_SIZE), SwiGLU or not baked in (TRITRT_SWIGLU; y [M, N / 2] with it).
 // The kernel tiles any M itself (the launcher's grid).
 #ifndef TRITRT_GROUP_SIZE
 #error "the plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"
 #endif
+#ifndef TRITRT_SWIGLU
+#define TRITRT_SWIGLU 0
+#endif
 extern "C" __global__ void GEMV_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, GEMV_MINB)
 tritrt_w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, const half* __restrict__ scales,
                       const uint8_t* __restrict__ zeros, int M, int N, int K, int /*unused*/, half* __restrict__ y) {
-  w4a16_gemv_mma(x, qweight, scales, zeros, scales, y, M, N, K, TRITRT_GROUP_SIZE, K, 1, 0, 0);
+  w4a16_gemv_mma(x, qweight, scales, zeros, scales, y, M, N, K, TRITRT_GROUP_SIZE, K, 1, 0, TRITRT_SWIGLU);
 }
 #endif  // TRITRT_PLUGIN_ENTRY

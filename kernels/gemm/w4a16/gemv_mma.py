@@ -183,13 +183,15 @@ def compile_variant(warps: int, u: int, gsteps: int, mmax: int, chains: int = CH
 PLUGIN_KERNEL = "tritrt_w4a16_gemv_mma"  # the .cu's TensorRT plugin entry
 
 
-def plugin_build(plan: dict, group_size: int):
+def plugin_build(plan: dict, group_size: int, swiglu: bool = False):
     """The plugin entry of ``plan``'s variant (a ``gemv_plan``; flags as the torch launcher builds the plan) for
-    ``trt_plugins``: (x, qweight, scales, zeros, M, N, K, unused, y), zero points, no bias, no SwiGLU; grid as the
+    ``trt_plugins``: (x, qweight, scales, zeros, M, N, K, unused, y), zero points, no bias, SwiGLU baked in or not (y
+    ``[M, N / 2]`` with it); grid as the
     plan's, ``cdiv(N, 32) * cdiv(M, 8 * mt)`` blocks in x and ``plan["ksplit"]`` (the cluster splitting K) in y."""
     flags = variant_flags(plan["warps"], plan["u"], plan["gsteps"], plan["mmax"], plan["chains"], L2_256, plan["mt"],
                           plan["wscale"], plan["sz_ahead"], plan["minb"], plan["x_ahead"], plan.get("ksplit", 1))
-    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"], group_size=group_size)
+    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"], group_size=group_size,
+                         swiglu=swiglu)
 
 
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

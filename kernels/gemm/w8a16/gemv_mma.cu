@@ -294,13 +294,17 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
 #ifdef TRITRT_PLUGIN_ENTRY
 // TensorRT plugin entry (W8A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
 // int32 extra args, then the outputs: (x, qweight, scales, M, N, K, unused, y); the unused int is the Triton entry's
-// residual stride (0). The kernel above runs with no bias, no SwiGLU and x rows of K halves. It takes at most 8 rows, so grid z
-// walks the row tiles of any M: grid (N / (8 GEMV_VEC), GEMV_KSPLIT, cdiv(M, 8)), each tile the launch the torch
-// path makes for its rows.
+// output row stride. The kernel above runs with no bias, x rows of K halves and SwiGLU or not baked in (TRITRT_SWIGLU;
+// y [M, N / 2] with it). It takes at most 8 rows, so grid z walks the row tiles of any M: grid (N / (8 GEMV_VEC),
+// GEMV_KSPLIT, cdiv(M, 8)), each tile the launch the torch path makes for its rows.
+#ifndef TRITRT_SWIGLU
+#define TRITRT_SWIGLU 0
+#endif
 extern "C" __global__ void TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1)
 tritrt_w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
                       int M, int N, int K, int /*unused*/, half* __restrict__ y) {
   const int m0 = blockIdx.z * 8;
-  w8a16_gemv_mma(x + (size_t)m0 * K, qweight, scales, scales, y + (size_t)m0 * N, min(M - m0, 8), N, K, K, 0, 0);
+  w8a16_gemv_mma(x + (size_t)m0 * K, qweight, scales, scales, y + (size_t)m0 * (TRITRT_SWIGLU ? N / 2 : N),
+                 min(M - m0, 8), N, K, K, 0, TRITRT_SWIGLU);
 }
 #endif  // TRITRT_PLUGIN_ENTRY

@@ -158,11 +158,13 @@ def compile_variant(warps: int, vec: int, u: int, ksplit: int = 1, l2_128: bool 
 PLUGIN_KERNEL = "tritrt_w8a16_gemv_mma"  # the .cu's TensorRT plugin entry
 
 
-def plugin_build(plan: dict):
+def plugin_build(plan: dict, swiglu: bool = False):
     """The plugin entry of ``plan``'s variant (a ``gemv_plan``) for ``trt_plugins``: (x, qweight, scales, M, N, K,
-    unused, y), no bias; grid ``(cdiv(N, 8 vec), ksplit, cdiv(M, 8))``: z walks row tiles of 8, the most it takes."""
+    unused, y), no bias, SwiGLU baked in or not (y ``[M, N / 2]`` with it); grid ``(cdiv(N, 8 vec), ksplit, cdiv(M,
+    8))``: z walks row tiles of 8, the most it takes."""
     flags = variant_flags(plan["warps"], plan["vec"], plan["u"], plan["ksplit"], L2_128)
-    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"])
+    return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"], swiglu=swiglu)
+
 
 def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, vec: Optional[int] = None, warps: Optional[int] = None,
