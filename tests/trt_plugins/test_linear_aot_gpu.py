@@ -9,7 +9,8 @@ the CUDA driver with the plugin's argument list and grid (``trt_plugins.aot.run_
   fp16 rounding step;
 - writes every output (outputs poisoned with NaN before the call).
 
-~110 nvcc builds on a cold cache: ``python -m tests.trt_plugins.linear_variants`` compiles them in parallel first.
+~256 nvcc builds on a cold cache (H100, SwiGLU variants included): ``python -m tests.trt_plugins.linear_variants``
+compiles them in parallel first.
 """
 
 import pytest
