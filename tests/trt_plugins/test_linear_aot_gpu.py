@@ -36,8 +36,9 @@ CASES = _cases()
 
 
 def _ms(m_hint):
-    """Odd token counts around the tactic, and decode's M = 1."""
-    return sorted({1, max(1, m_hint - 1), m_hint, m_hint + 1, 2 * m_hint + 3})
+    """Odd token counts around the tactic, and decode's M = 1; tactic 1 also at M = 17, past the 8 rows the GEMVs take
+    in one launch (their plugin entries walk row tiles over grid z)."""
+    return sorted({1, max(1, m_hint - 1), m_hint, m_hint + 1, 2 * m_hint + 3} | ({17} if m_hint == 1 else set()))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
