@@ -188,6 +188,14 @@ def missing_weights(config, weights) -> list[str]:
     return [n for n in required_names(config) if n not in weights]
 
 
+def gate_up_pairs(weights) -> dict[str, str]:
+    """``{"layers.{i}.w13_pairs": "layers.{i}.w13"}`` for each gate/up weight of ``weights`` that SwiGLU can fuse
+    into: the quantized ones (a plain tensor has no fused GEMM and keeps the activation kernel). The one rule both the
+    torch model's ``fuse_swiglu_`` and the ONNX exporter's plugin graph follow."""
+    return {k[:-len("w13")] + GATE_UP_PAIRS: k for k, v in weights.items()
+            if k.startswith("layers.") and k.endswith(".w13") and getattr(v, "qweight", None) is not None}
+
+
 def check_unfused(weights, what: str) -> None:
     """Raise if ``weights`` hold a gate/up weight re-laid out for the torch runtime (``GATE_UP_PAIRS``), which
     ``what`` (a saved build, an ONNX graph) must not be given: they start from the checkpoint's ``[gate | up]`` layout

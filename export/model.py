@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from .batch import Batch
 from .checkpoint import LlamaConfig, load_checkpoint
-from .decoder import GATE_UP_PAIRS, decoder_forward, missing_weights, required_names  # noqa: F401  (required_names: public here)
+# required_names: public here too
+from .decoder import GATE_UP_PAIRS, decoder_forward, gate_up_pairs, missing_weights, required_names  # noqa: F401
 
 QUANT_MODES = ("none", "int8", "int4")
 
@@ -103,12 +104,8 @@ class LlamaModel(torch.nn.Module):
         exporter makes the same pairs itself for its plugin graph, ``export.onnx_export``)."""
         from kernels.quant import interleave_halves
 
-        for i in range(self.config.num_layers):
-            w = self.weights.get(f"layers.{i}.w13")
-            if w is None or isinstance(w, torch.Tensor):
-                continue  # already fused, or a plain weight (no fused kernel: the activation kernel runs)
-            self.weights[f"layers.{i}.{GATE_UP_PAIRS}"] = interleave_halves(w)
-            del self.weights[f"layers.{i}.w13"], w
+        for pairs, w13 in gate_up_pairs(self.weights).items():  # none left once fused; plain weights stay
+            self.weights[pairs] = interleave_halves(self.weights.pop(w13))
         return self
 
     @property

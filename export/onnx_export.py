@@ -56,7 +56,7 @@ from onnx import TensorProto
 from trt_plugins.specs import torch_dtype
 from trt_plugins.specs.paged_attention import scratch_shapes
 
-from .decoder import GATE_UP_PAIRS, check_unfused, decoder_forward, missing_weights
+from .decoder import check_unfused, decoder_forward, gate_up_pairs, missing_weights
 from .model import rope_cache
 from .onnx_graph import ExternalData, GraphBuilder, OnnxFiles, onnx_dtype
 from .onnx_ops import ATTN_MAX_SPLITS, OpEmitter
@@ -94,8 +94,7 @@ class _GateUpPairs(Mapping):
 
     def __init__(self, weights: Mapping[str, Any]):
         self.base = weights
-        self.fused = {k[:-len("w13")] + GATE_UP_PAIRS: k for k, v in weights.items()
-                      if k.startswith("layers.") and k.endswith(".w13") and not isinstance(v, torch.Tensor)}
+        self.fused = gate_up_pairs(weights)
         self.hidden = set(self.fused.values())
 
     def __getitem__(self, name):

@@ -87,7 +87,7 @@ def cuda_kernel_w4a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     from kernels.gemm import gemm_wgmma
     from kernels.gemm.w4a16 import gemv, gemv_mma
 
-    K, N, g, sw = shapes["x"][1], shapes["qweight"][1], attrs["group_size"], bool(attrs.get("swiglu", 0))
+    K, N, g, sw = shapes["x"][1], shapes["qweight"][1], attrs["group_size"], bool(attrs["swiglu"])
     route = plugin_route_w4a16(attrs["m_hint"], N, K, dtypes["x"], card, g, sw)
     p = route.params
     if route.backend == "w4_gemv_mma":
@@ -110,7 +110,7 @@ def cuda_kernel_w8a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     from kernels.gemm import gemm_wgmma
     from kernels.gemm.w8a16 import gemv_mma
 
-    K, N, sw = shapes["x"][1], shapes["qweight"][1], bool(attrs.get("swiglu", 0))
+    K, N, sw = shapes["x"][1], shapes["qweight"][1], bool(attrs["swiglu"])
     route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card, sw)
     p = route.params
     if route.backend == "w8_gemv_mma":
