@@ -233,24 +233,28 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
     sum *= __half2float(scales[n]);
     return has_bias ? sum + __half2float(bias[n]) : sum;
   };
+  // The block's columns c0 .. c0 + cols - 1 (cols even), each column's fp32 sum given by column_sum(m, cl), finished
+  // and stored for rows < M and columns < N (with SwiGLU: one output per pair).
+  auto store_columns = [&](int c0, int cols, auto column_sum) {
+    for (int i = threadIdx.x; i < 8 * cols / per; i += 32 * kWarps) {
+      const int m = i / (cols / per), cl = c0 + per * (i % (cols / per));
+      const int n = blockIdx.x * kCols + cl;
+      if (m < M && n < N) {
+        const float y = finish(n, column_sum(m, cl));
+        if (swiglu)
+          out[(size_t)m * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
+        else
+          out[(size_t)m * N + n] = __float2half_rn(y);
+      }
+    }
+  };
 #if GEMV_KSPLIT == 1
-  auto column_sum = [&](int m, int cl) {
+  store_columns(0, kCols, [&](int m, int cl) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
     return sum;
-  };
-  for (int i = threadIdx.x; i < 8 * kCols / per; i += 32 * kWarps) {
-    const int m = i / (kCols / per), cl = per * (i % (kCols / per));
-    const int n = blockIdx.x * kCols + cl;
-    if (m < M && n < N) {
-      const float y = finish(n, column_sum(m, cl));
-      if (swiglu)
-        out[(size_t)m * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
-      else
-        out[(size_t)m * N + n] = __float2half_rn(y);
-    }
-  }
+  });
 #else
   // Sum over warps into red[0] (each thread reads and writes only its own (m, cl): no race), then over the cluster:
   // block r of the cluster finishes columns r * kSlice .. of all KSPLIT blocks' red[0], read through DSMEM. The
@@ -270,23 +274,12 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   constexpr int kSlice = kCols / kSplit;
   static_assert(kSlice % 2 == 0, "a cluster slice must hold whole (gate, up) pairs");
   const int c0 = (int)cluster.block_rank() * kSlice;
-  auto column_sum = [&](int m, int cl) {
+  store_columns(c0, kSlice, [&](int m, int cl) {
     float sum = 0.f;
 #pragma unroll
     for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
     return sum;
-  };
-  for (int i = threadIdx.x; i < 8 * kSlice / per; i += 32 * kWarps) {
-    const int m = i / (kSlice / per), cl = c0 + per * (i % (kSlice / per));
-    const int n = blockIdx.x * kCols + cl;
-    if (m < M && n < N) {
-      const float y = finish(n, column_sum(m, cl));
-      if (swiglu)
-        out[(size_t)m * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
-      else
-        out[(size_t)m * N + n] = __float2half_rn(y);
-    }
-  }
+  });
   cluster.sync();
 #endif
 }
