@@ -115,11 +115,12 @@ def _check_sm(sm: int) -> None:
 
 
 def entry_params(ptx: str, name: str) -> list[str]:
-    """PTX types of the entry's parameters, in order (e.g. ['u64', 'u32', ...])."""
+    """PTX types of the entry's parameters, in order (e.g. ['u64', 'u32', ..., 'b8[128]'] for a by-value struct)."""
     m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
     if m is None:
         raise AotError(f"entry {name} not found in the PTX")
-    return re.findall(r"\.param\s+\.(\w+)", m.group(1))
+    return [ty + size for ty, size in re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+[\w$]+(\[\d+\])?",
+                                                 m.group(1))]
 
 
 def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps: int = 4, num_stages: int = 3,
@@ -285,7 +286,7 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
                 raise AotError(f"nvcc failed for {source} (sm_{sm}): {r.stderr.strip()[-2000:]}")
             outs[kind] = out.read_text() if kind == "ptx" else out.read_bytes()
     got = entry_params(outs["ptx"], kernel_name)
-    want = ["u64" if ty.startswith("*") else "u32" for _, ty in params]
+    want = ["u64" if ty.startswith("*") else "b8[128]" if ty == "tmap" else "u32" for _, ty in params]
     if [("u64" if g in ("u64", "b64") else "u32" if g in ("u32", "s32", "b32") else g) for g in got] != want:
         raise AotError(f"{kernel_name}: the PTX entry takes ({', '.join(got)}) but ({', '.join(want)}) were declared "
                        f"for {[n for n, _ in params]}")

@@ -100,6 +100,8 @@ class AotKernel:
                     raise AotError(f"{self.art.name}: {name} is not 16-byte aligned (compiled assuming it is); "
                                    "pass a contiguous, freshly allocated tensor")
                 values.append(ctypes.c_uint64(ptr))
+            elif ty == "tmap":  # a CUtensorMap (cuTensorMapEncodeTiled), passed by value: its 128 opaque bytes
+                values.append((ctypes.c_uint64 * 16)(*(int(w) for w in a.opaque)))
             else:
                 v = int(a)
                 if not -(2**31) <= v < 2**31:

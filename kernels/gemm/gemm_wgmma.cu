@@ -16,6 +16,10 @@
 //     scales (and zeros) -- group_size % 64 == 0, so a stage never spans two groups. The stages form a
 //     WG_STAGES-deep cp.async ring filled STAGES - 2 stages ahead; each thread's copy pointers are computed once and
 //     advance one stage per load.
+//     WG_TMA: x's tile of a stage is one tensor copy instead (cp.async.bulk.tensor with the launcher's tensor map
+//     of x, 128-byte swizzle, rows past M zero-filled), issued by thread 0 and completing the buffer's mbarrier,
+//     which every thread waits on after the stage's block barrier; the weight slices stay cp.async copies. The
+//     torch launcher only (a TensorRT plugin has no tensor map).
 //   * A fragment of warp w in a 64-column tile (rows 16 w + g and 16 w + g + 8, g = lane / 4, t = lane % 4;
 //     k = 2t, 2t+1, 2t+8, 2t+9 of each 16): the two rows are made the ADJACENT columns n = 2 (8 w + g) and n + 1 of
 //     the tile.
@@ -76,6 +80,12 @@
 #ifndef WG_ASETS
 #define WG_ASETS 2  // A-fragment register sets: k16 steps whose wgmmas may be in flight while the next is dequantized
 #endif
+#ifndef WG_TMA
+#define WG_TMA 0  // 1: x stages copied by the tensor memory accelerator (one thread, tensor map tmap_x), not cp.async
+#endif
+#if WG_TMA
+#include <cuda.h>  // CUtensorMap
+#endif
 #if WG_SPLITS > 1 && WG_DSMEM
 #define WG_CLUSTER_DIMS __cluster_dims__(1, WG_SPLITS, 1)
 #else
@@ -129,6 +139,29 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // bytes apart (SBO), leading offset unused for swizzled K-major layouts (1 by convention).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// WG_TMA: one mbarrier per stage buffer; thread 0 arms it with the x tile's bytes and the tensor copy completes it.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {  // until that phase has completed
+  uint32_t done;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// The [64 k, rows] box of x at (k, m) into shared memory (128-byte swizzle, rows past M zero-filled), completing bar.
+__device__ __forceinline__ void tma_load_x(uint32_t dst, const void* tmap, int k, int m, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(tmap), "r"(k), "r"(m), "r"(smem_addr(bar)) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -210,7 +243,11 @@ TRITRT_ENTRY(WG_CLUSTER_DIMS __launch_bounds__(128 * WG_WGS, 1))
 WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const half* __restrict__ scales,
                  const uint8_t* __restrict__ zeros, const half* __restrict__ bias, half* __restrict__ out,
                  float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K, int group_size,
-                 int stride_xm, int has_zeros, int has_bias) {
+                 int stride_xm, int has_zeros, int has_bias
+#if WG_TMA
+                 , const __grid_constant__ CUtensorMap tmap_x  // x [M, K] fp16, box [64, WG_BM], 128-byte swizzle
+#endif
+                 ) {
   extern __shared__ __align__(16) char smem_raw[];
   // Stage buffers start on a 1024-byte boundary (the 128-byte swizzle pattern repeats every 1024 bytes).
   const uint32_t smem0 = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
@@ -263,6 +300,18 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
   const half* ssrc = scales + grow + 8 * tid;
   const uint8_t* zsrc = zeros + grow + 16 * tid;
 
+#if WG_TMA
+  // x by the tensor memory accelerator: thread 0 arms buffer b's barrier with the tile's bytes and issues one copy;
+  // stage i (of this block's run) is buffer i % STAGES in phase i / STAGES. The weights stay cp.async copies.
+  static_assert(kBM <= 256 && kOneBarrier, "WG_TMA: one box of at most 256 rows; one block barrier per stage");
+  __shared__ __align__(8) uint64_t xbar[kStages];
+  if (tid == 0) {
+    for (int b = 0; b < kStages; ++b) mbar_init(xbar + b, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
+  }
+  __syncthreads();
+  int xk = kb * kBK;  // k of the next x tile to load
+#endif
   // A stage's copies in two parts: x (written by the previous kernel) and the weight with its INT4 scales / zeros,
   // which the prologue issues before the PDL wait. So weights must not be written by a kernel that lets its
   // dependents start early (kernels._launch's PDL kernels -- norms, RoPE, KV writes, activations, attention, the
@@ -270,11 +319,19 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
   // blocks have exited, and these copies read through L2 (cp.async.cg).
   auto load_x_stage = [&](int buf) {
     const uint32_t xs = smem0 + buf * kStageBytes;
+#if WG_TMA
+    if (tid == 0) {
+      mbar_expect_tx(xbar + buf, kXBytes);
+      tma_load_x(xs, &tmap_x, xk, m0, xbar + buf);
+    }
+    xk += kBK;
+#else
 #pragma unroll
     for (int j = 0; j < kXPer; ++j) {
       cp_async16(xs + xdst[j], xsrc[j], xok[j]);
       xsrc[j] += kBK * 2;
     }
+#endif
   };
   auto load_w_stage = [&](int buf) {
     const uint32_t ws = smem0 + buf * kStageBytes + kXBytes, ss = ws + kWBytes, zs = ss + kSBytes;
@@ -414,7 +471,11 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
     if constexpr (!kOneBarrier) refill(i);  // every warpgroup passed the barrier after compute_stage(i - 1)
     cp_async_wait<kOneBarrier ? kStages - 3 : kStages - 2>();  // stage i has landed (this thread's copies)
     __syncthreads();  // ... everyone's (one barrier: and every warpgroup is past compute_stage(i - 1))
+#if WG_TMA
+    mbar_wait(xbar + i % kStages, (i / kStages) & 1);  // x by the tensor copy (async proxy, as the wgmmas read it)
+#else
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes -> visible to the tensor cores
+#endif
     if constexpr (kOneBarrier) refill(i);
     compute_stage(i % kStages);
     if constexpr (!kOneBarrier) __syncthreads();  // every warpgroup is past compute_stage(i) before the next refill
@@ -578,6 +639,7 @@ WG_KERNEL(const half* __restrict__ x, const QWord* __restrict__ qweight, const h
 // persist from launch to launch, so only variants that do not sum their K splits through the workspace (no split, or
 // the DSMEM sum) have this entry.
 static_assert(kSplits == 1 || WG_DSMEM, "the plugin entry has no workspace: split K over DSMEM (WG_DSMEM 1) or not");
+static_assert(!WG_TMA, "the plugin entry has no tensor map for x (TensorRT passes pointers): build it with WG_TMA 0");
 #if WG_BITS == 4
 #ifndef TRITRT_GROUP_SIZE
 #error "the W4 plugin entry needs -DTRITRT_GROUP_SIZE=<group size>"

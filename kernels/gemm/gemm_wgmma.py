@@ -3,7 +3,8 @@ the weight format a compile flag): fp16 activations, M above the GEMVs' range, s
 
 A block computes y^T's ``[64 wt wgs, bm]`` tile (``wgs`` warpgroups of ``wt`` 64-column tiles, ``bm`` = 64, 128 or 256
 rows of x) with warpgroup MMAs whose A operand (the weight) is dequantized in registers; x, the weight (and the INT4
-scales and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64; INT8's per-column
+scales and zeros) are staged in shared memory by a ``stages``-deep cp.async ring over K steps of 64 (x, with ``tma``,
+by the tensor memory accelerator through a tensor map the launcher encodes, ``x_tensor_map``); INT8's per-column
 scales are applied to the fp32 sums in the epilogue. Split-K over grid y (``splits`` blocks per tile) when the tiles
 alone leave SMs idle, the fp32 partial tiles summed in a fixed order either by the last block of each tile through a
 global workspace, or (``dsmem``) by all the tile's blocks, as one thread-block cluster, over distributed shared memory.
@@ -87,6 +88,15 @@ BIG_MIN_FILL = 0.5
 BIG_SPLITS = (1, 2, 3, 4)
 BIG_MIN_K_TILES = 8
 BIG_STAGES = {4: 4, 8: 5}
+# ... whose x tiles the tensor memory accelerator copies (WG_TMA: thread 0 issues one copy a stage, completing an
+# mbarrier, through a tensor map of x with the 128-byte swizzle; the weights stay cp.async copies), instead of 8
+# cp.async copies per thread a stage, which were the refill's top stall (dev-logs/h100/wgmma_large_m.md). H100, the
+# plan forced both ways in one process, bitwise equal outputs (benchmarks/results/dev-logs/h100/wgmma_tma_x.md): read
+# off the four Llama-3-8B shapes at M = 256-3000, INT4 14 of 16 faster (gmean 1.061x), INT8 13 of 16 (1.017x);
+# judged on 7 other Llama-family shapes at M = 512 / 1536 / 2048, INT4 21 of 21 (1.023-1.136x, gmean 1.075x), INT8
+# 15 of 21 (0.948-1.081x, gmean 1.017x). The torch launcher only: a TensorRT plugin gets pointers, not a tensor map,
+# so its entry keeps the cp.async copies (``plugin_build`` refuses a TMA plan).
+BIG_TMA = True
 # ... and a split whose clusters would not fit sums through the workspace instead, where each split is at least
 # BIG_WS_MIN_K_TILES stages: the workspace sum costs a fixed few us (at M = 256, split 2 through the workspace against
 # DSMEM on the same grid: 3.7-7.6 us slower on 28 of 30 shape x bits rows), which the fuller wave repays only when
@@ -199,7 +209,7 @@ def wave_fill(M: int, plan: dict, sm_count: int = 132, bits: int = 4) -> float:
 
 def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = None, wt: Optional[int] = None,
               wgs: Optional[int] = None, stages: Optional[int] = None, splits: Optional[int] = None,
-              dsmem: Optional[bool] = None, bits: int = 4) -> dict:
+              dsmem: Optional[bool] = None, bits: int = 4, tma: Optional[bool] = None) -> dict:
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
     that an eager call pays a dictionary lookup, not the search (~50 us of Python).
 
@@ -217,17 +227,18 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     splits through the workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short
     K may split into quarters at M = 64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at
     M = 64..256 (``WIDE_MIN_FILL``). Then the stage count: ``STAGES``, ``BIG_STAGES`` for 256-row blocks, and
-    ``SOLO_STAGES`` (one block barrier per stage) for INT8 64-row DSMEM splits with at most one block per SM.
+    ``SOLO_STAGES`` (one block barrier per stage) for INT8 64-row DSMEM splits with at most one block per SM; and
+    256-row plans copy x with the tensor memory accelerator (``BIG_TMA``; ``tma`` forces it either way).
     Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
     the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
     (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
     vs 1.59, o 1.37 (best), gate_up 1.83 vs 2.05, down 1.76 vs 1.77, 8k 1.92 vs 1.96.
     """
-    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits))
+    return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma))
 
 
 @lru_cache(maxsize=4096)
-def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
+def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma=None) -> tuple:
     _check_bits(bits)
     if M < 1 or K < BK:
         raise ValueError(f"wgmma GEMM: no plan for M={M}, K={K} (needs M >= 1 and K >= {BK})")
@@ -275,7 +286,9 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits) -> tuple:
                  and _clusters_fit(s, ctas, cap))
     if not forced_stages and bits == 8 and (bm, a, b) == (64, 1, 2) and dsmem and s > 1 and ctas <= sm_count:
         stages = SOLO_STAGES  # alone on its SM: one barrier per stage (SOLO_STAGES)
-    return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1),
+    tma = (BIG_TMA and big is not None) if tma is None else tma
+    tma = bool(tma) and bm >= 128  # (WG_TMA: one block barrier per stage)
+    return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1), tma=tma,
                       grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
 
@@ -345,23 +358,25 @@ def plan_for(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dty
 
 
 def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
-                  swiglu: bool = False, bits: int = 4) -> tuple:
+                  swiglu: bool = False, bits: int = 4, tma: bool = False) -> tuple:
+    # WG_TMA only when on: the flags (so the cache keys and builds) of the other variants stay what they were
     return (f"-DWG_BITS={bits}", f"-DWG_BM={bm}", f"-DWG_WT={wt}", f"-DWG_WGS={wgs}", f"-DWG_STAGES={stages}",
             f"-DWG_SPLITS={splits}", f"-DWG_DSMEM={int(dsmem)}", f"-DWG_ASETS={asets(wt)}",
-            f"-DWG_SWIGLU={int(swiglu)}")
+            f"-DWG_SWIGLU={int(swiglu)}") + (("-DWG_TMA=1",) if tma else ())
 
 
 def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
-                    swiglu: bool = False, bits: int = 4, sm: int = SM):
+                    swiglu: bool = False, bits: int = 4, tma: bool = False, sm: int = SM):
     """The PTX/cubin artifact (sm_90a) for one variant (no GPU needed)."""
     from kernels.aot.compile import compile_cuda
 
     _check_bits(bits)
     if sm != SM:
         raise ValueError(f"the wgmma GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
-    return compile_cuda(SOURCE, KERNELS[bits], PARAMS, sm=sm, threads=128 * wgs,
-                        shared=shared_bytes(bm, wt, wgs, stages, bits),
-                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits), arch_specific=True)
+    return compile_cuda(SOURCE, KERNELS[bits], PARAMS + [("tmap_x", "tmap")] if tma else PARAMS, sm=sm,
+                        threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages, bits),
+                        extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits, tma),
+                        arch_specific=True)
 
 
 def plugin_build(plan: dict, group_size: Optional[int], bits: int = 4, swiglu: bool = False):
@@ -373,6 +388,8 @@ def plugin_build(plan: dict, group_size: Optional[int], bits: int = 4, swiglu: b
     if plan["splits"] > 1 and not plan["dsmem"]:
         raise ValueError("wgmma GEMM: the plugin entry has no workspace; plan with dsmem=True "
                          "(gemm_plan(..., dsmem=True)) for a K split")
+    if plan["tma"]:
+        raise ValueError("wgmma GEMM: the plugin entry has no tensor map for x; plan with tma=False")
     flags = variant_flags(plan["bm"], plan["wt"], plan["wgs"], plan["stages"], plan["splits"], plan["dsmem"],
                           swiglu=swiglu, bits=bits)
     return _plugin_build(SOURCE, PLUGIN_KERNELS[bits], flags, threads=128 * plan["wgs"],
@@ -384,6 +401,23 @@ def launch_as_dependent(plan: dict) -> bool:
     """Whether the torch launcher launches ``plan``'s variant as a programmatic dependent: PDL on
     (``kernels._launch.pdl_enabled``) and blocks of ``PDL_MIN_BM`` rows or more."""
     return plan["bm"] >= PDL_MIN_BM and pdl_enabled()
+
+
+@lru_cache(maxsize=256)
+def x_tensor_map(ptr: int, M: int, K: int, stride: int, bm: int):
+    """The tensor map of x (fp16 ``[M, K]``, rows ``stride`` halves apart) that WG_TMA builds copy stages from: boxes
+    of 64 k x ``bm`` rows, 128-byte swizzle (the layout the wgmmas read), rows past M zero-filled. Cached per buffer
+    and shape (encoding is a driver call; a model's activations reuse a few buffers)."""
+    from kernels.aot.launcher import _check, _driver
+
+    drv = _driver()
+    u32, u64 = drv.cuuint32_t, drv.cuuint64_t
+    return _check(drv.cuTensorMapEncodeTiled(
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, u32(2), ptr, [u64(K), u64(M)], [u64(stride * 2)],
+        [u32(BK), u32(bm)], [u32(1), u32(1)],
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
 
 
 def _counters(device, n: int) -> torch.Tensor:
@@ -446,9 +480,11 @@ def _launch(x, qweight, scales, zeros, group_size, bias, out, swiglu, N, K, vari
     workspace = (torch.empty(splits * M * N, dtype=torch.float32, device=x.device) if splits > 1 and not plan["dsmem"]
                  else out)  # unused otherwise (any valid pointer)
     counters = _counters(x.device, plan["grid"][0])
+    args = (x, qweight, scales, zeros if zeros is not None else qweight, bias if bias is not None else scales, out,
+            workspace, counters, M, N, K, group_size or 0, x.stride(0), int(zeros is not None), int(bias is not None))
+    if plan["tma"]:
+        args += (x_tensor_map(x.data_ptr(), M, K, x.stride(0), plan["bm"]),)
     cached_kernel(_KERNELS, compile_variant, plan["bm"], plan["wt"], plan["wgs"], plan["stages"], splits,
-                  plan["dsmem"], bool(swiglu), bits).launch(
-        plan["grid"], x, qweight, scales, zeros if zeros is not None else qweight,
-        bias if bias is not None else scales, out, workspace, counters, M, N, K, group_size or 0, x.stride(0),
-        int(zeros is not None), int(bias is not None), pdl=launch_as_dependent(plan))
+                  plan["dsmem"], bool(swiglu), bits, plan["tma"]).launch(plan["grid"], *args,
+                                                                        pdl=launch_as_dependent(plan))
     return out

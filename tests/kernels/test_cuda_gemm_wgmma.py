@@ -24,7 +24,9 @@ VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm
             dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False), dict(bm=256, wt=1, wgs=2),
             dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True), dict(bm=256, wt=1, wgs=2, stages=5, splits=2, dsmem=False),
             dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False),
-            dict(bm=64, wt=1, wgs=2, stages=5, splits=2, dsmem=True), dict(bm=64, wt=2, wgs=1, stages=5)]
+            dict(bm=64, wt=1, wgs=2, stages=5, splits=2, dsmem=True), dict(bm=64, wt=2, wgs=1, stages=5),
+            dict(bm=256, wt=1, wgs=2, tma=True), dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True, tma=True),
+            dict(bm=128, wt=1, wgs=2, splits=2, dsmem=False, tma=True)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
@@ -41,17 +43,22 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
     from kernels.aot.cache import AotCache
     from kernels.aot.compile import compile_cuda, entry_params
 
-    builds = [(1, False, wg.STAGES), (4, False, wg.STAGES)]
-    builds += [(4, True, wg.STAGES)] if wg.dsmem_fits(bm, wt, wgs, bits=bits) else []
-    builds += [(1, False, wg.SOLO_STAGES), (4, True, wg.SOLO_STAGES)] if (bits, bm, wt, wgs) == (8, 64, 1, 2) else []
+    builds = [(1, False, wg.STAGES, False), (4, False, wg.STAGES, False)]
+    builds += [(4, True, wg.STAGES, False)] if wg.dsmem_fits(bm, wt, wgs, bits=bits) else []
+    builds += ([(1, False, wg.SOLO_STAGES, False), (4, True, wg.SOLO_STAGES, False)]
+               if (bits, bm, wt, wgs) == (8, 64, 1, 2) else [])
+    builds += [(1, False, wg.STAGES, True), (4, False, wg.STAGES, True)] if bm >= 128 else []  # x by the TMA
     most = 0
-    for splits, dsmem, stages, swiglu in [(*b, swiglu) for b in builds for swiglu in (False, True)]:
-        art = compile_cuda(wg.SOURCE, wg.KERNELS[bits], wg.PARAMS, sm=90, threads=128 * wgs,
+    for splits, dsmem, stages, tma, swiglu in [(*b, swiglu) for b in builds for swiglu in (False, True)]:
+        params = wg.PARAMS + [("tmap_x", "tmap")] if tma else wg.PARAMS
+        art = compile_cuda(wg.SOURCE, wg.KERNELS[bits], params, sm=90, threads=128 * wgs,
                            shared=wg.shared_bytes(bm, wt, wgs, stages, bits), cache=AotCache(tmp_path),
-                           extra_flags=wg.variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits),
+                           extra_flags=wg.variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits, tma),
                            arch_specific=True)
         assert ".target sm_90a" in art.ptx and art.cubin[:4] == b"\x7fELF"
-        assert len(entry_params(art.ptx, wg.KERNELS[bits])) == len(wg.PARAMS)
+        assert entry_params(art.ptx, wg.KERNELS[bits])[len(wg.PARAMS):] == (["b8[128]"] if tma else [])
+        # WG_TMA: x by one tensor copy a stage (the tensor map by value), the weights still by cp.async
+        assert ("cp.async.bulk.tensor.2d" in art.ptx) == tma
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in art.ptx) == (bits == 8)
         assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.f16.f16" in art.ptx
         assert "cp.async.cg.shared.global" in art.ptx  # the pipeline's copies
@@ -62,12 +69,13 @@ def test_wgmma_gemm_compiles_to_ptx_and_cubin(bits, bm, wt, wgs, tmp_path):
         assert ptx_body.index("cp.async.cg.shared.global") < ptx_body.index("griddepcontrol.wait")
         assert ("barrier.cluster" in art.ptx) == dsmem  # the DSMEM sum's cluster barriers, only there
         if splits == 1:  # the mainloop's block barriers are the unsplit build's only ones: one per stage from 128 rows
-            assert len(re.findall(r"\bbar(?:rier)?\.sync\b", ptx_body)) == (1 if bm >= 128 or stages >= 5 else 2)
-        cubin = tmp_path / f"k{splits}{dsmem}{stages}{swiglu}.cubin"
+            # (WG_TMA: and one after the stage mbarriers are initialised)
+            assert len(re.findall(r"\bbar(?:rier)?\.sync\b", ptx_body)) == (1 if bm >= 128 or stages >= 5 else 2) + tma
+        cubin = tmp_path / f"k{splits}{dsmem}{stages}{tma}{swiglu}.cubin"
         cubin.write_bytes(art.cubin)
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         assert f"HGMMA.64x{bm}x16.F32" in sass
-        assert "LDL" not in sass and "STL" not in sass, (splits, dsmem, swiglu)  # no spills
+        assert "LDL" not in sass and "STL" not in sass, (splits, dsmem, tma, swiglu)  # no spills
         usage = subprocess.run([cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
         most = max(most, int(re.search(r"REG:(\d+)", usage).group(1)))
@@ -199,6 +207,23 @@ def test_wgmma_gemm_plan_256_row_blocks():
         assert wg.gemm_plan(512, 4096, 4096, bits=bits, splits=1)["splits"] == 1
 
 
+def test_wgmma_gemm_plan_tma_x_for_256_row_plans():
+    """gemm_wgmma.BIG_TMA: the 256-row plans copy x with the tensor memory accelerator, no other plan does unless
+    asked (and never a 64-row block: WG_TMA needs one block barrier per stage); a plugin cannot launch such a plan."""
+    for bits in (4, 8):
+        for M, N, K in ((256, 28672, 4096), (2048, 6144, 4096), (2048, 4096, 14336), (512, 4096, 4096)):
+            p = wg.gemm_plan(M, N, K, bits=bits)
+            assert p["bm"] == 256 and p["tma"], (bits, M, N, K, p)
+            assert not wg.gemm_plan(M, N, K, bits=bits, tma=False)["tma"]
+            with pytest.raises(ValueError, match="tensor map"):
+                wg.plugin_build(p, None if bits == 8 else 128, bits)
+        for M in (1, 64, 128, 200):  # below BIG_M: 64- and 128-row plans, no TMA
+            assert not wg.gemm_plan(M, 4096, 4096, bits=bits)["tma"], (bits, M)
+        assert not wg.gemm_plan(2048, 4096, 4096, bits=bits, bm=256, wt=1, wgs=2)["tma"]  # forced shape: as asked
+        assert wg.gemm_plan(2048, 4096, 4096, bits=bits, bm=128, wt=1, wgs=2, tma=True)["tma"]
+        assert not wg.gemm_plan(64, 4096, 4096, bits=bits, bm=64, wt=1, wgs=1, tma=True)["tma"]
+
+
 def test_wgmma_gemm_plan_solo_stages():
     """gemm_wgmma.SOLO_STAGES: INT8 64-row blocks of two warpgroups with a DSMEM-summed split take 5 stages (one block
     barrier per stage) where the grid has at most one block per SM; everything else keeps STAGES."""
@@ -314,6 +339,38 @@ def test_wgmma_gemm_matches_reference(M, N, K, group_size, symmetric):
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size)
     assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
                         atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M", [40, 257, 1000, 2100])
+def test_wgmma_gemm_tma_x_equals_cp_async(bits, M):
+    """WG_TMA (x tiles by the tensor memory accelerator, rows past M zero-filled by the copy) against the same plan
+    with x by cp.async: bitwise equal (same tiles, same sums), for ragged M (one partial 256-row tile, M below one
+    tile), unsplit and both split sums, SwiGLU, and x a strided view (rows further apart than K); every output
+    written."""
+    from kernels._utils import device_sm
+
+    if device_sm() != 90:
+        pytest.skip("the wgmma GEMM is sm_90 (Hopper) code")
+    N, K = 2048, 4096
+    torch.manual_seed(M + bits)
+    w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+    q = quantize_int4(w, 128) if bits == 4 else quantize_int8(w)
+    xs = torch.randn(M, K + 64, device="cuda", dtype=torch.float16)
+    for x in (xs[:, :K].contiguous(), xs[:, :K]):
+        for v in (dict(bm=256, wt=1, wgs=2), dict(bm=256, wt=1, wgs=2, splits=2, dsmem=True),
+                  dict(bm=256, wt=1, wgs=2, stages=5, splits=3, dsmem=False), dict(bm=128, wt=1, wgs=2)):
+            for swiglu in (False, True):
+                def run(tma):
+                    out = poisoned((M, N // 2 if swiglu else N), torch.float16, "cuda")
+                    if bits == 4:
+                        return wg.w4a16_gemm_wgmma(x, q.qweight, q.scales, q.zeros, 128, out=out, swiglu=swiglu,
+                                                   tma=tma, **v)
+                    return wg.w8a16_gemm_wgmma(x, q.qweight, q.scales, out=out, swiglu=swiglu, tma=tma, **v)
+
+                y, want = run(True), run(False)
+                assert torch.isfinite(y).all() and torch.equal(y, want), (v, swiglu, x.stride())
 
 
 @pytest.mark.gpu

@@ -52,8 +52,12 @@ def _check(sp, torch_route, m, swiglu=False):
     p = torch_route.params
     if backend.endswith("gemm_wgmma") and p["splits"] > 1 and not p["dsmem"]:
         # The documented substitution: the same kernel, its K splits summed over DSMEM (no workspace in a plugin).
-        want = gemm_wgmma.gemm_plan(m, *_nk(sp), 132, dsmem=True, bits=8 if backend == "w8_gemm_wgmma" else 4)
+        want = gemm_wgmma.gemm_plan(m, *_nk(sp), 132, dsmem=True, bits=8 if backend == "w8_gemm_wgmma" else 4,
+                                    tma=False)
         assert dict(plan) == want and (want["splits"] == 1 or want["dsmem"])
+    elif backend.endswith("gemm_wgmma") and p["tma"]:
+        # The other one: the same plan with x by cp.async (a plugin has no tensor map for x).
+        assert (backend, dict(plan)) == (torch_route.backend, dict(p, tma=False))
     else:
         assert (backend, plan) == (torch_route.backend, torch_route.plan)
     grid = tuple(dict(plan)["grid"])
@@ -120,9 +124,10 @@ def test_swiglu_plugins_fuse_where_the_op_does():
 
 
 def test_the_cuda_kernels_are_selected_where_the_op_uses_them():
-    """Not vacuous: on these shapes the fp16 plugins pick every CUDA kernel at some tactic, and the workspace-split
-    wgmma plans (8B o and down at M = 128) are the substituted ones."""
-    seen, substituted = set(), []
+    """Not vacuous: on these shapes the fp16 plugins pick every CUDA kernel at some tactic, the workspace-split
+    wgmma plans (8B o and down at M = 128) are the ones replanned, and the 256-row plans (TMA for x) the ones that
+    differ from the route's only in ``tma``."""
+    seen, substituted, without_tma = set(), [], []
     for K, N, what in SHAPES:
         for g in GROUPS:
             if K % g:
@@ -134,13 +139,16 @@ def test_the_cuda_kernels_are_selected_where_the_op_uses_them():
                 if sp.cuda:
                     seen.add(sp.cuda.route[0])
                     r = routing.route_w4a16(m, N, K, torch.float16, routing.H100, group_size=g)
-                    if r.plan != sp.cuda.route[1]:
+                    if r.params.get("tma") and dict(sp.cuda.route[1]) == dict(r.params, tma=False):
+                        without_tma.append((what, g, m))
+                    elif r.plan != sp.cuda.route[1]:
                         substituted.append((what, g, m))
         for m in TACTICS:
             sp = SPECS["W8A16Linear"].specialise(*_w8_case(K, N, "fp16", m), {"m_hint": m}, card=routing.H100)
             seen.add(sp.cuda.route[0] if sp.cuda else "triton")
     assert set(CUDA_W4) | set(CUDA_W8) <= seen
-    assert all(m == 128 for _, _, m in substituted)
+    assert substituted and all(m == 128 for _, _, m in substituted)
+    assert without_tma and all(m >= 256 for _, _, m in without_tma)
 
 
 @pytest.mark.parametrize("op", ["W4A16Linear", "W8A16Linear"])

@@ -17,6 +17,9 @@ the same kernel body, parameters in plugin order). Where the route names somethi
   splits summed over the cluster's shared memory. Measured on H100 (INT4; benchmarks/results/dev-logs/h100/
   bench_gemm_wgmma_dsmem.log): on 64 x 64 tiles 2-26% slower than the workspace sum, on 128 x 128 tiles with 8 splits
   1.14x vs 1.38x cuBLAS (down, M = 128); still the wgmma GEMM, which ran ahead of Triton (0.56-0.74x) at M = 128.
+  And with x copied by cp.async (``tma=False``): the launcher's 256-row plans copy x with the tensor memory
+  accelerator through a tensor map encoded on the host per call, which a plugin (pointers only) cannot pass; the same
+  plan otherwise, 1.02x (INT8) to 1.07x (INT4) slower in the geometric mean (``gemm_wgmma.BIG_TMA``).
 
 With ``swiglu`` (the gate/up GEMM on interleaved (gate, up) column pairs, y ``[M, N / 2]``) the route is asked with
 SwiGLU: where it fuses it (the tensor-core GEMVs, the wgmma GEMM) the entry is built with the epilogue; where the torch
@@ -38,15 +41,21 @@ W4_CUDA = ("w4_gemv_mma", "w4_gemv", "w4_gemm_wgmma")
 W8_CUDA = ("w8_gemv_mma", "w8_gemm_wgmma")
 
 
-def _without_workspace(route, m_hint: int, N: int, K: int, dt, card, group_size):
-    """``route`` with a wgmma plan that sums its K splits through the workspace replanned with DSMEM sums (None where
-    the kernel then does not take the shape); any other route as it is."""
+def _for_plugin(route, m_hint: int, N: int, K: int, dt, card, group_size):
+    """``route`` with a wgmma plan a plugin can launch: one that sums its K splits through the workspace replanned
+    with DSMEM sums (None where the kernel then does not take the shape), x copied by cp.async, not the tensor memory
+    accelerator; any other route as it is."""
     from kernels.gemm import gemm_wgmma, routing
 
-    if not route.backend.endswith("gemm_wgmma") or route.params["splits"] == 1 or route.params["dsmem"]:
+    if not route.backend.endswith("gemm_wgmma"):
         return route
-    plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True)
-    return None if plan is None else routing.Route(route.backend, route.swiglu, tuple(sorted(plan.items())))
+    plan = dict(route.params)
+    if plan["splits"] > 1 and not plan["dsmem"]:
+        plan, _ = gemm_wgmma.plan_for(m_hint, N, K, group_size, dt, card.sm, card.sm_count, dsmem=True, tma=False)
+        if plan is None:
+            return None
+    plan["tma"] = False
+    return routing.Route(route.backend, route.swiglu, tuple(sorted(plan.items())))
 
 
 def _launchable(route, cuda: tuple, swiglu: bool) -> bool:
@@ -60,20 +69,19 @@ def plugin_route_w4a16(m_hint: int, N: int, K: int, dtype: str, card, group_size
     from kernels.gemm import routing
 
     dt = torch_dtype(dtype)
-    route = _without_workspace(routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size, swiglu=swiglu),
-                               m_hint, N, K, dt, card, group_size)
+    route = _for_plugin(routing.route_w4a16(m_hint, N, K, dt, card, group_size=group_size, swiglu=swiglu),
+                        m_hint, N, K, dt, card, group_size)
     fused = "fused" if swiglu else "none"
     return route if _launchable(route, W4_CUDA, swiglu) else routing.Route("triton_w4_gemm", fused)
 
 
 def plugin_route_w8a16(m_hint: int, N: int, K: int, dtype: str, card, swiglu: bool = False):
-    """The ``Route`` a W8A16Linear tactic runs: ``route_w8a16``'s (wgmma plans without workspace sums, as W4A16), with
+    """The ``Route`` a W8A16Linear tactic runs: ``route_w8a16``'s (wgmma plans as W4A16's: no workspace, no TMA), with
     Triton for what is not a CUDA kernel (or, with ``swiglu``, a CUDA kernel the route runs without it)."""
     from kernels.gemm import routing
 
     dt = torch_dtype(dtype)
-    route = _without_workspace(routing.route_w8a16(m_hint, N, K, dt, card, swiglu=swiglu), m_hint, N, K, dt, card,
-                               None)
+    route = _for_plugin(routing.route_w8a16(m_hint, N, K, dt, card, swiglu=swiglu), m_hint, N, K, dt, card, None)
     fused = "fused" if swiglu else "none"
     return route if _launchable(route, W8_CUDA, swiglu) else routing.Route("triton_w8_gemm", fused)
 
