@@ -100,8 +100,11 @@ class AotKernel:
                     raise AotError(f"{self.art.name}: {name} is not 16-byte aligned (compiled assuming it is); "
                                    "pass a contiguous, freshly allocated tensor")
                 values.append(ctypes.c_uint64(ptr))
-            elif ty == "tmap":  # a CUtensorMap (cuTensorMapEncodeTiled), passed by value: its 128 opaque bytes
-                values.append((ctypes.c_uint64 * 16)(*(int(w) for w in a.opaque)))
+            elif ty == "tmap":  # a tensor map (cuTensorMapEncodeTiled) passed by value: its 128 bytes, as ctypes
+                if not isinstance(a, ctypes.Array) or ctypes.sizeof(a) != 128:
+                    raise TypeError(f"{self.art.name}: argument {name} must be a tensor map's 128 bytes as a ctypes "
+                                    f"array (e.g. kernels.gemm.gemm_wgmma.x_tensor_map), got {type(a).__name__}")
+                values.append(a)
             else:
                 v = int(a)
                 if not -(2**31) <= v < 2**31:

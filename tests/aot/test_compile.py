@@ -209,3 +209,26 @@ def test_launcher_checks_arguments_against_the_compiled_assumptions():
         k._pack([*ok[:3], 2**31, 16])
     with pytest.raises(TypeError, match="CUDA tensor"):
         k._pack([1, *ok[1:]])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_tensor_map_params_are_declared_checked_and_passed_by_value(tmp_path):
+    """A ``tmap`` parameter (a 128-byte tensor map by value, as WG_TMA takes x's): the PTX entry declares it as
+    ``.b8 [128]``, compile_cuda checks that against the declaration, AotKernel passes a ctypes array of 128 bytes
+    as it is and refuses anything else."""
+    import ctypes
+
+    src = tmp_path / "t.cu"
+    src.write_text('struct alignas(64) Map { unsigned long long w[16]; };\n'
+                   'extern "C" __global__ void first_word(unsigned long long* y, const __grid_constant__ Map m) '
+                   '{ *y = m.w[0]; }\n')
+    art = compile_cuda(src, "first_word", [("y", "*i64"), ("m", "tmap")], sm=90, threads=32,
+                       cache=AotCache(tmp_path / "c"))
+    assert entry_params(art.ptx, "first_word") == ["u64", "b8[128]"]
+    with pytest.raises(AotError, match="declared"):
+        compile_cuda(src, "first_word", [("y", "*i64"), ("m", "i32")], sm=90, threads=32,
+                     cache=AotCache(tmp_path / "c"))
+    words = (ctypes.c_uint64 * 16)(*range(16))
+    assert AotKernel(art)._pack([_FakeCuda(256), words])[1] is words
+    with pytest.raises(TypeError, match="128 bytes"):
+        AotKernel(art)._pack([_FakeCuda(256), list(range(16))])
