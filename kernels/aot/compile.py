@@ -119,8 +119,12 @@ def entry_params(ptx: str, name: str) -> list[str]:
     m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
     if m is None:
         raise AotError(f"entry {name} not found in the PTX")
-    return [ty + size for ty, size in re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+[\w$]+(\[\d+\])?",
-                                                 m.group(1))]
+    types = []
+    for decl in (d.strip() for d in m.group(1).split(",") if d.strip()):  # ".param [.align n] .type [.ptr ...] name[n]"
+        ty = re.match(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)", decl).group(1)
+        size = re.search(r"(\[\d+\])$", decl)
+        types.append(ty + (size.group(1) if size else ""))
+    return types
 
 
 def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps: int = 4, num_stages: int = 3,
