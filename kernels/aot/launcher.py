@@ -117,9 +117,10 @@ class AotKernel:
         return values
 
     def launch(self, grid, *args, stream=None, pdl: bool = False):
-        """Launch on ``grid`` (1-3 ints) with the runtime ``args`` (tensors and ints), on torch's current stream.
-        ``pdl``: as a programmatic dependent of the previous kernel (``cuLaunchKernelEx``; the kernel must call
-        ``griddepcontrol.wait`` before touching anything an earlier kernel writes: ``kernels._launch``)."""
+        """Launch on ``grid`` (1-3 ints) with the runtime ``args`` (tensors, ints, tensor maps as 128-byte ctypes
+        arrays), on torch's current stream. ``pdl``: as a programmatic dependent of the previous kernel
+        (``cuLaunchKernelEx``; the kernel must call ``griddepcontrol.wait`` before touching anything an earlier kernel
+        writes: ``kernels._launch``)."""
         import torch
 
         if self._func is None:
