@@ -98,6 +98,13 @@ def make_inputs(case: Case, m: int, device="cuda", scale=0.05):
     return [x, q.qweight, q.scales, q.zeros], wd
 
 
+def reference(case: Case, ins, w: torch.Tensor) -> torch.Tensor:
+    """The fp32 reference of ``case`` on ``make_inputs``' inputs and dequantized weight: x @ w, or with SwiGLU the
+    columns (2j, 2j + 1) taken as (gate, up) pairs, as the kernels take them: silu(gate) * up, ``[M, N / 2]``."""
+    ref = ins[0].float() @ w
+    return torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2] if case.swiglu else ref
+
+
 def same_variant(case: Case, sp, ins) -> torch.Tensor:
     """The plugin's kernel variant through the torch launcher (the JIT path's kernel, forced to the same plan)."""
     from kernels.gemm import gemm_wgmma

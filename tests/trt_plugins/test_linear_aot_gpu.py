@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.helpers import assert_close_to_ref, poisoned
-from tests.trt_plugins.linear_variants import (ODD_SHAPES, SHAPES, make_inputs, plugin_cases, routed_op,
-                                              same_variant)
+from tests.trt_plugins.linear_variants import (ODD_SHAPES, SHAPES, make_inputs, plugin_cases, reference,
+                                              routed_op, same_variant)
 from trt_plugins.aot import run_aot, target_card
 
 pytestmark = pytest.mark.gpu
@@ -50,9 +50,7 @@ def test_plugin_cuda_variant_aot_equals_torch_and_reference(case):
         sp = case.specialise(m, card)
         assert sp.cuda is not None
         ins, w = make_inputs(case, m)
-        ref = ins[0].float() @ w
-        if case.swiglu:  # columns (2j, 2j + 1) as (gate, up) pairs, as the kernels take them
-            ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
+        ref = reference(case, ins, w)
         jit = same_variant(case, sp, ins)
         op = routed_op(case, ins)
         for use_ptx in (False, True):
