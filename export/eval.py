@@ -1,6 +1,7 @@
 """``python -m export.eval OUT [OUT ...] --against CHECKPOINT``: how much a build's quantization costs in quality.
 
-For each build OUT (``python -m export.build`` output, run by our ``LlamaModel.from_output_dir`` on ``--device``) and
+For each build OUT (``python -m export.build`` output, run by our ``LlamaModel.from_output_dir`` on ``--device`` as
+the runtime runs it there: on CUDA with SwiGLU in the quantized gate/up GEMMs' epilogue, ``swiglu_fused``) and
 the unquantized CHECKPOINT (an HF directory or a ``.gguf``), on an English text that ships with tritrt
 (``export.data``, >= 20k tokens): perplexity of each, next-token top-1 agreement of the build with the reference, and
 the mean KL(reference || build) over every scored position. The reference is by default our own ``LlamaModel`` with
@@ -80,6 +81,7 @@ class Scores:
     quant: str = "none"
     group_size: int | None = None
     dtype: str = "float32"
+    swiglu_fused: bool = False
     tokens: int = 0
     nll: float = 0.0
     top1_agree: int = 0
@@ -101,7 +103,7 @@ class Scores:
     def summary(self, ref: Scores | None = None) -> dict:
         ppl = math.exp(self.nll / max(self.tokens, 1))
         d = {"name": self.name, "quant": self.quant, "group_size": self.group_size, "dtype": self.dtype,
-             "tokens": self.tokens, "perplexity": ppl, "seconds": self.seconds}
+             "swiglu_fused": self.swiglu_fused, "tokens": self.tokens, "perplexity": ppl, "seconds": self.seconds}
         if ref is not None:
             ref_ppl = math.exp(ref.nll / max(ref.tokens, 1))
             d.update(perplexity_change=ppl / ref_ppl - 1.0, top1_agreement=self.top1_agree / max(self.tokens, 1),
@@ -212,6 +214,7 @@ def run(args, log=print) -> dict:
     from .checkpoint import CheckpointError
     from .gguf import checkpoint_dir
     from .model import LlamaModel
+    from .runtime.backends import runtime_fuses_swiglu
     from .runtime.tokenizer import load_tokenizer
 
     device = _check_device(args.device)
@@ -250,6 +253,8 @@ def run(args, log=print) -> dict:
     for out in args.out:
         build = json.loads((out / "build.json").read_text())
         model = LlamaModel.from_output_dir(out, device=device)
+        if runtime_fuses_swiglu(device):  # scored as the runtime runs it: SwiGLU in the gate/up GEMMs' epilogue
+            model.fuse_swiglu_()
         if device.type == "cpu" and model.dtype == torch.float32:
             # Quantized weights dequantized once (exact in fp32, the values the kernels use) instead of at every
             # call of the CPU reference GEMM: the same numbers, faster.
@@ -259,7 +264,8 @@ def run(args, log=print) -> dict:
                             f"build was not made from this checkpoint")
         builds.append(OurModel(model, str(out)))
         infos.append({"quant": build.get("quant", "none"), "group_size": build.get("group_size"),
-                      "dtype": build.get("dtype", str(model.dtype).removeprefix("torch."))})
+                      "dtype": build.get("dtype", str(model.dtype).removeprefix("torch.")),
+                      "swiglu_fused": model.swiglu_fused})
     scored = sum(len(w) - 1 for w in windows)
     log(f"text: {text_desc}: {len(ids)} tokens in {len(windows)} windows of <= {args.window} ({scored} scored); "
         f"device {device}")

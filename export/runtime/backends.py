@@ -31,6 +31,13 @@ def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
 
+def runtime_fuses_swiglu(device) -> bool:
+    """Whether ``TorchBackend`` runs a model on ``device`` with SwiGLU fused into its quantized gate/up GEMMs
+    (``LlamaModel.fuse_swiglu_``) unless told otherwise: on CUDA devices. ``export.eval`` scores builds the same
+    way."""
+    return torch.device(device).type == "cuda"
+
+
 class TorchBackend:
     """``LlamaModel.forward`` over a paged cache it allocates; CUDA graphs for decode on CUDA devices.
 
@@ -45,7 +52,8 @@ class TorchBackend:
         self.model = model
         self.config = model.config
         self.device = torch.device(_model_device(model))
-        if (self.device.type == "cuda" if fuse_swiglu is None else fuse_swiglu) and hasattr(model, "fuse_swiglu_"):
+        if (runtime_fuses_swiglu(self.device) if fuse_swiglu is None else fuse_swiglu) and hasattr(model,
+                                                                                                   "fuse_swiglu_"):
             model.fuse_swiglu_()
             if self.device.type == "cuda":  # the re-layout's freed copies, before free memory sizes the KV cache
                 torch.cuda.empty_cache()
