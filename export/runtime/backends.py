@@ -52,8 +52,8 @@ class TorchBackend:
         self.model = model
         self.config = model.config
         self.device = torch.device(_model_device(model))
-        if (runtime_fuses_swiglu(self.device) if fuse_swiglu is None else fuse_swiglu) and hasattr(model,
-                                                                                                   "fuse_swiglu_"):
+        fuse = runtime_fuses_swiglu(self.device) if fuse_swiglu is None else fuse_swiglu
+        if fuse and hasattr(model, "fuse_swiglu_"):
             model.fuse_swiglu_()
             if self.device.type == "cuda":  # the re-layout's freed copies, before free memory sizes the KV cache
                 torch.cuda.empty_cache()
