@@ -16,7 +16,6 @@ API errors are not reported: cuda.bindings' driver-function lookup trips cuGetPr
 that are not memory errors (as in tests/kernels/memcheck_weight_only.py).
 """
 
-import gc
 import sys
 
 import torch
@@ -49,8 +48,6 @@ def main(args: list[str]):
                                 atol=torch.finfo(torch.float16).eps * float(ref.abs().max()))
             print(f"{case.id:40s} {case.specialise(m, card).cuda.route[0]:14s} M={m:4d} max |aot - ref| = {err:.3e} "
                   f"({torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated)")
-            del ins, w, y, ref
-            gc.collect()
     print(f"memcheck script done: {len(cases)} variants")
 
 
