@@ -48,6 +48,27 @@ def _check(result):
     return values[0] if len(values) == 1 else values
 
 
+def tensor_map_fp16_2d(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, box_cols: int,
+                       swizzle: int = 128) -> ctypes.Array:
+    """The ``CUtensorMap`` of a row-major fp16 ``[rows, cols]`` matrix at ``ptr`` (rows ``row_stride`` elements apart)
+    that a kernel's ``cp.async.bulk.tensor.2d`` copies ``box_rows x box_cols`` boxes from, ``swizzle``-byte swizzled
+    (0, 32, 64 or 128) in shared memory, boxes past the edge zero-filled; as the 128 bytes a ``tmap`` parameter takes
+    by value (``AotKernel.launch``). The encoding is a driver call: cache it per buffer and shape."""
+    drv = _driver()
+    modes = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}
+    if swizzle not in modes:
+        raise ValueError(f"swizzle must be one of {sorted(modes)} bytes, got {swizzle}")
+    u32, u64 = drv.cuuint32_t, drv.cuuint64_t
+    tmap = _check(drv.cuTensorMapEncodeTiled(
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, u32(2), ptr, [u64(cols), u64(rows)],
+        [u64(row_stride * 2)], [u32(box_cols), u32(box_rows)], [u32(1), u32(1)],
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(drv.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{modes[swizzle]}"),
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return (ctypes.c_uint64 * 16)(*(int(w) for w in tmap.opaque))
+
+
 class AotKernel:
     """An artifact bound to the current GPU: loaded on the first ``launch``, launched many times."""
 
@@ -103,7 +124,7 @@ class AotKernel:
             elif ty == "tmap":  # a tensor map (cuTensorMapEncodeTiled) passed by value: its 128 bytes, as ctypes
                 if not isinstance(a, ctypes.Array) or ctypes.sizeof(a) != 128:
                     raise TypeError(f"{self.art.name}: argument {name} must be a tensor map's 128 bytes as a ctypes "
-                                    f"array (e.g. kernels.gemm.gemm_wgmma.x_tensor_map), got {type(a).__name__}")
+                                    f"array (tensor_map_fp16_2d), got {type(a).__name__}")
                 values.append(a)
             else:
                 v = int(a)

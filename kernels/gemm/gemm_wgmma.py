@@ -406,22 +406,12 @@ def launch_as_dependent(plan: dict) -> bool:
 @lru_cache(maxsize=1024)
 def x_tensor_map(ptr: int, M: int, K: int, stride: int, bm: int):
     """The tensor map of x (fp16 ``[M, K]``, rows ``stride`` halves apart) that WG_TMA builds copy stages from: boxes
-    of 64 k x ``bm`` rows, 128-byte swizzle (the layout the wgmmas read), rows past M zero-filled; as the 128 bytes
-    ``AotKernel`` passes by value. Cached per buffer and shape (encoding is a driver call and reading a
-    ``CUtensorMap``'s words another; a model's activations reuse a few buffers)."""
-    import ctypes
+    of 64 k x ``bm`` rows, 128-byte swizzle (the layout the wgmmas read), rows past M zero-filled. Cached per buffer
+    and shape (encoding is a driver call and reading a ``CUtensorMap``'s words another; a model's activations reuse a
+    few buffers)."""
+    from kernels.aot.launcher import tensor_map_fp16_2d
 
-    from kernels.aot.launcher import _check, _driver
-
-    drv = _driver()
-    u32, u64 = drv.cuuint32_t, drv.cuuint64_t
-    tmap = _check(drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, u32(2), ptr, [u64(K), u64(M)], [u64(stride * 2)],
-        [u32(BK), u32(bm)], [u32(1), u32(1)],
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-    return (ctypes.c_uint64 * 16)(*(int(w) for w in tmap.opaque))
+    return tensor_map_fp16_2d(ptr, M, K, stride, bm, BK, swizzle=128)
 
 
 def _counters(device, n: int) -> torch.Tensor:
