@@ -270,6 +270,8 @@ def print_profile(what: str, rows: list[dict]) -> None:
 
 def profile_step(backend, batch, top: int = 8) -> list[dict]:
     """Where one eager forward of ``batch`` (a decode step or a prefill) spends its GPU time (kernel name -> ms): the
+    ``top`` kernels, then one row for the rest and one for all of them (so a step's kernel time can be set against its
+    graph time: the difference is idle time, or overlap under PDL, where a dependent's time includes its wait). The
     decode graph replays these same kernels."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -287,7 +289,12 @@ def profile_step(backend, batch, top: int = 8) -> list[dict]:
         if t > 0 and e.key and not e.key.startswith("ProfilerStep"):
             rows.append(dict(kernel=e.key[:90], ms_per_step=t / 3 / 1e3, calls_per_step=e.count // 3))
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return rows[:top]
+    rest = rows[top:]
+    total = [dict(kernel=f"(the other {len(rest)} kernels)", ms_per_step=sum(r["ms_per_step"] for r in rest),
+                  calls_per_step=sum(r["calls_per_step"] for r in rest))] if rest else []
+    total.append(dict(kernel=f"(all {len(rows)} kernels)", ms_per_step=sum(r["ms_per_step"] for r in rows),
+                      calls_per_step=sum(r["calls_per_step"] for r in rows)))
+    return rows[:top] + total
 
 
 def step_weight_bytes(weights: dict) -> int:
@@ -368,8 +375,9 @@ def main():
              "weights a step reads (quantized linears' codes, scales and zero points, the fp16 lm_head and norms; "
              "not the KV cache), the roofline issue 17 states its decode targets against.")
     if profiles:
-        notes += ("\n\nbs=1 prefill and decode step, top kernels by GPU time (eager profile; the decode graph "
-                  "replays the same kernels):\n\n")
+        notes += ("\n\nbs=1 prefill and decode step, top kernels by GPU time, then the rest and the total (eager "
+                  "profile; the decode graph replays the same kernels; under PDL a kernel's time includes its wait "
+                  "for the one before, so the rows overlap: TRITRT_PDL=0 attributes):\n\n")
         notes += "| quant, phase | ms/step | calls | kernel |\n|---|---|---|---|\n"
         notes += "\n".join(f"| {q} | {p['ms_per_step']:.3f} | {p['calls_per_step']} | {p['kernel'][:70]} |"
                             for q, ps in profiles.items() for p in ps)
