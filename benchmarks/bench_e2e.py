@@ -49,6 +49,7 @@ TTFT_SAMPLES = 5
 # Calls of tens of ms (prefill, the eager decode step): do_bench's default 100 ms of repetitions is one or two samples,
 # so one slow sample was the row (an int4 prefill of 90.8 ms at 674be13 whose TTFT, median of 5, was 59.4 ms).
 LONG_REP_MS = 1500
+IDLE_S = 1.0  # the idle time before each "after idle" prefill replay: enough for the clock to return to its maximum
 DEVICE = "cuda"
 
 
@@ -122,16 +123,20 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
     # The same forward captured in a CUDA graph and replayed: device time only. The eager row above includes however
     # fast this machine's host launches ~700 kernels (the int4 forward was host-bound at 5d30466's probes), so the
     # quant-vs-fp16 prefill comparison is read here; a runtime could replay such a graph per prompt-length bucket.
+    # Timed twice: back to back (the GPU at its power limit, as under a stream of prompts) and one replay at a time
+    # after an idle second (the full clock, as a lone prompt): the two regimes rank fp16 and int4 differently.
     dev_prefill = prefill.to(DEVICE)
-    try:
-        with torch.no_grad():
-            ms = bench(lambda backend=backend: backend.model.forward(dev_prefill, backend.kv_cache), [()],
-                       rep_ms=LONG_REP_MS, cuda_graph=True)
-        rows.append(dict(impl="tritrt torch (graph)", quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
-                         tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
-    except RuntimeError as e:  # a host sync or allocation the capture refuses: say so, keep the eager row
-        rows.append(dict(impl="tritrt torch (graph)", quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN,
-                         note=f"capture failed: {str(e)[:80]}"))
+    for label, idle_s in (("tritrt torch (graph)", 0.0), (f"tritrt torch (graph, after {IDLE_S:g} s idle)", IDLE_S)):
+        try:
+            with torch.no_grad():
+                ms = bench(lambda backend=backend: backend.model.forward(dev_prefill, backend.kv_cache), [()],
+                           rep_ms=LONG_REP_MS, cuda_graph=True, after_idle_s=idle_s)
+            rows.append(dict(impl=label, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
+                             tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
+        except RuntimeError as e:  # a host sync or allocation the capture refuses: say so, keep the eager row
+            rows.append(dict(impl=label, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN,
+                             note=f"capture failed: {str(e)[:80]}"))
+            break
     profiles[f"{quant} prefill"] = profile_step(backend, prefill)
     print_profile(f"{quant} prefill", profiles[f"{quant} prefill"])
     gen = Generator(backend, max_num_seqs=max(BATCHES), max_num_batched_tokens=PREFILL_LEN)
@@ -371,9 +376,11 @@ def main():
              "this quant's (same impl, phase and batch: issue 17's prefill target is int8 / int4 >= 1.0). decode step: "
              "one step, device-event median; decode loop: whole generation loop, wall clock. tritrt torch (graph) "
              "prefill: the eager prefill forward captured once in a CUDA graph and replayed (device time, no host "
-             "launch cost). pct_ceiling (decode rows): tok/s as a percentage of batch x copy_GBps / the bytes of "
-             "weights a step reads (quantized linears' codes, scales and zero points, the fp16 lm_head and norms; "
-             "not the KV cache), the roofline issue 17 states its decode targets against.")
+             "launch cost), back to back for 1.5 s (the GPU at its power limit) and, in the after-idle row, one "
+             "replay after each idle second (the full clock), median of 5. pct_ceiling (decode rows): tok/s as a "
+             "percentage of batch x copy_GBps / the bytes of weights a step reads (quantized linears' codes, scales "
+             "and zero points, the fp16 lm_head and norms; not the KV cache), the roofline issue 17 states its decode "
+             "targets against.")
     if profiles:
         notes += ("\n\nbs=1 prefill and decode step, top kernels by GPU time, then the rest and the total (eager "
                   "profile; the decode graph replays the same kernels; under PDL a kernel's time includes its wait "

@@ -22,6 +22,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -158,13 +159,18 @@ def rotating_inputs(make: Callable[[], tuple], bytes_per_set: int, min_total: in
 
 
 def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms: int = 100,
-          cuda_graph: bool = False) -> float:
+          cuda_graph: bool = False, after_idle_s: float = 0.0) -> float:
     """Median milliseconds of ``fn(*inputs)``, cycling through ``input_sets`` call by call.
 
     ``cuda_graph=True``: capture one CUDA graph that calls ``fn`` once per input set, back to back, time its replays
     and divide by the number of sets. This leaves out the host's launch overhead (a decode step runs as a graph or a
     TensorRT engine, not from Python), which otherwise dominates short kernels (``ms`` vs ``ms_eager`` in
     ``results/<card>/bench_gemm_routed.md``); rotation still keeps every call's inputs out of L2.
+
+    ``after_idle_s`` (with ``cuda_graph``): time single replays, each after the GPU sat idle that long, instead of back
+    to back. Replays back to back for a second or more hold a tensor-core-bound GPU at its power limit, where its
+    clock drops (an H200 at ~690 W: 1980 -> ~1540 MHz under cuBLAS's fp16 prefill, ~1650-1800 MHz under the
+    W4A16 GEMM's); after an idle second a replay runs at the full clock, as a lone request's would.
     """
     import triton.testing
 
@@ -181,8 +187,12 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
         with torch.cuda.graph(graph):
             for args in input_sets:
                 fn(*args)
+        if after_idle_s > 0:
+            return _median_after_idle(graph.replay, after_idle_s) / len(input_sets)
         ms = float(triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
         return ms / len(input_sets)
+    if after_idle_s > 0:
+        raise ValueError("after_idle_s times CUDA-graph replays: pass cuda_graph=True")
 
     state = {"i": 0}
 
@@ -192,6 +202,24 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
         return fn(*args)
 
     return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _median_after_idle(replay: Callable, idle_s: float, samples: int = 5) -> float:
+    """Median ms of ``samples`` single ``replay()`` calls, each after ``idle_s`` seconds of an idle GPU."""
+    import time
+
+    replay()  # first-replay costs (graph upload) out of the samples
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        time.sleep(idle_s)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(statistics.median(times))
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, dtype=torch.bfloat16) -> float:

@@ -145,3 +145,10 @@ def test_bench_gemm_general_shapes_are_new():
     for k, n, name in GENERAL_SHAPES:
         assert (k, n) not in tuned, name
         assert 2048 <= k <= 28672 and 2048 <= n <= 28672 and k % GROUP == 0, name
+
+
+def test_after_idle_times_graph_replays_only(repo):
+    """The after-idle regime times single CUDA-graph replays; asked of an eager call it refuses rather than time the
+    back-to-back regime under the other name."""
+    with pytest.raises(ValueError, match="cuda_graph=True"):
+        harness.bench(lambda: None, [()], after_idle_s=1.0)
