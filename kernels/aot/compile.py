@@ -28,6 +28,9 @@ SUPPORTED_SM = (80, 86, 89, 90)
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 POINTER_TYPES = {"*fp16", "*bf16", "*fp32", "*i8", "*u8", "*i32", "*i64", "*i16"}
 SCALAR_TYPES = {"i32"}  # TensorRT passes SymInt32 only; floats are constexprs (trt_plugins.specs)
+# A CUDA kernel parameter of this type is a tensor map (``CUtensorMap``) passed by value: a 128-byte struct in the PTX
+# entry, 128 bytes from the launcher (kernels.aot.launcher.tensor_map_fp16_2d encodes one).
+TENSOR_MAP, TENSOR_MAP_BYTES = "tmap", 128
 
 
 class AotError(ValueError):
@@ -290,7 +293,8 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
                 raise AotError(f"nvcc failed for {source} (sm_{sm}): {r.stderr.strip()[-2000:]}")
             outs[kind] = out.read_text() if kind == "ptx" else out.read_bytes()
     got = entry_params(outs["ptx"], kernel_name)
-    want = ["u64" if ty.startswith("*") else "b8[128]" if ty == "tmap" else "u32" for _, ty in params]
+    want = ["u64" if ty.startswith("*") else f"b8[{TENSOR_MAP_BYTES}]" if ty == TENSOR_MAP else "u32"
+            for _, ty in params]
     if [("u64" if g in ("u64", "b64") else "u32" if g in ("u32", "s32", "b32") else g) for g in got] != want:
         raise AotError(f"{kernel_name}: the PTX entry takes ({', '.join(got)}) but ({', '.join(want)}) were declared "
                        f"for {[n for n, _ in params]}")

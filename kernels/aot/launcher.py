@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from .compile import AotError, Artifact, strip_hidden_params
+from .compile import TENSOR_MAP, TENSOR_MAP_BYTES, AotError, Artifact, strip_hidden_params
 
 _SHARED_DEFAULT_LIMIT = 48 * 1024
 
@@ -66,7 +66,7 @@ def tensor_map_fp16_2d(ptr: int, rows: int, cols: int, row_stride: int, box_rows
         getattr(drv.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{modes[swizzle]}"),
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-    return (ctypes.c_uint64 * 16)(*(int(w) for w in tmap.opaque))
+    return (ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8))(*(int(w) for w in tmap.opaque))
 
 
 class AotKernel:
@@ -121,10 +121,10 @@ class AotKernel:
                     raise AotError(f"{self.art.name}: {name} is not 16-byte aligned (compiled assuming it is); "
                                    "pass a contiguous, freshly allocated tensor")
                 values.append(ctypes.c_uint64(ptr))
-            elif ty == "tmap":  # a tensor map (cuTensorMapEncodeTiled) passed by value: its 128 bytes, as ctypes
-                if not isinstance(a, ctypes.Array) or ctypes.sizeof(a) != 128:
-                    raise TypeError(f"{self.art.name}: argument {name} must be a tensor map's 128 bytes as a ctypes "
-                                    f"array (tensor_map_fp16_2d), got {type(a).__name__}")
+            elif ty == TENSOR_MAP:  # a tensor map (cuTensorMapEncodeTiled) passed by value, as ctypes bytes
+                if not isinstance(a, ctypes.Array) or ctypes.sizeof(a) != TENSOR_MAP_BYTES:
+                    raise TypeError(f"{self.art.name}: argument {name} must be a tensor map's {TENSOR_MAP_BYTES} "
+                                    f"bytes as a ctypes array (tensor_map_fp16_2d), got {type(a).__name__}")
                 values.append(a)
             else:
                 v = int(a)

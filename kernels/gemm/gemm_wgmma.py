@@ -368,12 +368,12 @@ def variant_flags(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsme
 def compile_variant(bm: int, wt: int, wgs: int, stages: int, splits: int = 1, dsmem: bool = False,
                     swiglu: bool = False, bits: int = 4, tma: bool = False, sm: int = SM):
     """The PTX/cubin artifact (sm_90a) for one variant (no GPU needed)."""
-    from kernels.aot.compile import compile_cuda
+    from kernels.aot.compile import TENSOR_MAP, compile_cuda
 
     _check_bits(bits)
     if sm != SM:
         raise ValueError(f"the wgmma GEMM is Hopper code (sm_90a); cannot compile it for sm_{sm}")
-    return compile_cuda(SOURCE, KERNELS[bits], PARAMS + [("tmap_x", "tmap")] if tma else PARAMS, sm=sm,
+    return compile_cuda(SOURCE, KERNELS[bits], PARAMS + [("tmap_x", TENSOR_MAP)] if tma else PARAMS, sm=sm,
                         threads=128 * wgs, shared=shared_bytes(bm, wt, wgs, stages, bits),
                         extra_flags=variant_flags(bm, wt, wgs, stages, splits, dsmem, swiglu, bits, tma),
                         arch_specific=True)
