@@ -172,6 +172,8 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
     clock drops (an H200 at ~690 W: 1980 -> ~1540 MHz under cuBLAS's fp16 prefill, ~1650-1800 MHz under the
     W4A16 GEMM's); after an idle second a replay runs at the full clock, as a lone request's would.
     """
+    if after_idle_s > 0 and not cuda_graph:
+        raise ValueError("after_idle_s times CUDA-graph replays: pass cuda_graph=True")
     import triton.testing
 
     git_state()  # the tree measured, taken before the first timing (a long run outlives edits to the working tree)
@@ -191,8 +193,6 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
             return _median_after_idle(graph.replay, after_idle_s) / len(input_sets)
         ms = float(triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
         return ms / len(input_sets)
-    if after_idle_s > 0:
-        raise ValueError("after_idle_s times CUDA-graph replays: pass cuda_graph=True")
 
     state = {"i": 0}
 
