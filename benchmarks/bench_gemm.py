@@ -20,6 +20,13 @@ for another root), the name after the kernel set: ``bench_gemm``, ``bench_gemm_g
 (``result_name``). ``BENCH_GEMM_SET=general`` runs ``GENERAL_SHAPES`` (Llama-family projections the plans were not
 tuned on) at ``GENERAL_MS`` and marks each routed op row against the issue's ``TARGETS``. Runs restricted by
 BENCH_GEMM_SHAPES / BENCH_GEMM_MS write the same name; the result's command line records the restriction.
+
+Prefill sizes (M >= ``BENCH_GEMM_IDLE_MIN_M``, default ``IDLE_MIN_M``) are timed in a second regime too: the default
+rows of cuBLAS, the routed ops and dequantize + cuBLAS get ``ms_idle`` / ``speedup_idle``, bursts of ``IDLE_BURST_MS``
+of replays each after ``IDLE_S`` of an idle GPU (``harness.bench(after_idle_s=)``). Back to back, a tensor-core-bound
+GEMM holds the GPU at its power limit, where cuBLAS's fp16 GEMMs lose more clock than the mixed-input ones (H200:
+benchmarks/results/dev-logs/h200/prefill_power_limit.md), so the back-to-back ratio flatters ours; the after-idle one
+is a lone prompt's. 0 turns it off.
 """
 
 from __future__ import annotations
@@ -52,6 +59,13 @@ GENERAL_MS = [1, 16, 128]
 TARGETS = {"w4a16_op": {1: 2.5, 16: 2.0, 128: 1.1},
            "w8a16_op": {1: 1.6, 16: 1.0, 32: 1.0, 64: 1.0, 128: 1.0, 256: 1.0}}
 GROUP = 128
+# The after-idle regime (see the docstring): from this M, bursts this long, after this much idle time. 1024: the
+# routes' prefill rules start past 1023 rows (kernels.gemm.routing), and a 2k prompt is the e2e prefill.
+IDLE_MIN_M = 1024
+IDLE_BURST_MS = 40.0
+IDLE_S = 1.0
+IDLE_KERNELS = ("cublas_fp16", "w8a16_op", "w4a16_op", "w8a16_dequant_cublas", "w4a16_dequant_cublas")
+IDLE = dict(cuda_graph=True, after_idle_s=IDLE_S, idle_burst_ms=IDLE_BURST_MS)
 
 # Alternative configurations compared under BENCH_GEMM_SWEEP=1: (label, M filter, overrides).
 _GEMV = lambda m: m == 1  # noqa: E731
@@ -164,6 +178,7 @@ def main():
                else default_ms)
     shapes = all_shapes if not os.environ.get("BENCH_GEMM_SHAPES") else [
         s for s in all_shapes if s[2] in os.environ["BENCH_GEMM_SHAPES"].split(",")]
+    idle_min_m = int(os.environ.get("BENCH_GEMM_IDLE_MIN_M", IDLE_MIN_M)) or None
     if routed:
         warm_routed(shapes, ms_list)
     torch.manual_seed(0)
@@ -183,6 +198,8 @@ def main():
             flops = 2.0 * M * N * K
             t16 = bench(lambda wt: F.linear(x, wt), sets16, cuda_graph=True)
             t16_eager = bench(lambda wt: F.linear(x, wt), sets16)
+            idle = idle_min_m is not None and M >= idle_min_m
+            t16_idle = bench(lambda wt: F.linear(x, wt), sets16, **IDLE) if idle else None
 
             def row(kernel, fn, sets, nbytes, err, config="default"):
                 ms = bench(fn, sets, cuda_graph=True)
@@ -194,6 +211,9 @@ def main():
                 if config.startswith("default"):  # eager (host launch included): defaults only
                     r["ms_eager"] = bench(fn, sets)
                     r["speedup_eager"] = t16_eager / r["ms_eager"]
+                if idle and config.startswith("default") and kernel in IDLE_KERNELS:
+                    r["ms_idle"] = bench(fn, sets, **IDLE)
+                    r["speedup_idle"] = t16_idle / r["ms_idle"]
                 rows.append(r)
 
             row("cublas_fp16", lambda wt: F.linear(x, wt), sets16, b16,
@@ -300,11 +320,13 @@ def main():
 
     meta = {"copy_bandwidth_gbs": copy_bandwidth_gbs(), "group_size": GROUP, "activations": "fp16",
             "baseline": "F.linear(x, W fp16) (cuBLAS)", "sweep": sweep,
+            "after_idle": (dict(min_m=idle_min_m, idle_s=IDLE_S, burst_ms=IDLE_BURST_MS, kernels=IDLE_KERNELS)
+                           if idle_min_m else "off"),
             "routing": {k: getattr(ops_gemm, k) for k in (
                 "CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
                 "WGMMA_W4", "GEMV_ONLY_MAX_M", "WGMMA_W4_MAX_M", "WGMMA_W8", "WGMMA_W8_MIN_M", "WGMMA_W8_MAX_M")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "target", "rel_err",
-            "ms_eager", "speedup_eager"]
+            "ms_eager", "speedup_eager"] + (["ms_idle", "speedup_idle"] if any("ms_idle" in r for r in rows) else [])
     met = [r for r in rows if "target" in r]
     if met:
         meta["targets_met"] = f"{sum(r['target'].endswith(' met') for r in met)} of {len(met)}"
@@ -315,7 +337,10 @@ def main():
                         "ms_eager/speedup_eager: do_bench of single eager calls (host launch included, L2 flushed "
                         "between calls). weight_gbs "
                         "counts the packed weight + scales + zeros; rel_err vs the fp32 reference on the dequantized "
-                        "weight.")
+                        "weight." + (f" ms_idle/speedup_idle (M >= {idle_min_m}): the same graph replayed in bursts "
+                                     f"of {IDLE_BURST_MS:g} ms, each after {IDLE_S:g} s idle (the full clock, as a "
+                                     "lone prompt), median of 5; speedup_idle against cuBLAS timed the same way."
+                                     if any("ms_idle" in r for r in rows) else ""))
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def rotating_inputs(make: Callable[[], tuple], bytes_per_set: int, min_total: in
 
 
 def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms: int = 100,
-          cuda_graph: bool = False, after_idle_s: float = 0.0) -> float:
+          cuda_graph: bool = False, after_idle_s: float = 0.0, idle_burst_ms: float = 0.0) -> float:
     """Median milliseconds of ``fn(*inputs)``, cycling through ``input_sets`` call by call.
 
     ``cuda_graph=True``: capture one CUDA graph that calls ``fn`` once per input set, back to back, time its replays
@@ -167,10 +167,13 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
     TensorRT engine, not from Python), which otherwise dominates short kernels (``ms`` vs ``ms_eager`` in
     ``results/<card>/bench_gemm_routed.md``); rotation still keeps every call's inputs out of L2.
 
-    ``after_idle_s`` (with ``cuda_graph``): time single replays, each after the GPU sat idle that long, instead of back
-    to back. Replays back to back for a second or more hold a tensor-core-bound GPU at its power limit, where its
-    clock drops (an H200 at ~690 W: 1980 -> ~1540 MHz under cuBLAS's fp16 prefill, ~1650-1800 MHz under the
-    W4A16 GEMM's); after an idle second a replay runs at the full clock, as a lone request's would.
+    ``after_idle_s`` (with ``cuda_graph``): time replays after the GPU sat idle that long, instead of back to back.
+    Replays back to back for a second or more hold a tensor-core-bound GPU at its power limit, where its clock drops
+    (an H200 at ~690 W: 1980 -> ~1540 MHz under cuBLAS's fp16 prefill, ~1650-1800 MHz under the W4A16 GEMM's); after
+    an idle second a replay runs at the full clock, as a lone request's would. Each sample is one burst of replays
+    back to back, as many as take ``idle_burst_ms`` (at least one): a short graph (one GEMM) is timed inside a burst
+    as long as a lone prompt's prefill (~45 ms at the Llama-3-8B shape on an H200), not alone, where the first
+    kernel's start after the idle pause would be most of what is timed.
     """
     if after_idle_s > 0 and not cuda_graph:
         raise ValueError("after_idle_s times CUDA-graph replays: pass cuda_graph=True")
@@ -190,7 +193,7 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
             for args in input_sets:
                 fn(*args)
         if after_idle_s > 0:
-            return _median_after_idle(graph.replay, after_idle_s) / len(input_sets)
+            return _median_after_idle(graph.replay, after_idle_s, idle_burst_ms) / len(input_sets)
         ms = float(triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
         return ms / len(input_sets)
 
@@ -204,22 +207,33 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
     return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def _median_after_idle(replay: Callable, idle_s: float, samples: int = 5) -> float:
-    """Median ms of ``samples`` single ``replay()`` calls, each after ``idle_s`` seconds of an idle GPU."""
+def _median_after_idle(replay: Callable, idle_s: float, burst_ms: float = 0.0, samples: int = 5) -> float:
+    """Median ms per ``replay()`` of ``samples`` bursts, each after ``idle_s`` seconds of an idle GPU: one burst is
+    as many replays back to back as take ``burst_ms`` (at least one; sized by a replay before the samples)."""
     import time
 
     replay()  # first-replay costs (graph upload) out of the samples
-    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replay()  # sizes the burst
+    end.record()
+    end.synchronize()
+    reps = _burst_replays(burst_ms, start.elapsed_time(end))
     times = []
     for _ in range(samples):
         time.sleep(idle_s)
         start.record()
-        replay()
+        for _ in range(reps):
+            replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / reps)
     return float(statistics.median(times))
+
+
+def _burst_replays(burst_ms: float, replay_ms: float, cap: int = 1000) -> int:
+    """Replays in one after-idle burst: enough to take ``burst_ms`` at ``replay_ms`` each, 1 to ``cap``."""
+    return max(1, min(cap, round(burst_ms / max(replay_ms, 1e-3))))
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, dtype=torch.bfloat16) -> float:

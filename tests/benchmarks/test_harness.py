@@ -152,3 +152,15 @@ def test_after_idle_times_graph_replays_only(repo):
     back-to-back regime under the other name."""
     with pytest.raises(ValueError, match="cuda_graph=True"):
         harness.bench(lambda: None, [()], after_idle_s=1.0)
+
+
+@pytest.mark.parametrize("burst_ms, replay_ms, reps", [
+    (0.0, 44.0, 1),     # no burst asked: one replay (bench_e2e's prefill graph)
+    (40.0, 44.0, 1),    # a replay longer than the burst: still one
+    (40.0, 0.6, 67),    # a 2k-row GEMM: as many as fill the burst
+    (40.0, 0.0, 1000),  # a replay too short to time: capped
+])
+def test_after_idle_burst_size(burst_ms, replay_ms, reps):
+    """An after-idle sample replays a short graph until it is as long as a lone prompt's prefill, never less than
+    once and never without bound."""
+    assert harness._burst_replays(burst_ms, replay_ms) == reps
