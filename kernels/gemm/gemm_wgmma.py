@@ -74,6 +74,18 @@ MIN_SHORT_K_TILES = 4
 # where it applied: gate_up 0.57x vs 0.60x the run before, 8k 0.89 vs 0.81: mixed).
 WIDE_MIN_FILL = 0.75
 WIDE_M = (64, 256)
+# ... and below that, INT4 64-row blocks at M in SMALL_WIDE_M whose two-tile blocks are as many (WIDE_MIN_FILL):
+# two tiles per warpgroup as well, with K split (summed over DSMEM) in the most of SMALL_WIDE_SPLITS that leaves each
+# split SMALL_WIDE_MIN_K_TILES stages or more; not where no split is that long (K < 40 stages). A 64-row stage
+# carries 8 KB of x for 2 KB of INT4 weight per 64 columns: twice the columns halve x's share of what is in flight,
+# and the split gives back the blocks. H200, sweep of every block shape and split at M = 24 / 32 / 48
+# (benchmarks/results/dev-logs/h200/wgmma_small_m_wide.md): the plan before (one tile, split 1-2) vs this, speed-up
+# over cuBLAS fp16: 8B gate_up 1.34-1.36x vs 1.54x (split 2), 13B gate_up 1.29-1.30 vs 1.56-1.58 (4), 13B q|k|v
+# 1.41-1.44 vs 1.62-1.65 (4), 70B/4 gate_up 1.28-1.30 vs 1.50-1.52 (4), 3B gate_up 1.36-1.39 vs 1.39-1.43 (2); on
+# the narrower 8B shapes (o, q|k|v, down, 8k: fewer than WIDE_MIN_FILL wide tiles) the one-tile plan stays best.
+SMALL_WIDE_M = (17, 63)
+SMALL_WIDE_SPLITS = (2, 4)
+SMALL_WIDE_MIN_K_TILES = 20
 # From BIG_M rows, 256-row blocks of two warpgroups (wgmma m64n256k16, one block per SM): each weight tile is
 # dequantized once per 256 rows, and every k16 step does twice the MMA work for the same fence, wait and
 # dequantization. Taken where they pad M no more than 128-row blocks do (M = 320 pads to 512, 37% idle rows: there
@@ -270,7 +282,10 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma=None)
         bm, a, b, s = bm or (64 if M <= 64 else 128), wt or 1, wgs or 1, splits or 1
     else:
         _, bm, a, b, s = best
-        if (not wt and s == 1 and a == 1 and WIDE_M[0] <= M <= WIDE_M[1] and (bm, 2, b) in REGS[bits]
+        wide_split = _small_wide_split(M, N, ktiles, sm_count, bm, stages, bits)
+        if not (wt or wgs or splits) and dsmem is not False and wide_split:
+            a, b, s, dsmem = 2, 1, wide_split, True  # SMALL_WIDE_M
+        elif (not wt and s == 1 and a == 1 and WIDE_M[0] <= M <= WIDE_M[1] and (bm, 2, b) in REGS[bits]
                 and N % (128 * b) == 0
                 and -(-M // bm) * (N // (128 * b)) >= WIDE_MIN_FILL * sm_count):
             a = 2  # many unsplit tiles: two per warpgroup (WIDE_MIN_FILL)
@@ -291,6 +306,14 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma=None)
     return tuple(dict(bm=bm, wt=a, wgs=b, bn=bn, stages=stages, splits=s, dsmem=bool(dsmem and s > 1), tma=tma,
                       grid=(-(-M // bm) * -(-N // bn), s), shared=shared_bytes(bm, a, b, stages, bits),
                       warps_per_sm=_resident_warps(ctas, b, cap, sm_count)).items())
+
+
+def _small_wide_split(M: int, N: int, ktiles: int, sm_count: int, bm: int, stages: int, bits: int) -> int:
+    """The K split of the ``SMALL_WIDE_M`` rule's two-tile INT4 64-row plan, or 0 where the rule does not apply."""
+    if not (bits == 4 and bm == 64 and SMALL_WIDE_M[0] <= M <= SMALL_WIDE_M[1] and N % 128 == 0
+            and N // 128 >= WIDE_MIN_FILL * sm_count and dsmem_fits(64, 2, 1, stages, bits)):
+        return 0
+    return max((s for s in SMALL_WIDE_SPLITS if ktiles // s >= SMALL_WIDE_MIN_K_TILES), default=0)
 
 
 def _big_plan(M: int, N: int, ktiles: int, sm_count: int, stages: Optional[int], splits: Optional[int],

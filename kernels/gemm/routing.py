@@ -88,6 +88,9 @@ WGMMA_W4 = True
 # (2.07-2.63 vs 1.58-2.05).
 GEMV_ONLY_MAX_M = 16
 WGMMA_MIN_WARPS = 10
+# The wgmma plans of two tiles per warpgroup at M <= 63 (gemm_wgmma.SMALL_WIDE_M: INT4 64-row blocks, K split over
+# DSMEM) keep fewer warps resident and still beat the GEMV: H200, M = 24 / 32 on five shapes they take
+# (benchmarks/results/dev-logs/h200/wgmma_small_m_wide.md), GEMV 1.10-1.31x cuBLAS against 1.39-1.65x.
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; 0 disables
 # it; shapes it does not take fall through to Triton). H100 (h100/bench_gemm_w8gemv.md,
 # dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
@@ -173,8 +176,9 @@ def wgmma_fills_prefill(M: int, wg_plan: dict, card: Card, bits: int) -> bool:
 
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
     """Whether an fp16 W4A16 call with M <= CUDA_GEMV_MMA_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
-    the tensor-core GEMV (see GEMV_ONLY_MAX_M)."""
-    return M > GEMV_ONLY_MAX_M and wg_plan["warps_per_sm"] >= WGMMA_MIN_WARPS
+    the tensor-core GEMV (see GEMV_ONLY_MAX_M and, for two-tile 64-row plans, the note under WGMMA_MIN_WARPS)."""
+    return M > GEMV_ONLY_MAX_M and (wg_plan["warps_per_sm"] >= WGMMA_MIN_WARPS
+                                    or (wg_plan["bm"] == 64 and wg_plan["wt"] == 2))
 
 
 @lru_cache(maxsize=4096)

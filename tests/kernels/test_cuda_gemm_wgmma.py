@@ -171,13 +171,34 @@ def test_wgmma_gemm_plan_short_k_and_wide_rules():
             assert -(-M // p["bm"]) * (28672 // p["bn"]) >= wg.WIDE_MIN_FILL * 132
         # ... not below M = 64 or above 256, not where the wider blocks would leave a quarter of the SMs idle, not when
         # wt is forced.
-        assert wg.gemm_plan(32, 28672, 4096, bits=bits)["wt"] == 1
+        assert wg.gemm_plan(32, 28672, 4096, bits=8)["wt"] == 1  # (INT4 at M = 32: SMALL_WIDE_M, below)
         assert wg.gemm_plan(512, 28672, 4096, bits=bits)["wt"] == 1
         assert wg.gemm_plan(128, 28672, 4096, bits=bits, wt=1)["wt"] == 1
     # N = 12288 unsplit at M = 128: the INT8 ranking takes 64-row blocks of wt 1; two tiles a warpgroup would make
     # 2 x 48 blocks of 256 columns, fewer than 0.75 of 132 SMs, so the rule leaves it.
     p = wg.gemm_plan(128, 12288, 4096, bits=8, splits=1)
     assert (p["bm"], p["wt"]) == (64, 1) and 2 * 12288 // 256 < wg.WIDE_MIN_FILL * 132
+
+
+def test_wgmma_gemm_plan_small_m_wide_rule():
+    """INT4 at M = 17..63 (gemm_wgmma.SMALL_WIDE_M): two tiles per warpgroup and K split over DSMEM where the two-tile
+    blocks number WIDE_MIN_FILL of the SMs, the split the most of SMALL_WIDE_SPLITS that leaves each split
+    SMALL_WIDE_MIN_K_TILES stages; nowhere else."""
+    for M in (17, 32, 63):
+        for (N, K), splits in {(28672, 4096): 2, (27648, 5120): 4, (14336, 8192): 4, (16384, 3072): 2}.items():
+            p = wg.gemm_plan(M, N, K, bits=4)
+            assert (p["bm"], p["wt"], p["wgs"], p["splits"], p["dsmem"]) == (64, 2, 1, splits, True), (M, N, K, p)
+            assert K // wg.BK // p["splits"] >= wg.SMALL_WIDE_MIN_K_TILES
+        # K of 32 stages: no split that long, so the one-tile plan; N = 8192: 64 two-tile blocks, fewer than 0.75 of
+        # 132 SMs; INT8, M = 16 and M = 64 (WIDE_M's own rule there), or a forced block shape or split: untouched.
+        assert wg.gemm_plan(M, 16384, 2048, bits=4)["wt"] == 1
+        assert wg.gemm_plan(M, 8192, 8192, bits=4)["wt"] == 1
+        assert wg.gemm_plan(M, 28672, 4096, bits=8)["wt"] == 1
+        assert wg.gemm_plan(M, 28672, 4096, bits=4, splits=1)["wt"] == 1
+        assert wg.gemm_plan(M, 28672, 4096, bits=4, wgs=1)["wt"] == 1
+        assert wg.gemm_plan(M, 28672, 4096, bits=4, dsmem=False)["wt"] == 1
+    assert wg.gemm_plan(16, 28672, 4096, bits=4)["wt"] == 1
+    assert wg.gemm_plan(64, 28672, 4096, bits=4)["splits"] == 1  # WIDE_M: two tiles, unsplit
 
 
 def test_wgmma_gemm_plan_256_row_blocks():
@@ -374,7 +395,7 @@ def test_wgmma_gemm_tma_x_equals_cp_async(bits, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [33, 100, 128, 200, 512])
+@pytest.mark.parametrize("M", [24, 33, 100, 128, 200, 512])
 def test_wgmma_gemm_swiglu_epilogue(M):
     """WG_SWIGLU builds: W's columns as interleaved (gate, up) pairs, out [M, N / 2], unsplit and split-K (both
     sums), every output written."""
@@ -388,7 +409,8 @@ def test_wgmma_gemm_swiglu_epilogue(M):
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, None, True)
     base = dequant_baseline(x, qw, bias, swiglu=True)
     for v in (dict(), dict(splits=1), dict(splits=3, dsmem=False), dict(bm=128, wt=1, wgs=2, splits=2, dsmem=True),
-              dict(bm=128, wt=2, wgs=2, splits=1), dict(bm=256, wt=1, wgs=2, splits=2, dsmem=True)):
+              dict(bm=128, wt=2, wgs=2, splits=1), dict(bm=256, wt=1, wgs=2, splits=2, dsmem=True),
+              dict(bm=64, wt=2, wgs=1, splits=4, dsmem=True)):  # (the last: gemm_wgmma.SMALL_WIDE_M's plan)
         out = poisoned((M, N // 2), torch.float16, "cuda")
         y = wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True, **v)
         # fp32 sums, SwiGLU in fp32, one fp16 rounding: at most twice PyTorch's fp16 error (which rounds the GEMM

@@ -248,6 +248,14 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
                 M <= routing.WGMMA_W4_BIG_MAX_M and got.params["bm"] == 256)
                 or routing.wgmma_fills_prefill(M, got.params, card, 4)), where
             return
+    got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu, aligned=aligned)
+    if (got.backend == "w4_gemm_wgmma" and M <= legacy.CUDA_GEMV_MMA_MAX_M
+            and (got.params["bm"], got.params["wt"]) == (64, 2)):
+        # Changed on purpose from the cascade: two-tile 64-row plans (gemm_wgmma.SMALL_WIDE_M) take M = 17..32 from
+        # the GEMV whatever warps they keep resident (routing, the note under WGMMA_MIN_WARPS).
+        _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemm_wgmma", swiglu, bias, where)
+        assert card.sm == 90 and not residual and M > routing.GEMV_ONLY_MAX_M, where
+        return
     calls = kernels.run(legacy.w4a16_linear, *args)
     assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
     got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu, aligned=aligned)
