@@ -285,8 +285,8 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma=None)
         bm, a, b, s = bm or (64 if M <= 64 else 128), wt or 1, wgs or 1, splits or 1
     else:
         _, bm, a, b, s = best
-        wide_split = _small_wide_split(M, N, ktiles, sm_count, bm, stages, bits)
-        if not (wt or wgs or splits) and dsmem is not False and a == 1 and wide_split:
+        if (not (wt or wgs or splits) and dsmem is not False and a == 1
+                and (wide_split := _small_wide_split(M, N, ktiles, sm_count, bm, stages, bits))):
             a, b, s, dsmem = 2, 1, wide_split, True  # SMALL_WIDE_M
         elif (not wt and s == 1 and a == 1 and WIDE_M[0] <= M <= WIDE_M[1] and (bm, 2, b) in REGS[bits]
                 and N % (128 * b) == 0
