@@ -10,9 +10,9 @@ cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's varian
 CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
 the dequantized weight. ``BENCH_VARIANTS=plan``: the plan's variant only (large M: is the wgmma GEMM ahead of
 dequantize + cuBLAS there?). ``BENCH_SET=general``: ``bench_gemm.GENERAL_SHAPES`` instead (the shapes the plan is
-judged on); ``BENCH_SHAPES=name,...``: only those shapes of the set. Every variant is compiled first, in parallel.
-H100/H200 only (sm_90). Writes benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md} (W8A16: ``..._w8``; the
-general set: ``..._general``).
+judged on); ``BENCH_SHAPES=name,...``: only those shapes of the set, plus any ``KxN`` given (shapes of no set).
+Every variant is compiled first, in parallel. H100/H200 only (sm_90). Writes
+benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md} (W8A16: ``..._w8``; the general set: ``..._general``).
 
 Run: ``python benchmarks/bench_gemm_wgmma_sweep.py``
 """
@@ -43,10 +43,21 @@ def shape_set() -> tuple[list, str]:
         raise ValueError(f"BENCH_SET={which!r}: expected general (or unset for the Llama-3-8B shapes)")
     shapes = GENERAL_SHAPES if which else SHAPES
     names = [n for n in os.environ.get("BENCH_SHAPES", "").split(",") if n]
+    given = [_kxn(n) for n in names if "x" in n]  # shapes of no set (judging a plan on shapes it was not tuned on)
+    names = [n for n in names if "x" not in n]
     unknown = sorted(set(names) - {s[2] for s in shapes})
     if unknown:
-        raise ValueError(f"BENCH_SHAPES: {unknown} not in the set; it has {[s[2] for s in shapes]}")
-    return [s for s in shapes if not names or s[2] in names], "_general" if which else ""
+        raise ValueError(f"BENCH_SHAPES: {unknown} not in the set; it has {[s[2] for s in shapes]} (or give KxN)")
+    return [s for s in shapes if not (names or given) or s[2] in names] + given, "_general" if which else ""
+
+
+def _kxn(name: str) -> tuple:
+    """``"KxN"`` -> ``(K, N, "KxN")``."""
+    try:
+        K, N = (int(v) for v in name.split("x"))
+    except ValueError:
+        raise ValueError(f"BENCH_SHAPES: {name!r} is neither a shape name nor KxN (e.g. 1536x2048)") from None
+    return K, N, name
 
 
 def variants(M: int, bits: int = 4) -> list[dict]:

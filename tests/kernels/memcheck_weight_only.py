@@ -36,7 +36,8 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
                 print("skip", M, N, K, ov, e)
 # The Hopper wgmma GEMM (sm_90 only), INT4 and INT8 builds: ragged M, the three tile heights, 1/2 warpgroups,
 # split-K, one and two block barriers per stage (64-row blocks of 5 and 4 stages), x by the tensor memory accelerator
-# (WG_TMA: rows past M from the copy's zero fill), with and without SwiGLU.
+# (WG_TMA: rows past M from the copy's zero fill), two 64-column tiles a warpgroup with K split over DSMEM (the
+# SMALL_WIDE_M plans), with and without SwiGLU.
 WGMMA_VARIANTS = ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt=1, wgs=1),
                   dict(bm=128, wt=1, wgs=2, splits=2), dict(bm=64, wt=1, wgs=1, splits=8, dsmem=True),
                   dict(bm=64, wt=4, wgs=1), dict(bm=128, wt=2, wgs=2, stages=6), dict(bm=256, wt=1, wgs=2),
@@ -44,9 +45,10 @@ WGMMA_VARIANTS = ({}, dict(splits=3), dict(splits=3, dsmem=True), dict(bm=64, wt
                   dict(bm=256, wt=1, wgs=2, splits=4, dsmem=False),
                   dict(bm=64, wt=1, wgs=2, stages=5, splits=2, dsmem=True), dict(bm=64, wt=2, wgs=1, stages=5),
                   dict(bm=256, wt=1, wgs=2, tma=True), dict(bm=256, wt=1, wgs=2, splits=3, dsmem=True, tma=True),
-                  dict(bm=128, wt=1, wgs=2, splits=2, tma=True))
+                  dict(bm=128, wt=1, wgs=2, splits=2, tma=True),
+                  dict(bm=64, wt=2, wgs=1, splits=2, dsmem=True), dict(bm=64, wt=2, wgs=1, splits=4, dsmem=True))
 if torch.cuda.get_device_capability() == (9, 0):
-    for M, N, K in [(37, 192, 256), (100, 256, 512), (130, 128, 1024), (300, 256, 1024)]:
+    for M, N, K in [(24, 256, 1024), (37, 192, 256), (100, 256, 512), (130, 128, 1024), (300, 256, 1024)]:
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
         b = torch.randn(N, device="cuda", dtype=torch.float16)

@@ -1,0 +1,28 @@
+"""CPU test of the wgmma sweep's shape selection (``BENCH_SET`` / ``BENCH_SHAPES``)."""
+import pytest
+
+from benchmarks.bench_gemm import GENERAL_SHAPES
+from benchmarks.bench_gemm_wgmma_sweep import SHAPES, shape_set
+
+
+def test_shape_selection(monkeypatch):
+    monkeypatch.delenv("BENCH_SET", raising=False)
+    monkeypatch.delenv("BENCH_SHAPES", raising=False)
+    assert shape_set() == (SHAPES, "")
+    monkeypatch.setenv("BENCH_SHAPES", "o,1536x2048")
+    assert shape_set() == ([(4096, 4096, "o"), (1536, 2048, "1536x2048")], "")
+    monkeypatch.setenv("BENCH_SET", "general")
+    monkeypatch.setenv("BENCH_SHAPES", "2048x2560,1b_o")  # the set's named shapes first, then the given ones
+    assert shape_set() == ([(2048, 2048, "1b_o"), (2048, 2560, "2048x2560")], "_general")
+    monkeypatch.setenv("BENCH_SHAPES", "1536x2048")  # only given shapes: none of the set's
+    assert shape_set()[0] == [(1536, 2048, "1536x2048")]
+    monkeypatch.delenv("BENCH_SHAPES")
+    assert shape_set() == (GENERAL_SHAPES, "_general")
+
+
+@pytest.mark.parametrize("bad", ["qkv2", "1536x", "ax2048"])
+def test_shape_selection_refuses(monkeypatch, bad):
+    monkeypatch.delenv("BENCH_SET", raising=False)
+    monkeypatch.setenv("BENCH_SHAPES", bad)
+    with pytest.raises(ValueError, match="BENCH_SHAPES"):
+        shape_set()
