@@ -137,6 +137,15 @@ BIG_WS_MIN_K_TILES = 48
 # of 7 (0.88, 0.90x): they keep 0.75. The driver agrees (cuOccupancyMaxActiveClusters, same dev-log): clusters of 3-8
 # are placed all at once up to 89-94% of the modelled slots (128-row split 4: 62 clusters, so 56 fit and 64 do not).
 DSMEM_MIN_TILE = 128 * 64
+# ... and smaller tiles too where each split is at most DSMEM_SHORT_SPLIT_K_TILES stages: a split that short is over
+# in a few us, against which the workspace pass (every split's fp32 tile written, then read back by the last) is not
+# cheap. The same 64 x 64 split, DSMEM / workspace speed: H200, read off two shapes of no benchmark set (Qwen2.5-1.5B
+# q|k|v 1536 x 2048 and Qwen2.5-3B q|k|v 2048 x 2560, W4 M = 128, 6 and 8 stages a split: 1.08x, 1.13x) and judged on
+# the two set shapes whose plans it changes there (1b_qkv, 1b_o, 8 stages: 1.04x, 1.04x;
+# benchmarks/results/dev-logs/h200/wgmma_short_split_dsmem.md); on H100 (dev-logs/h100/wgmma_ws_alternatives.json,
+# measured before this rule) the same 8-stage rows were 1.12, 1.02, 0.99, 1.03x, 12 stages 1.07x, while 16 and more
+# stages a split were mixed (0.77-1.14x) and keep the workspace.
+DSMEM_SHORT_SPLIT_K_TILES = 8
 DSMEM_MAX_FILL = 0.875
 DSMEM_MAX_FILL_8 = 0.75
 # Launched as a programmatic dependent (the prologue's weight copies before the PDL wait) only for blocks of at least
@@ -237,7 +246,7 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     splits (each split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer
     warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
     block (x crosses L2 N / bn times). A split is summed over DSMEM or through
-    the workspace by the rule at ``DSMEM_MIN_TILE``. Three rules the warps ranking misses, each where it was measured:
+    the workspace by the rules at ``DSMEM_MIN_TILE``. Three rules the warps ranking misses, each where it was measured:
     from M = 256 the 256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row; long
     splits through the workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short
     K may split into quarters at M = 64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at
@@ -300,7 +309,8 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma=None)
         raise ValueError(f"wgmma GEMM: no variant bm={bm}, wt={a}, wgs={b}; the variants are {sorted(REGS[bits])}")
     ctas, cap = -(-M // bm) * -(-N // bn) * s, sm_count * blocks_per_sm(bm, a, b, stages, bits)
     if dsmem is None:
-        dsmem = (s > 1 and dsmem_fits(bm, a, b, stages, bits) and bm * bn >= DSMEM_MIN_TILE
+        dsmem = (s > 1 and dsmem_fits(bm, a, b, stages, bits)
+                 and (bm * bn >= DSMEM_MIN_TILE or per <= DSMEM_SHORT_SPLIT_K_TILES)
                  and _clusters_fit(s, ctas, cap))
     if not forced_stages and bits == 8 and (bm, a, b) == (64, 1, 2) and dsmem and s > 1 and ctas <= sm_count:
         stages = SOLO_STAGES  # alone on its SM: one barrier per stage (SOLO_STAGES)

@@ -298,6 +298,25 @@ def test_wgmma_gemm_plan_dsmem_fill_bounds():
     assert wg.DSMEM_MAX_FILL_8 * cap < ctas <= wg.DSMEM_MAX_FILL * cap
 
 
+def test_wgmma_gemm_plan_short_splits_sum_over_dsmem():
+    """DSMEM_SHORT_SPLIT_K_TILES: tiles below DSMEM_MIN_TILE sum their splits over DSMEM where each split is at most
+    that many stages; longer splits of such tiles keep the workspace."""
+    # W4 1b_o (K 2048) at M = 64 / 128: 64 x 64 tiles split 4 (SHORT_K_SPLITS), 8 stages each: DSMEM ...
+    for M in (64, 128):
+        p = wg.gemm_plan(M, 2048, 2048)
+        assert (p["bm"], p["bn"], p["splits"], p["dsmem"]) == (64, 64, 4, True), (M, p)
+        assert p["bm"] * p["bn"] < wg.DSMEM_MIN_TILE and 32 // p["splits"] <= wg.DSMEM_SHORT_SPLIT_K_TILES
+        # ... the same plan with the rule off is the workspace sum (what the rule changed), ...
+        assert wg.gemm_plan(M, 2048, 2048, dsmem=False)["splits"] == 4
+    # ... o (K 4096) at M = 128: the same tiles split 4 of 16 stages keep the workspace; forced dsmem=False wins.
+    p = wg.gemm_plan(128, 4096, 4096)
+    assert (p["bm"], p["bn"], p["splits"], p["dsmem"]) == (64, 64, 4, False), p
+    assert not wg.gemm_plan(64, 2048, 2048, dsmem=False)["dsmem"]
+    # SmolLM2-135M's o (K 576: 9 stages) at M = 128: split 2 of 5 stages, over DSMEM.
+    p = wg.gemm_plan(128, 576, 576)
+    assert (p["bn"], p["splits"], p["dsmem"]) == (64, 2, True), p
+
+
 def test_wgmma_gemm_plan_256_row_workspace_splits():
     """gemm_wgmma.BIG_WS_MIN_K_TILES: a 256-row split whose DSMEM clusters would not fit sums through the workspace
     where each split has that many K stages (the fuller wave pays for the workspace sum), not where the splits are
