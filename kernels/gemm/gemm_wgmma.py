@@ -137,17 +137,17 @@ BIG_WS_MIN_K_TILES = 48
 # of 7 (0.88, 0.90x): they keep 0.75. The driver agrees (cuOccupancyMaxActiveClusters, same dev-log): clusters of 3-8
 # are placed all at once up to 89-94% of the modelled slots (128-row split 4: 62 clusters, so 56 fit and 64 do not).
 DSMEM_MIN_TILE = 128 * 64
-# ... and smaller tiles too where each split is at most DSMEM_SHORT_SPLIT_K_TILES stages: a split that short is over
-# in a few us, against which the workspace pass (every split's fp32 tile written, then read back by the last) is not
-# cheap. The same 64 x 64 split, DSMEM / workspace speed: H200, read off two shapes of no benchmark set (Qwen2.5-1.5B
-# q|k|v 1536 x 2048 and Qwen2.5-3B q|k|v 2048 x 2560, W4 M = 128, 6 and 8 stages a split: 1.08x, 1.13x) and judged on
-# the two set shapes whose plans it changes there (1b_qkv, 1b_o, 8 stages: 1.04x, 1.04x;
-# benchmarks/results/dev-logs/h200/wgmma_short_split_dsmem.md); on H100 (dev-logs/h100/wgmma_ws_alternatives.json,
-# measured before this rule) the same 8-stage rows were 1.12, 1.02, 0.99, 1.03x, 12 stages 1.07x, while 16 and more
-# stages a split were mixed (0.77-1.14x) and keep the workspace.
-DSMEM_SHORT_SPLIT_K_TILES = 8
 DSMEM_MAX_FILL = 0.875
 DSMEM_MAX_FILL_8 = 0.75
+# Tiles below DSMEM_MIN_TILE sum over DSMEM too where each split is at most DSMEM_SHORT_SPLIT_K_TILES stages: a split
+# that short is over in a few us, against which the workspace pass (every split's fp32 tile written, then read back by
+# the last) is not cheap. The same 64 x 64 split, DSMEM / workspace: H200 sweep
+# (benchmarks/results/dev-logs/h200/wgmma_short_split_dsmem.md), 3-8 stages a split 32 of 34 rows at least as fast
+# (0.85-1.42x), 16-70 stages 13 of 40 slower; read off Qwen2.5-1.5B / 3B q|k|v W4 at M = 128 (1.08x, 1.13x); the H100's
+# table (dev-logs/h100/wgmma_ws_alternatives.json) at 8 stages 0.99-1.12x, at 16+ 0.77-1.14x. Judged on every plan it
+# changes on 1b_qkv, 1b_o and SmolLM2-135M's projections (W4 / W8, M = 64 / 96 / 128): 27 of 27 faster, 1.012-1.323x,
+# bit-identical. In effect at M = 64..128 (SHORT_K_SPLITS is what splits that short).
+DSMEM_SHORT_SPLIT_K_TILES = 8
 # Launched as a programmatic dependent (the prologue's weight copies before the PDL wait) only for blocks of at least
 # PDL_MIN_BM rows. H100, routed ops, 21 shapes x M = 32-256 x W4 / W8, PDL on vs off in one process
 # (benchmarks/results/dev-logs/h100/wgmma_pdl.md): 128- and 256-row plans 0.96-1.16x (median 1.02x; after an RMSNorm,
@@ -237,26 +237,26 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     """Variant, grid and split-K factor (a pure function of shapes and the SM count; keywords override); cached, so
     that an eager call pays a dictionary lookup, not the search (~50 us of Python).
 
-    Candidates: bm = 64 for M <= 64, else 128 or 64; the block shapes of ``CANDIDATES`` that divide N, each with
-    no split or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
-    ``MIN_K_TILES`` stages long. Ranked by the warps resident per SM (averaged over the waves), because a block is
-    bound by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible,
-    SM, L2 and DRAM throughput under 30%; benchmarks/results/dev-logs/h100/ncu_w4a16.log), so more independent warps is
-    what speeds it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer
-    splits (each split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer
-    warps wait at each block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest
-    block (x crosses L2 N / bn times). A split is summed over DSMEM or through
-    the workspace by the rules at ``DSMEM_MIN_TILE``. Three rules the warps ranking misses, each where it was measured:
-    from M = 256 the 256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row; long
-    splits through the workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short
-    K may split into quarters at M = 64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at
-    M = 64..256 (``WIDE_MIN_FILL``). Then the stage count: ``STAGES``, ``BIG_STAGES`` for 256-row blocks, and
-    ``SOLO_STAGES`` (one block barrier per stage) for INT8 64-row DSMEM splits with at most one block per SM; and
-    256-row plans copy x with the tensor memory accelerator (``BIG_TMA``; ``tma`` forces it either way).
-    Measured (H100, benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on
-    the five Llama-3-8B shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02
-    (the plan's variant in another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54
-    vs 1.59, o 1.37 (best), gate_up 1.83 vs 2.05, down 1.76 vs 1.77, 8k 1.92 vs 1.96.
+    Candidates: bm = 64 for M <= 64, else 128 or 64; the block shapes of ``CANDIDATES`` that divide N, each with no
+    split or with a split factor of ``SPLITS`` that keeps the blocks within one wave and each split at least
+    ``MIN_K_TILES`` stages long. Ranked by the warps resident per SM (averaged over the waves), because a block is bound
+    by the latency of its own instruction stream (ncu, o at M = 128: 1.9 warps per scheduler, 0.44 eligible, SM, L2 and
+    DRAM throughput under 30%; benchmarks/results/dev-logs/h100/ncu_w4a16.log), so more independent warps is what speeds
+    it up; then, at equal warps, 128-row blocks (each weight tile is dequantized once per 128 rows), fewer splits (each
+    split's fp32 partial tile is written and read once more), one warpgroup per block for INT4 (fewer warps wait at each
+    block barrier) and two for INT8 (H200 sweep, see ``kernels.gemm.routing.WGMMA_W8``), the widest block (x crosses L2
+    N / bn times). A split is summed over DSMEM or through the workspace by the rules at ``DSMEM_MIN_TILE`` and
+    ``DSMEM_SHORT_SPLIT_K_TILES``. Three rules the warps ranking misses, each where it was measured: from M = 256 the
+    256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row; long splits through the
+    workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short K may split into quarters at M =
+    64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at M = 64..256 (``WIDE_MIN_FILL``). Then
+    the stage count: ``STAGES``, ``BIG_STAGES`` for 256-row blocks, and ``SOLO_STAGES`` (one block barrier per stage)
+    for INT8 64-row DSMEM splits with at most one block per SM; and 256-row plans copy x with the tensor memory
+    accelerator (``BIG_TMA``; ``tma`` forces it either way). Measured (H100,
+    benchmarks/results/h100/bench_gemm_wgmma_sweep.md, 40-62 variants per shape; runs vary ~3%): on the five Llama-3-8B
+    shapes the plan's variant vs the best swept is, M = 128: qkv 1.20 vs 1.23, o 0.99 vs 1.02 (the plan's variant in
+    another row), gate_up 1.51 vs 1.60, down 1.39 (best), 8k 1.50 (best); M = 64: qkv 1.54 vs 1.59, o 1.37 (best),
+    gate_up 1.83 vs 2.05, down 1.76 vs 1.77, 8k 1.92 vs 1.96.
     """
     return dict(_plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma))
 

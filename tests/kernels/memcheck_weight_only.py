@@ -5,11 +5,11 @@ not a pytest module: memcheck wraps the whole process). On a GPU machine:
         python3 tests/kernels/memcheck_weight_only.py
 
 API errors are not reported: cuda.bindings' driver-function lookup trips cuGetProcAddress_v2 invalid-value errors
-that are not memory errors. Last run: 0 errors (H100, 2026-11-28, 0fb4838, with the WG_TMA variants; and 945b1e0:
-WGMMA_VARIANTS for both builds, among
-them 64-row blocks of 5 stages, which run one block barrier per pipeline stage as 128- and 256-row blocks do; their
-prologue's weight copies are issued before the PDL wait, 128- and 256-row plans launch as dependents; the W8A16
-GEMV's SwiGLU epilogue, unsplit and cluster-split).
+that are not memory errors. Last run: 0 errors (H200, 2026-11-28, cf92ace, with the SMALL_WIDE_M variants at M = 24:
+benchmarks/results/dev-logs/h200/memcheck_weight_only_cf92ace.log; H100 at 0fb4838, with the WG_TMA variants; and
+945b1e0: WGMMA_VARIANTS for both builds, among them 64-row blocks of 5 stages, which run one block barrier per
+pipeline stage as 128- and 256-row blocks do; their prologue's weight copies are issued before the PDL wait, 128-
+and 256-row plans launch as dependents; the W8A16 GEMV's SwiGLU epilogue, unsplit and cluster-split).
 """
 import torch
 from kernels.gemm import gemm_wgmma as wg
