@@ -2,16 +2,17 @@
 its plan (``gemm_wgmma.gemm_plan``).
 
 For the Llama-3-8B projections and 8192x8192 (as ``bench_gemm.py``), M = 64, 128 (``BENCH_MS``), W4A16 g128 fp16
-(``BENCH_BITS=8``: W8A16, the INT8 build, with the Triton W8A16 kernel and dequantize + cuBLAS as extra rows):
-cuBLAS (``F.linear`` on the fp16 weight), the routed torch op, the plan's variant and every (wt, wgs) block shape of
-``CANDIDATES`` with split-K 1, 2, 4, 8, each split summed through the workspace and, for tiles of at least
-``DSMEM_MIN_TILE`` outputs, over a cluster's DSMEM (plus, at M = 64, 3 pipeline stages for two shapes; at M > 64, the
-64-row block shapes too). Each time is the median of
-CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32 reference on
-the dequantized weight. ``BENCH_VARIANTS=plan``: the plan's variant only (large M: is the wgmma GEMM ahead of
-dequantize + cuBLAS there?). ``BENCH_SET=general``: ``bench_gemm.GENERAL_SHAPES`` instead (the shapes the plan is
-judged on); ``BENCH_SHAPES=name,...``: only those shapes of the set, plus any ``KxN`` given (shapes of no set).
-Every variant is compiled first, in parallel. H100/H200 only (sm_90). Writes
+(``BENCH_BITS=8``: W8A16, the INT8 build, with the Triton W8A16 kernel and dequantize + cuBLAS as extra rows): cuBLAS
+(``F.linear`` on the fp16 weight), the routed torch op, the plan's variant and every (wt, wgs) block shape of
+``CANDIDATES`` (its rows forced: 64 at M <= 64, else 128) with split-K 1, 2, 4, 8, each split summed through the
+workspace and, where the partial tile fits (``dsmem_fits``), over a cluster's DSMEM (plus, at M = 64, 3 pipeline stages
+for two shapes; at M > 64, the 64-row block shapes too). Runs before 409efa9 left a 128-row entry's rows to the plan's
+ranking (which may pick 64) and swept DSMEM sums only for tiles of ``DSMEM_MIN_TILE`` outputs or more. Each time is the
+median of CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32
+reference on the dequantized weight. ``BENCH_VARIANTS=plan``: the plan's variant only (large M: is the wgmma GEMM ahead
+of dequantize + cuBLAS there?). ``BENCH_SET=general``: ``bench_gemm.GENERAL_SHAPES`` instead (the shapes the plan is
+judged on); ``BENCH_SHAPES=name,...``: only those shapes of the set, plus any ``KxN`` given (shapes of no set). Every
+variant is compiled first, in parallel. H100/H200 only (sm_90). Writes
 benchmarks/results/<card>/bench_gemm_wgmma_sweep.{json,md} (W8A16: ``..._w8``; the general set: ``..._general``).
 
 Run: ``python benchmarks/bench_gemm_wgmma_sweep.py``
@@ -68,12 +69,12 @@ def variants(M: int, bits: int = 4) -> list[dict]:
     def shapes(bm_, wt, wgs, splits):
         out = []
         for sp in splits:
-            base = dict(bm=bm_, wt=wt, wgs=wgs) if bm_ != bm else dict(wt=wt, wgs=wgs)
+            base = dict(bm=bm_, wt=wt, wgs=wgs)  # bm forced too: at M > 64 the ranking would pick 128 or 64 rows
             if not sp:
                 out.append(base)
                 continue
             out.append(dict(base, splits=sp, dsmem=False) if sp > 1 else dict(base, splits=sp))
-            if sp > 1 and wg.dsmem_fits(bm_, wt, wgs, bits=bits) and bm_ * 64 * wt * wgs >= wg.DSMEM_MIN_TILE:
+            if sp > 1 and wg.dsmem_fits(bm_, wt, wgs, bits=bits):
                 out.append(dict(base, splits=sp, dsmem=True))  # the same split summed over the cluster's DSMEM
         return out
 
@@ -81,7 +82,7 @@ def variants(M: int, bits: int = 4) -> list[dict]:
     for wt, wgs in wg.CANDIDATES[bm]:
         out += shapes(bm, wt, wgs, (None, 1, 2, 4, 8))
     if M <= 64:
-        out += [dict(wt=1, wgs=1, stages=3), dict(wt=2, wgs=2, stages=3)]
+        out += [dict(bm=64, wt=1, wgs=1, stages=3), dict(bm=64, wt=2, wgs=2, stages=3)]
     else:  # 64-row tiles for larger M too (more blocks, each weight tile dequantized once per 64 rows)
         for wt, wgs in wg.CANDIDATES[64]:
             out += shapes(64, wt, wgs, (None, 2, 4, 8))

@@ -26,3 +26,19 @@ def test_shape_selection_refuses(monkeypatch, bad):
     monkeypatch.setenv("BENCH_SHAPES", bad)
     with pytest.raises(ValueError, match="BENCH_SHAPES"):
         shape_set()
+
+
+@pytest.mark.parametrize("M", [40, 128])
+def test_variants_force_their_block_rows(M):
+    """Every swept entry names its block rows (at M > 64 the plan's ranking would otherwise pick 128 or 64), and the
+    64 x 64 tiles are swept with DSMEM sums too."""
+    from benchmarks.bench_gemm_wgmma_sweep import variants
+    from kernels.gemm import gemm_wgmma as wg
+
+    vs = variants(M)
+    assert vs[0] == {}  # the plan's own choice first
+    for v in vs[1:]:
+        assert "bm" in v and wg.gemm_plan(M, 4096, 4096, **v)["bm"] == v["bm"], v
+    rows = 64 if M <= 64 else 128
+    assert {(v["wt"], v["wgs"]) for v in vs[1:] if v["bm"] == rows} == set(wg.CANDIDATES[rows])
+    assert dict(bm=64, wt=1, wgs=1, splits=4, dsmem=True) in vs
