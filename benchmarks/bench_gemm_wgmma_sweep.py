@@ -6,7 +6,7 @@ For the Llama-3-8B projections and 8192x8192 (as ``bench_gemm.py``), M = 64, 128
 (``F.linear`` on the fp16 weight), the routed torch op, the plan's variant and every (wt, wgs) block shape of
 ``CANDIDATES`` (its rows forced: 64 at M <= 64, else 128) with split-K 1, 2, 4, 8, each split summed through the
 workspace and, where the partial tile fits (``dsmem_fits``), over a cluster's DSMEM (plus, at M = 64, 3 pipeline stages
-for two shapes; at M > 64, the 64-row block shapes too). Runs before 409efa9 left a 128-row entry's rows to the plan's
+for two shapes; at M > 64, the 64-row block shapes too). Runs up to 409efa9 left a 128-row entry's rows to the plan's
 ranking (which may pick 64) and swept DSMEM sums only for tiles of ``DSMEM_MIN_TILE`` outputs or more. Each time is the
 median of CUDA-graph replays over rotating weight copies (no L2 hits), all in one run; relative error vs the fp32
 reference on the dequantized weight. ``BENCH_VARIANTS=plan``: the plan's variant only (large M: is the wgmma GEMM ahead
