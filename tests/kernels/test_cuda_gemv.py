@@ -188,17 +188,42 @@ def test_mma_gemv_splits_k_over_a_cluster_only_where_columns_leave_sms_idle():
         assert p["grid"] == (-(-N // 32) * -(-M // (8 * p["mt"])), want)
         assert (K // (32 * p["u"])) % want == 0 and 1 <= p["warps"] <= K // (32 * p["u"] * want)
         assert mma.gemv_plan(M, N, K, 128, clusters=False)["ksplit"] == 1
-    assert "ksplit=3" in mma.unsupported_reason(1, 4096, 4096, 128, torch.float16, ksplit=3)
+    assert "ksplit=3" in mma.unsupported_reason(1, 4096, 4096, 128, torch.float16, ksplit=3)  # 32 chunks
+    assert "ksplit=9" in mma.unsupported_reason(1, 4096, 13824, 128, torch.float16, ksplit=9)  # past a cluster
+    assert mma.unsupported_reason(1, 4096, 13824, 128, torch.float16, ksplit=3) is None  # 108 chunks
     assert "divide" in mma.unsupported_reason(1, 4096, 384, 128, torch.float16, ksplit=2)
     # The unsplit builds' flags (so their cache keys and code) are what they were before the split existed.
     assert not any("KSPLIT" in f for f in mma.variant_flags(8, 4, 4, 8))
     assert "-DGEMV_KSPLIT=4" in mma.variant_flags(8, 4, 4, 8, ksplit=4)
 
 
+def test_mma_gemv_fill_split_adds_warps_where_the_grid_leaves_sm_slots_empty():
+    """160 column blocks (N 5120) of 8 warps fill 1280 of 132 SMs' 2112 warp slots; with a long K (Llama-2-13B's and
+    Qwen2.5-32B's down, a 36864-long K at N 4608) the plan splits K 3 ways with 4 warps a block (1920 warps), at M = 1
+    to 16 and (two row tiles) 2 warps a block at M = 17..32. Not where each warp would keep under 8 chunks (13B o,
+    3B q|k|v), where the plan already holds most slots (Llama-3-8B's shapes, 13B q|k|v, 14B q|k|v), where no split
+    divides the chunks into a better fill (K 14336: 112 chunks), nor without clusters."""
+    for M, N, K, want in [(1, 5120, 13824, (3, 4)), (16, 5120, 13824, (3, 4)), (1, 5120, 27648, (3, 4)),
+                          (8, 4608, 36864, (3, 4)), (12, 5120, 12288, (3, 4)), (24, 5120, 27648, (3, 2))]:
+        p = mma.gemv_plan(M, N, K, 128)
+        assert (p["ksplit"], p["warps"]) == want, (M, N, K)
+        assert p["grid"] == (-(-N // 32) * -(-M // (8 * p["mt"])), want[0])
+        assert p["grid"][0] * want[0] <= 132 * p["minb"] and p["minb"] * p["warps"] * 32 * 128 <= 65536  # one wave
+        assert K // (32 * p["u"] * want[0]) >= mma.FILL_MIN_CHUNKS * want[1]
+        assert mma.gemv_plan(M, N, K, 128, clusters=False)["ksplit"] == 1
+    for M, N, K in [(1, 5120, 5120), (16, 5120, 3072), (1, 6144, 4096), (1, 4096, 14336), (16, 28672, 4096),
+                    (1, 15360, 5120), (1, 7168, 5120), (1, 5120, 14336), (1, 2560, 8192)]:
+        p = mma.gemv_plan(M, N, K, 128)
+        assert p["ksplit"] in mma.SPLITS and p["ksplit"] == mma.gemv_plan(M, N, K, 128, warps=p["warps"])["ksplit"]
+        assert mma.fill_ksplit(p["grid"][0], K // 128, p["warps"], p["ksplit"], p["mt"], 128, 132, True) is None
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH: cannot compile the .cu")
 def test_mma_gemv_k_split_build_is_a_cluster_kernel():
     art = mma.compile_variant(8, 4, 4, 8, 1, False, 1, False, True, 2, True, ksplit=4)
     assert ".reqnctapercluster 1, 4, 1" in art.ptx and art.cubin
+    art = mma.compile_variant(4, 4, 4, 8, 1, False, 1, False, True, 4, True, ksplit=3)  # the fill split's cluster
+    assert ".reqnctapercluster 1, 3, 1" in art.ptx and art.cubin
     plain = mma.compile_variant(8, 4, 4, 8, 1, False, 1, False, True, 2, True)
     assert ".reqnctapercluster" not in plain.ptx
 
@@ -246,6 +271,32 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
         ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size)
         assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
                             atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16, 31])
+def test_mma_gemv_clusters_of_any_size_match_reference(M):
+    """K split over clusters of 3, 5, 6 and 7 blocks (the fill split's sizes are not powers of two: each block of a
+    cluster finishes a rounded share of the tile's outputs), N with a partial column block, SwiGLU, tiled M."""
+    N, K, group_size = 1000, 26880, 64  # 210 chunks of K: every split 2..8 but 4 and 8 divides them
+    x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, False, seed=M + 7)
+    for s in (3, 5, 6, 7):
+        for w in (1, 4):
+            out = poisoned((M, N), torch.float16, "cuda")
+            y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, ksplit=s, warps=w)
+            assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                                float(ref.abs().max()))
+            assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, (s, w)
+    from tests.helpers import dequant_baseline
+
+    ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, None, True)
+    base = dequant_baseline(x, qw, bias, swiglu=True)
+    for s in (3, 7):
+        out = poisoned((M, N // 2), torch.float16, "cuda")
+        y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, swiglu=True, ksplit=s)
+        # as test_mma_gemv_swiglu_epilogue: fp32 sums and SwiGLU, one fp16 rounding
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
 
 
 @pytest.mark.gpu

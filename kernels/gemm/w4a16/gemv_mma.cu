@@ -66,7 +66,7 @@
 #define GEMV_MINB 1  // blocks per SM asked of ptxas (__launch_bounds__): caps the registers per thread
 #endif
 #ifndef GEMV_KSPLIT
-#define GEMV_KSPLIT 1  // blocks of one thread-block cluster (grid y) splitting K: 1, 2, 4 or 8
+#define GEMV_KSPLIT 1  // blocks of one thread-block cluster (grid y) splitting K: 1 to 8
 #endif
 #if GEMV_KSPLIT > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -88,8 +88,7 @@ static_assert(GEMV_MMAX == 1 || GEMV_MMAX == 8, "GEMV_MMAX is 1 or 8");
 static_assert(GEMV_CHAINS == 1 || GEMV_CHAINS == 2, "GEMV_CHAINS is 1 or 2");
 static_assert(GEMV_MT >= 1 && GEMV_MT <= 8, "GEMV_MT is 1..8");
 static_assert(GEMV_MT == 1 || (GEMV_MMAX == 8 && GEMV_CHAINS == 1), "GEMV_MT > 1 needs GEMV_MMAX 8, GEMV_CHAINS 1");
-static_assert(GEMV_KSPLIT == 1 || GEMV_KSPLIT == 2 || GEMV_KSPLIT == 4 || GEMV_KSPLIT == 8,
-              "GEMV_KSPLIT is 1, 2, 4 or 8 (portable cluster sizes)");
+static_assert(GEMV_KSPLIT >= 1 && GEMV_KSPLIT <= 8, "GEMV_KSPLIT is 1 to 8 (portable cluster sizes)");
 constexpr int kRows = GEMV_MT * GEMV_MMAX;  // x rows per block
 
 // One chunk in registers: the weights (kU packed rows of 4 columns per lane); with GEMV_SZ_AHEAD the raw scales
@@ -354,8 +353,8 @@ w4a16_gemv_mma(const half* __restrict__ x, const int* __restrict__ qweight, cons
     for (int q = 0; q < GEMV_KSPLIT; ++q) sum += *cluster.map_shared_rank(&red[0][r][cl], q);
     return has_bias ? sum + __half2float(bias[n]) : sum;
   };
-  const int i0 = (int)cluster.block_rank() * (kRows * per_row / GEMV_KSPLIT);
-  const int i1 = i0 + kRows * per_row / GEMV_KSPLIT;
+  const int i0 = (int)cluster.block_rank() * (kRows * per_row) / GEMV_KSPLIT;
+  const int i1 = ((int)cluster.block_rank() + 1) * (kRows * per_row) / GEMV_KSPLIT;
 #endif
   for (int i = i0 + threadIdx.x; i < i1; i += 32 * kWarps) {
     const int r = i / per_row, m = m0 + r, cl = swiglu ? 2 * (i % per_row) : i % per_row;

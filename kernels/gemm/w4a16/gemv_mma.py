@@ -77,7 +77,8 @@ def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dty
     return None
 
 
-KSPLITS = (1, 2, 4, 8)  # blocks of one cluster splitting K (sm_90 clusters; 8 is the portable maximum)
+KSPLITS = tuple(range(1, 9))  # blocks of one cluster splitting K (sm_90 clusters; 8 is the portable maximum)
+SPLITS = (1, 2, 4, 8)  # what ``default_ksplit`` chooses from (the rule measured on these); ``fill_ksplit`` takes any
 
 
 def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
@@ -114,8 +115,42 @@ def default_ksplit(blocks: int, chunks: int, warps: int, sm_count: int, clusters
     some SMs (70b_tp4_qkv, 80 -> 160 blocks: 2.57 -> 2.22) it lost, which this rule excludes."""
     if not clusters:
         return 1
-    fits = [s for s in KSPLITS if chunks % s == 0 and blocks * s <= sm_count and chunks // s >= warps]
+    fits = [s for s in SPLITS if chunks % s == 0 and blocks * s <= sm_count and chunks // s >= warps]
     return max(fits, default=1)
+
+
+# A K split that fills the SMs' warp slots (``fill_ksplit``): it must add this factor of resident warps and leave each
+# warp this many chunks of K. H200 (benchmarks/results/dev-logs/h200/gemv_fill_split.md): 160 column blocks (N 5120)
+# of 8 warps put two blocks on 28 SMs and one on the other 104 (1280 of 2112 warp slots); split 3 ways with 4 warps
+# a block (480 blocks, 1920 warps) Llama-2-13B's down (K 13824) ran 1.23x / 1.24x the plan at M = 1 / 16, Qwen2.5-32B's
+# down (K 27648) 1.27x / 1.27x; splits that kept the plan's warp count lost 2-45% on every shape (the cluster's
+# DSMEM sum and the shorter runs cost more than spreading the same warps gains), as did the same gain with 2-chunk
+# warps (Llama-3.2-3B q|k|v, K 3072: 0.98x at M = 16).
+FILL_MIN_GAIN = 1.4
+FILL_MIN_CHUNKS = 8
+FILL_WARPS = (16, 8, 4, 2, 1)  # powers of two: 3 warps a block in clusters of 4 or 8 ran 0.70-0.94x the plan
+
+
+def fill_ksplit(col_blocks: int, chunks: int, warps: int, ksplit: int, mt: int, regs: int, sm_count: int,
+                clusters: bool) -> Optional[tuple]:
+    """(ksplit, warps) of the K split with the most resident warps, if it has at least ``FILL_MIN_GAIN`` times the
+    plan's (``col_blocks * ksplit * warps``), keeps every block in one wave and gives each warp at least
+    ``FILL_MIN_CHUNKS`` chunks (ties: the smaller split); None otherwise or without clusters. Any cluster size 2..8
+    that divides the chunks: 160 column blocks fill 132 SMs best split 3 ways."""
+    if not clusters:
+        return None
+    best = None
+    for s in range(2, KSPLITS[-1] + 1):
+        if chunks % s:
+            continue
+        for w in FILL_WARPS:
+            blocks = col_blocks * s
+            if (w * mt > 32 or chunks // s < FILL_MIN_CHUNKS * w
+                    or blocks > sm_count * _blocks_per_sm(w, regs)):
+                continue
+            if blocks * w >= FILL_MIN_GAIN * col_blocks * ksplit * warps and (best is None or blocks * w > best[0]):
+                best = (blocks * w, s, w)
+    return best and best[1:]
 
 
 def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
@@ -136,6 +171,11 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     if ksplit is None:
         unsplit = _plan_warps(col_blocks, K // (32 * u), mt, regs, sm_count) if warps is None else warps
         ksplit = default_ksplit(col_blocks, K // (32 * u), unsplit, sm_count, clusters)
+        if warps is None:
+            planned = _plan_warps(col_blocks * ksplit, K // (32 * u) // ksplit, mt, regs, sm_count)
+            fill = fill_ksplit(col_blocks, K // (32 * u), planned, ksplit, mt, regs, sm_count, clusters)
+            if fill:
+                ksplit, warps = fill
     chunks = K // (32 * u) // ksplit  # per block
     blocks = col_blocks * ksplit
     if warps is None:
