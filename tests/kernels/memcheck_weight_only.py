@@ -18,13 +18,17 @@ from kernels.gemm.w8a16 import gemv_mma as mma8
 from kernels.gemm.dequant import dequantize_w4_kn, dequantize_w8_kn
 from kernels.quant import quantize_int4, quantize_int8
 torch.manual_seed(0)
-for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (100, 48, 256)]:
+for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (100, 48, 256), (3, 1000, 768),
+                (16, 100, 768)]:
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     q4 = quantize_int4(torch.randn(N, K, dtype=torch.float16), 64).to("cuda")
     b = torch.randn(N, device="cuda", dtype=torch.float16)
     for ov in ({}, dict(mt=2) if M > 8 else {}, dict(mt=8, warps=1) if M > 8 else dict(mmax=1) if M == 1 else {},
                dict(sz_ahead=True), dict(swiglu=True), dict(swiglu=True, warps=1)):
         mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
+    if K == 768:  # K (6 chunks) split over clusters of 3 (the fill split's size) and 6 blocks: rounded output shares
+        for ov in (dict(ksplit=3), dict(ksplit=3, swiglu=True), dict(ksplit=6, warps=1)):
+            mma.w4a16_gemv_mma(x, q4.qweight, q4.scales, q4.zeros, 64, b, **ov)
     dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64)
     q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
     dequantize_w8_kn(q8.qweight, q8.scales)
