@@ -107,7 +107,9 @@ def test_w8_gemv_plan_and_support():
     assert "multiple of 128" in mma8.unsupported_reason(1, 4096, 4160, f16, vec=16, u=8)
     assert "4 blocks split K" in mma8.unsupported_reason(1, 4096, 4128, f16, vec=16, u=1, ksplit=4)
     assert "vec=2" in mma8.unsupported_reason(1, 4096, 4096, f16, vec=2)
-    assert "ksplit=3" in mma8.unsupported_reason(1, 4096, 4096, f16, ksplit=3)
+    assert "ksplit=9" in mma8.unsupported_reason(1, 4096, 4096, f16, ksplit=9)  # past a portable cluster
+    assert "3 blocks split K" in mma8.unsupported_reason(1, 4096, 4096, f16, ksplit=3)  # any size that divides K
+    assert mma8.unsupported_reason(1, 4096, 6720, f16, vec=8, ksplit=7) is None
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]
     # With clusters (opt-in): 16 B per lane everywhere, and the K split that keeps the most warps resident.
     plans = [mma8.gemv_plan(1, N, K, clusters=True) for N, K in shapes]
@@ -215,6 +217,32 @@ def test_w8_gemv_swiglu_epilogue(M, N, K):
                             float(ref.abs().max()))
     with pytest.raises(ValueError, match=r"out must be contiguous float16 \(%d, %d\)" % (M, N // 2)):
         mma8.w8a16_gemv_mma(x, q.qweight, q.scales, out=poisoned((M, N), torch.float16, "cuda"), swiglu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 8])
+def test_w8_gemv_clusters_of_any_size_match_reference(M):
+    """K split over clusters of 3, 5, 6 and 7 blocks (not powers of two: each block of a cluster finishes a rounded
+    share of whole column pairs), vec 8 and 4, N with a partial block; SwiGLU with splits of 3 and 7."""
+    from tests.helpers import assert_close_to_ref, dequant_baseline
+
+    N, K = 1000, 6720  # 210 chunks of 32 rows (vec 8) and 105 of 64 (vec 4)
+    x, q, bias = _case(M, N, K, M * 19 + 3)
+    ref = w8a16_reference(x, q.qweight, q.scales, bias)
+    base = x @ dequantize(q).t() + bias
+    for ov in [dict(vec=8, ksplit=s) for s in (3, 5, 6, 7)] + [dict(vec=4, ksplit=s, warps=2) for s in (3, 5, 7)]:
+        y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias, out=poisoned((M, N), torch.float16, "cuda"), **ov)
+        assert_gemm_close(y, ref, base)  # as test_w8_gemv_matches_reference
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-3, ov
+    x, q, bias = _case(M, N, 672, M * 23 + 5)  # SwiGLU on a shorter K: gate * up stays within fp16's range
+    ref = w8a16_reference(x, q.qweight, q.scales, bias, None, True)
+    base = dequant_baseline(x, q, bias, swiglu=True)
+    for s in (3, 7):
+        out = poisoned((M, N // 2), torch.float16, "cuda")
+        y = mma8.w8a16_gemv_mma(x, q.qweight, q.scales, bias, out=out, swiglu=True, vec=8, ksplit=s)
+        # as test_w8_gemv_swiglu_epilogue
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
 
 
 @pytest.mark.gpu

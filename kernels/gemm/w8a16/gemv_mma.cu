@@ -62,7 +62,7 @@
 #define GEMV_L2_128 0  // 1: weight loads ask L2 to fetch the whole 128-byte line (neighbouring blocks' columns)
 #endif
 #ifndef GEMV_KSPLIT
-#define GEMV_KSPLIT 1  // blocks (one cluster, grid y) splitting K: 1, 2, 4 or 8
+#define GEMV_KSPLIT 1  // blocks (one cluster, grid y) splitting K: 1 to 8
 #endif
 #if GEMV_KSPLIT > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -84,7 +84,7 @@ constexpr int kCols = 8 * kVec;   // columns per block
 constexpr int kU = GEMV_U;
 constexpr int kSplit = GEMV_KSPLIT;
 static_assert(kVec == 4 || kVec == 8 || kVec == 16, "GEMV_VEC is 4, 8 or 16");
-static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4 || kSplit == 8, "GEMV_KSPLIT is 1, 2, 4 or 8 (portable)");
+static_assert(kSplit >= 1 && kSplit <= 8, "GEMV_KSPLIT is 1 to 8 (portable cluster sizes)");
 // red[] below is kWarps * 8 * kCols floats: keep it within 32 KB of static shared memory.
 static_assert(kWarps * kCols <= 1024, "GEMV_WARPS * 8 * GEMV_VEC must be <= 1024 (shared-memory reduction)");
 
@@ -257,7 +257,7 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   });
 #else
   // Sum over warps into red[0] (each thread reads and writes only its own (m, cl): no race), then over the cluster:
-  // block r of the cluster finishes columns r * kSlice .. of all KSPLIT blocks' red[0], read through DSMEM. The
+  // block r of the cluster finishes its share of the columns from all KSPLIT blocks' red[0], read through DSMEM. The
   // second cluster barrier keeps every block (and its shared memory) alive until all reads are done.
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -271,10 +271,11 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
     }
   }
   cluster.sync();
-  constexpr int kSlice = kCols / kSplit;
-  static_assert(kSlice % 2 == 0, "a cluster slice must hold whole (gate, up) pairs");
-  const int c0 = (int)cluster.block_rank() * kSlice;
-  store_columns(c0, kSlice, [&](int m, int cl) {
+  // Block r's share: whole (gate, up) pairs r * P / KSPLIT .. (r + 1) * P / KSPLIT of the block's P column pairs.
+  constexpr int kPairs = kCols / 2;
+  const int r = (int)cluster.block_rank();
+  const int c0 = 2 * (r * kPairs / kSplit), c1 = 2 * ((r + 1) * kPairs / kSplit);
+  store_columns(c0, c1 - c0, [&](int m, int cl) {
     float sum = 0.f;
 #pragma unroll
     for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);

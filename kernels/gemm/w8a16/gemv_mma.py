@@ -24,8 +24,8 @@ SOURCE = Path(__file__).with_name("gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
 MAX_M = 8
 VECS = (16, 8, 4)  # the longest weight loads that divide N (with clusters), or the most resident warps (ties: longer)
-# tried in this order: the fewest blocks per cluster that give ~every SM a block (8: the portable maximum)
-KSPLITS = (1, 2, 4, 8)
+KSPLITS = tuple(range(1, 9))  # blocks of one cluster splitting K (8: the portable maximum)
+SPLITS = (1, 2, 4, 8)  # what the cluster plan (``clusters=True``) tries, in this order
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
 BYTES_PER_BUFFER = 64  # weight bytes per lane per register buffer (4 rows x vec x u), as the W4 GEMV's u = 4
 # L2::128B hint on weight loads (GEMV_L2_128: L2 fetches each load's whole 128-byte line). H100, the plan with and
@@ -135,7 +135,7 @@ def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional
         return min(blocks * s, sm_count * _blocks_per_sm(w, vec)) * w
 
     if ksplit is None:
-        cands = [s for s in KSPLITS if (clusters or s == 1) and K % (16 * u * s) == 0] or [1]
+        cands = [s for s in SPLITS if (clusters or s == 1) and K % (16 * u * s) == 0] or [1]
         ksplit = max(cands, key=lambda s: (resident_warps(s), -s))
     if warps is None:
         warps = _warps_for(blocks * ksplit, vec, K // (16 * u * ksplit), sm_count)
