@@ -24,6 +24,8 @@ SHAPES = [(4096, 6144, "8B qkv"), (4096, 4096, "8B o"), (4096, 28672, "8B gate_u
           (1536, 576, "SmolLM2 down")]
 # Small odd projections: partial column blocks (N not a multiple of 32 / 64), K that only the scalar GEMV takes (320).
 ODD_SHAPES = [(256, 100, "odd 256x100"), (320, 100, "odd 320x100"), (320, 192, "odd 320x192"), (512, 36, "odd 512x36")]
+# Where the W4A16 GEMV's plan splits K over a cluster of 3 (``gemv_mma.fill_ksplit``: 160 column blocks, a long K).
+FILL_SHAPES = [(13824, 5120, "13B down")]
 GROUPS = (32, 64, 128)
 
 

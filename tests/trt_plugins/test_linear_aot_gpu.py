@@ -1,6 +1,6 @@
 """GPU tier: every CUDA kernel variant the GEMM plugins can select (``linear_variants.plugin_cases`` on this GPU:
 Llama-3-8B and SmolLM2-135M projections and small odd ones, fp16, group sizes 32/64/128, every tactic, without and
-with SwiGLU in the epilogue), run the way
+with SwiGLU in the epilogue; and the W4A16 GEMV's K split over a cluster of 3, on Llama-2-13B's down), run the way
 the engine runs it -- its plugin entry compiled ahead of time (cubin, and the PTX TensorRT embeds), launched through
 the CUDA driver with the plugin's argument list and grid (``trt_plugins.aot.run_aot``) -- at odd M around its tactic:
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.helpers import assert_close_to_ref, poisoned
-from tests.trt_plugins.linear_variants import (ODD_SHAPES, SHAPES, make_inputs, plugin_cases, reference,
-                                              routed_op, same_variant)
+from tests.trt_plugins.linear_variants import (FILL_SHAPES, ODD_SHAPES, SHAPES, make_inputs, plugin_cases,
+                                              reference, routed_op, same_variant)
 from trt_plugins.aot import run_aot, target_card
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,13 @@ def _cases():
         return []  # collected on the CPU too; the gpu marker skips the tests there
     from kernels._utils import device_sm
 
-    return plugin_cases(target_card(device_sm()), ODD_SHAPES + SHAPES)
+    from kernels.gemm.w4a16.gemv_mma import SPLITS
+
+    card = target_card(device_sm())
+    fill = [c for c in plugin_cases(card, FILL_SHAPES)  # only the fill split's GEMV builds of that shape
+            if c.specialise(c.m_hint, card).cuda.route[0] == "w4_gemv_mma"
+            and c.specialise(c.m_hint, card).cuda.route[1].get("ksplit", 1) not in SPLITS]
+    return plugin_cases(card, ODD_SHAPES + SHAPES) + fill
 
 
 CASES = _cases()
