@@ -34,7 +34,7 @@ def _cases():
     card = target_card(device_sm())
     fill = [c for c in plugin_cases(card, FILL_SHAPES)  # only the fill split's GEMV builds of that shape
             if c.specialise(c.m_hint, card).cuda.route[0] == "w4_gemv_mma"
-            and c.specialise(c.m_hint, card).cuda.route[1].get("ksplit", 1) not in SPLITS]
+            and dict(c.specialise(c.m_hint, card).cuda.route[1]).get("ksplit", 1) not in SPLITS]
     return plugin_cases(card, ODD_SHAPES + SHAPES) + fill
 
 
