@@ -123,9 +123,11 @@ def default_ksplit(blocks: int, chunks: int, warps: int, sm_count: int, clusters
 # warp this many chunks of K. H200 (benchmarks/results/dev-logs/h200/gemv_fill_split.md): 160 column blocks (N 5120)
 # of 8 warps put two blocks on 28 SMs and one on the other 104 (1280 of 2112 warp slots); split 3 ways with 4 warps
 # a block (480 blocks, 1920 warps) Llama-2-13B's down (K 13824) ran 1.23x / 1.24x the plan at M = 1 / 16, Qwen2.5-32B's
-# down (K 27648) 1.27x / 1.27x; splits that kept the plan's warp count lost 2-45% on every shape (the cluster's
-# DSMEM sum and the shorter runs cost more than spreading the same warps gains), as did the same gain with 2-chunk
-# warps (Llama-3.2-3B q|k|v, K 3072: 0.98x at M = 16).
+# down (K 27648) 1.27x / 1.27x; at M = 1 the splits that kept the plan's warp count ran 0.49-0.99x the plan on the 19
+# shapes timed, but one (70B/4 q|k|v split 8: 1.02x): the cluster's DSMEM sum and the shorter runs cost more than
+# spreading the same warps gains. The same gain with 2-chunk warps did not hold (Llama-3.2-3B q|k|v, K 3072: 0.98x
+# at M = 16). Judged on shapes and M it was not read off (Gemma-2-27B's down, 12288 x 5120, the two downs at M =
+# 4..32): 24 of 24 changed plans 1.15-1.34x.
 FILL_MIN_GAIN = 1.4
 FILL_MIN_CHUNKS = 8
 FILL_WARPS = (16, 8, 4, 2, 1)  # powers of two: 3 warps a block in clusters of 4 or 8 ran 0.70-0.94x the plan
