@@ -96,9 +96,9 @@ def warm(plans: list[dict], bits: int) -> None:
 
     from kernels.gemm import gemm_wgmma as wg
 
-    keys = {(p["bm"], p["wt"], p["wgs"], p["stages"], p["splits"], p["dsmem"]) for p in plans}
+    keys = {(p["bm"], p["wt"], p["wgs"], p["stages"], p["splits"], p["dsmem"], p.get("tma", False)) for p in plans}
     with ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        list(ex.map(lambda k: wg.compile_variant(*k, bits=bits), keys))
+        list(ex.map(lambda k: wg.compile_variant(*k[:6], bits=bits, tma=k[6]), keys))
 
 
 def main():

@@ -42,3 +42,18 @@ def test_variants_force_their_block_rows(M):
     rows = 64 if M <= 64 else 128
     assert {(v["wt"], v["wgs"]) for v in vs[1:] if v["bm"] == rows} == set(wg.CANDIDATES[rows])
     assert dict(bm=64, wt=1, wgs=1, splits=4, dsmem=True) in vs
+
+
+def test_warm_builds_the_tma_variants_too(monkeypatch):
+    """The sweep's parallel pre-build compiles each plan's own build, TMA x loads included (a 256-row plan would
+    otherwise be built serially at its first launch)."""
+    from benchmarks import bench_gemm_wgmma_sweep as sweep
+    from kernels.gemm import gemm_wgmma as wg
+
+    built = []
+    monkeypatch.setattr(wg, "compile_variant", lambda *a, **kw: built.append((a, kw)))
+    plans = [wg.gemm_plan(M, 4096, 4096, 132, bits=4) for M in (128, 2048)]
+    assert [p["tma"] for p in plans] == [False, True]
+    sweep.warm(plans + plans, 4)
+    assert sorted((a, kw["tma"]) for a, kw in built) == sorted(
+        ((p["bm"], p["wt"], p["wgs"], p["stages"], p["splits"], p["dsmem"]), p["tma"]) for p in plans)
