@@ -179,8 +179,9 @@ def test_mma_gemv_splits_k_over_a_cluster_only_where_columns_leave_sms_idle():
     """Narrow weights with a long K (Llama-3.2-1B's down: 64 column blocks, K 8192) get a cluster of blocks
     splitting K: the largest that keeps one block per SM and the unsplit plan's warps per block busy; a split that
     would put two blocks on an SM (70B-per-GPU q|k|v, 80 blocks), halve the warps (K 2048), wide weights, and GPUs
-    without clusters get none. The grid's y is the cluster."""
-    for M, N, K, want in [(1, 2048, 8192, 2), (16, 2048, 8192, 2), (1, 2560, 8192, 1), (1, 2048, 2048, 1),
+    without clusters get none; at M = 16 the two 8-row tiles per column slice fill the SMs instead (128 blocks). The
+    grid's y is the cluster."""
+    for M, N, K, want in [(1, 2048, 8192, 2), (16, 2048, 8192, 1), (1, 2560, 8192, 1), (1, 2048, 2048, 1),
                           (1, 1024, 4096, 2), (1, 256, 65536, 8), (1, 4096, 4096, 1), (1, 6144, 4096, 1),
                           (1, 36, 128, 1), (1, 2048, 384, 1)]:
         p = mma.gemv_plan(M, N, K, 128)
@@ -195,6 +196,18 @@ def test_mma_gemv_splits_k_over_a_cluster_only_where_columns_leave_sms_idle():
     # The unsplit builds' flags (so their cache keys and code) are what they were before the split existed.
     assert not any("KSPLIT" in f for f in mma.variant_flags(8, 4, 4, 8))
     assert "-DGEMV_KSPLIT=4" in mma.variant_flags(8, 4, 4, 8, ksplit=4)
+
+
+def test_mma_gemv_two_row_tiles_where_one_leaves_half_the_sms_idle():
+    """M = 9..16: 8-row tiles (two per column slice, x loaded ahead) where 16-row tiles would give at most half the
+    SMs a block (N <= 2112 on 132 SMs; 1B o / down, Qwen2.5-0.5B / 1.5B), 16-row tiles otherwise and past M = 16."""
+    for M, N, K, mt in [(16, 2048, 2048, 1), (9, 2048, 8192, 1), (12, 896, 4864, 1), (16, 576, 1536, 1),
+                        (16, 2112, 2048, 1), (16, 2144, 2048, 2), (16, 3072, 2048, 2), (17, 2048, 2048, 2),
+                        (8, 2048, 2048, 1), (16, 4096, 4096, 2)]:
+        p = mma.gemv_plan(M, N, K, 128)
+        assert p["mt"] == mt, (M, N, K)
+        assert p["grid"][0] == -(-N // 32) * -(-M // (8 * mt)) and p["x_ahead"] == (mt == 1)
+    assert mma.gemv_plan(16, 2048, 2048, 128, sm_count=64)["mt"] == 2  # 64 blocks fill a 64-SM GPU
 
 
 def test_mma_gemv_fill_split_adds_warps_where_the_grid_leaves_sm_slots_empty():

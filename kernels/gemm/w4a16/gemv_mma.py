@@ -90,6 +90,13 @@ def _blocks_per_sm(warps: int, regs: int = REGS_BOUND) -> int:
 # every shape, while mt=8 (the most reuse of each dequantized weight) was 1.7-4x slower: 194 registers leave few
 # warps per SM, and x comes through L1 once per tile per warp. So 2, whatever M.
 MT_DEFAULT = 2
+# ... except at M = 9..16 where one 16-row tile per 32 columns leaves at least half the SMs without a block (N <= 32
+# x SMs / 2: 2112 columns on 132 SMs): there two 8-row tiles per column slice (mt = 1; x loaded a chunk ahead) put
+# twice the blocks on the SMs. H200 (benchmarks/results/dev-logs/h200/gemv_fill_split.md, section 6): read off
+# Llama-3.2-1B's o and down at M = 12 / 16 (64 column blocks: 1.08-1.10x; at 80-96 0.89-1.05x, wider 0.85-0.97x);
+# judged on 8 shapes it was not read off (Qwen2.5-0.5B / 1.5B, SmolLM2-135M's down, Llama-3-70B / 8 q|k|v;
+# 18-64 column blocks) at M = 10 / 12 / 14 / 16: 32 of 32 rows 1.046-1.261x.
+TILE_SPLIT_MAX_M = 16
 
 
 def _plan_warps(blocks: int, chunks: int, mt: int, regs: int, sm_count: int) -> int:
@@ -164,7 +171,7 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     (192 blocks x 16 warps, 1 block/SM), half the warps 17-54% longer at o/down; at M=1 this rule picks the best
     measured of 2-3 choices on all five shapes."""
     if mt is None:
-        mt = 1 if M <= MAX_M else MT_DEFAULT
+        mt = 1 if M <= MAX_M or (M <= TILE_SPLIT_MAX_M and -(-N // 32) <= sm_count // 2) else MT_DEFAULT
     if wscale is None:
         wscale = mt >= 4  # per-group fp32 partial sums for 4+ tiles would double the accumulator registers
     rows = MAX_M * mt
