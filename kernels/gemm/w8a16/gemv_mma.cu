@@ -273,8 +273,8 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   cluster.sync();
   // Block r's share: whole (gate, up) pairs r * P / KSPLIT .. (r + 1) * P / KSPLIT of the block's P column pairs.
   constexpr int kPairs = kCols / 2;
-  const int r = (int)cluster.block_rank();
-  const int c0 = 2 * (r * kPairs / kSplit), c1 = 2 * ((r + 1) * kPairs / kSplit);
+  const int rank = (int)cluster.block_rank();
+  const int c0 = 2 * (rank * kPairs / kSplit), c1 = 2 * ((rank + 1) * kPairs / kSplit);
   store_columns(c0, c1 - c0, [&](int m, int cl) {
     float sum = 0.f;
 #pragma unroll
