@@ -32,9 +32,9 @@ def _cases():
     from kernels.gemm.w4a16.gemv_mma import SPLITS
 
     card = target_card(device_sm())
-    fill = [c for c in plugin_cases(card, FILL_SHAPES)  # only the fill split's GEMV builds of that shape
-            if c.specialise(c.m_hint, card).cuda.route[0] == "w4_gemv_mma"
-            and dict(c.specialise(c.m_hint, card).cuda.route[1]).get("ksplit", 1) not in SPLITS]
+    routes = [(c, c.specialise(c.m_hint, card).cuda.route) for c in plugin_cases(card, FILL_SHAPES)]
+    fill = [c for c, (kind, plan) in routes  # only the fill split's GEMV builds of that shape
+            if kind == "w4_gemv_mma" and dict(plan).get("ksplit", 1) not in SPLITS]
     return plugin_cases(card, ODD_SHAPES + SHAPES) + fill
 
 

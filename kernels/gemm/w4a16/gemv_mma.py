@@ -152,8 +152,8 @@ def fill_ksplit(col_blocks: int, chunks: int, warps: int, ksplit: int, mt: int, 
     for s in range(2, KSPLITS[-1] + 1):
         if chunks % s:
             continue
+        blocks = col_blocks * s
         for w in FILL_WARPS:
-            blocks = col_blocks * s
             if (w * mt > 32 or chunks // s < FILL_MIN_CHUNKS * w
                     or blocks > sm_count * _blocks_per_sm(w, regs)):
                 continue
@@ -169,7 +169,9 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     (splitting K, at most one per chunk) that still fit every block in one wave. H200 runs 1-2
     (benchmarks/results/dev-logs/h200/bench_gemm_summary.md): a second partial wave took 21% longer at qkv
     (192 blocks x 16 warps, 1 block/SM), half the warps 17-54% longer at o/down; at M=1 this rule picks the best
-    measured of 2-3 choices on all five shapes."""
+    measured of 2-3 choices on all five shapes. At M = 9..16 narrow weights take two 8-row tiles per column slice
+    (``TILE_SPLIT_MAX_M``); K splits over a cluster where columns leave SMs idle (``default_ksplit``) or warp slots
+    empty (``fill_ksplit``)."""
     if mt is None:
         mt = 1 if M <= MAX_M or (M <= TILE_SPLIT_MAX_M and -(-N // 32) <= sm_count // 2) else MT_DEFAULT
     if wscale is None:
@@ -177,15 +179,15 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     rows = MAX_M * mt
     col_blocks = -(-N // 32) * -(-M // rows)
     regs = REGS_BY_MT.get(mt, 256)
+    total = K // (32 * u)  # chunks of K
     if ksplit is None:
-        unsplit = _plan_warps(col_blocks, K // (32 * u), mt, regs, sm_count) if warps is None else warps
-        ksplit = default_ksplit(col_blocks, K // (32 * u), unsplit, sm_count, clusters)
+        unsplit = _plan_warps(col_blocks, total, mt, regs, sm_count) if warps is None else warps
+        ksplit = default_ksplit(col_blocks, total, unsplit, sm_count, clusters)
         if warps is None:
-            planned = _plan_warps(col_blocks * ksplit, K // (32 * u) // ksplit, mt, regs, sm_count)
-            fill = fill_ksplit(col_blocks, K // (32 * u), planned, ksplit, mt, regs, sm_count, clusters)
-            if fill:
-                ksplit, warps = fill
-    chunks = K // (32 * u) // ksplit  # per block
+            warps = _plan_warps(col_blocks * ksplit, total // ksplit, mt, regs, sm_count)
+            fill = fill_ksplit(col_blocks, total, warps, ksplit, mt, regs, sm_count, clusters)
+            ksplit, warps = fill or (ksplit, warps)
+    chunks = total // ksplit  # per block
     blocks = col_blocks * ksplit
     if warps is None:
         warps = _plan_warps(blocks, chunks, mt, regs, sm_count)
