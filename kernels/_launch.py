@@ -14,13 +14,9 @@ Programmatic dependent launch (PDL, sm_90+): a kernel whose config carries the c
 the AOT artifact and a TensorRT plugin get) is launched from torch with ``PDL=True`` and Triton's ``launch_pdl``
 when ``pdl_enabled()``. Such a kernel first calls ``gdc_launch_dependents()`` (the next kernel in the stream may be
 scheduled now; it still waits for this one) and ``gdc_wait()`` (this kernel waits for the previous one to finish and
-its writes to be visible) before it reads or writes any tensor an earlier kernel may touch. Before the wait a kernel
-may read only what no kernel of a forward writes: weights, the RoPE table, and the step's index inputs (positions,
-slot mapping, block table, sequence lengths, ``cu_seqlens_q``: copied in before the forward's first kernel, which is
-a plain launch, so every later kernel starts after they landed); and it may prefetch the KV cache into L2
-(``_utils.prefetch_l2``: no value comes back, and L2 sees the earlier kernels' writes). On a decode step, where a
-kernel is a few microseconds, this overlaps each kernel's launch, ramp-up and index lookups with the tail of the one
-before (``benchmarks/results/dev-logs/h100/pdl_probe.md``).
+its writes to be visible) before it reads or writes any tensor an earlier kernel may touch: weights may be read
+before the wait, nothing else. On a decode step, where a kernel is a few microseconds, this overlaps each kernel's
+launch and ramp-up with the tail of the one before (``benchmarks/results/dev-logs/h100/pdl_probe.md``).
 """
 
 from __future__ import annotations

@@ -32,30 +32,7 @@ def device_sm(device=None) -> int:
 def pdl_enter(PDL: tl.constexpr):
     """Start of a kernel launched as a programmatic dependent (``kernels._launch``, PDL): let the next kernel in the
     stream be scheduled, then wait until the previous one has finished and its writes are visible. Call it before the
-    kernel's first read or write of anything but what ``kernels._launch`` allows before the wait. A no-op (not compiled
-    in) when ``PDL`` is False."""
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-
-
-@triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """``pdl_enter``'s first half: the next kernel in the stream may be scheduled now (it still waits for this one)."""
+    kernel's first read or write of anything but weights. A no-op (not compiled in) when ``PDL`` is False."""
     if PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """``pdl_enter``'s second half: wait until the previous kernel has finished and its writes are visible."""
-    if PDL:
         gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at ``ptrs`` (any shape of pointers; no value comes back, nothing waits for it). Safe before
-    a PDL wait on memory the previous kernel may still write: L2 is where the device's writes meet, and the prefetch
-    fills no L1 line. Compiled code only (inline PTX): not in the Triton interpreter."""
-    tl.inline_asm_elementwise("mov.b32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)

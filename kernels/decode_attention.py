@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device, pdl_trigger, pdl_wait, prefetch_l2
+from ._utils import check_device, pdl_enter
 from .prefill_attention import LOG2E
 
 TARGET_PROGRAMS = 264  # ~2 resident programs per SM on a 132-SM H100; a constant, not a device query (AOT rule)
@@ -33,10 +33,6 @@ MAX_SPLITS = 64
 # fp32 elements of one merge tile [heads, splits, D]: 64 registers a thread at 4 warps, what one head of 64 splits at
 # D 128 always took; fewer splits merge several heads per load.
 MERGE_TILE = 8192
-# Launched as a programmatic dependent (PDL), a program first asks L2 for the K / V rows of its split's first
-# L2_AHEAD_TOKENS tokens (``_prefetch_split_kv``), while the kernels before it still run; 0: no prefetch. At most 128
-# tokens: a split's first two 64-token chunks, 64 KB of K and V at D 128 (the whole split at bs 1 x 512 tokens).
-L2_AHEAD_TOKENS = 128
 
 
 @triton.jit
@@ -46,47 +42,14 @@ def _decode_attention_kernel(
     num_tokens, num_blocks, stride_qt, stride_ot, stride_bt,
     QK_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr,
-    L2_AHEAD_TOKENS: tl.constexpr = 0, PDL: tl.constexpr = False,
+    SPLITS_POW2: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MERGE_HEADS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    seq, kv_head, split, num_splits = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
-    pdl_trigger(PDL)
-    if PDL and L2_AHEAD_TOKENS > 0:
-        _prefetch_split_kv(seq, kv_head, split, num_splits, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-                           num_blocks, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, L2_AHEAD_TOKENS)
-    pdl_wait(PDL)
+    pdl_enter(PDL)
     _decode_attention_program(
-        seq, kv_head, split, num_splits, q_ptr, k_cache_ptr, v_cache_ptr,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), q_ptr, k_cache_ptr, v_cache_ptr,
         o_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr, part_o_ptr, part_lse_ptr, counter_ptr, num_tokens,
         num_blocks, stride_qt, stride_ot, stride_bt, QK_SCALE, GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N,
         MAX_SPLITS, SPLITS_POW2, PREFETCH_PAGES, MERGE_HEADS)
-
-
-@triton.jit
-def _prefetch_split_kv(seq, kv_head, split, num_splits, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-                       num_blocks, stride_bt, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, TOKENS: tl.constexpr):
-    """Before the PDL wait: ask L2 for the K and V rows of the first ``TOKENS`` tokens of this program's split, so
-    that its loads after the wait hit L2 instead of DRAM. The split's range is computed as the program computes it,
-    from the sequence length and block table read here without L1 (``.cg``): values only for addresses, re-read after
-    the wait. They cannot change during a forward (``kernels._launch``), and were they stale, the prefetch would only
-    fetch the wrong lines: the prefetch returns nothing, so no result depends on it."""
-    kv_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + seq, cache_modifier=".cg"), 0), stride_bt * PAGE)
-    chunks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
-    lo = split * chunks_per_split * BLOCK_N
-    hi = tl.minimum(lo + chunks_per_split * BLOCK_N, kv_len)
-    if hi > lo:
-        n = tl.minimum(lo + tl.arange(0, TOKENS), hi - 1)  # past the split: its last token again (one fetch)
-        bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-        page = tl.load(bt_row + n // PAGE, cache_modifier=".cg")
-        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
-        row = (page.to(tl.int64) * PAGE + n % PAGE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        # One address per 128-byte line of a token's row at 2-byte elements (the cache's fp16 / bf16; a 4-byte
-        # cache gets every other line, which only weakens the hint).
-        LINES: tl.constexpr = (HEAD_DIM + 63) // 64
-        offs = row[:, None] + (tl.arange(0, LINES) * 64)[None, :]
-        prefetch_l2(k_cache_ptr + offs)
-        prefetch_l2(v_cache_ptr + offs)
 
 
 @triton.jit
@@ -230,7 +193,7 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
                       MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=splits_pow2,
                       PREFETCH_PAGES=True,  # +1-5% over per-iteration page loads (third H200 sweep)
                       MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),
-                      L2_AHEAD_TOKENS=L2_AHEAD_TOKENS, PDL=False)
+                      PDL=False)
     # 4 warps, 2 stages (64 KB of K/V tiles in flight per program, 3 programs per SM): 4157 GB/s vs 3286 with 3
     # stages at bs 64 x 4k on H200 (first sweep).
     return LaunchConfig(_decode_attention_kernel, (num_seqs, num_kv_heads, splits), constexprs,

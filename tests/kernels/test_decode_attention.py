@@ -154,52 +154,6 @@ def test_paged_attention_op_cpu_and_fake():
     torch.testing.assert_close(torch.ops.tritrt.paged_attention(*args), ref.paged_attention_ref(*args))
 
 
-_PTX_BEFORE_WAIT = r"""
-import json, sys
-from kernels.aot.compile import compile_triton
-from kernels.decode_attention import decode_attention_launch_config
-cfg = decode_attention_launch_config(1, 32, 8, 128, 16, 137, 128 ** -0.5)
-sig = {n: t for n, t in [("q_ptr", "*fp16"), ("k_cache_ptr", "*fp16"), ("v_cache_ptr", "*fp16"), ("o_ptr", "*fp16"),
-       ("block_table_ptr", "*i32"), ("seq_lens_ptr", "*i32"), ("cu_seqlens_q_ptr", "*i32"), ("part_o_ptr", "*fp32"),
-       ("part_lse_ptr", "*fp32"), ("counter_ptr", "*i32"), ("num_tokens", "i32"), ("num_blocks", "i32"),
-       ("stride_qt", "i32"), ("stride_ot", "i32"), ("stride_bt", "i32")]}
-out = {}
-for ahead in (128, 0):
-    art = compile_triton(cfg.kernel, sig, {**cfg.constexprs, "L2_AHEAD_TOKENS": ahead, "PDL": True}, sm=90,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    out[ahead] = art.ptx
-json.dump(out, sys.stdout)
-"""
-
-
-@pytest.mark.slow
-def test_decode_reads_before_the_pdl_wait_are_hints_only():
-    """What the PDL build (``_prefetch_split_kv``) does before ``griddepcontrol.wait``: L1-bypassing index loads and L2
-    prefetches of K / V, nothing that a result depends on (no plain load, no store, no atomic): sm_90 PTX, compiled
-    in a process without the interpreter."""
-    import json
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", _PTX_BEFORE_WAIT], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ptx = json.loads(r.stdout)
-    for ahead, text in ptx.items():
-        head, wait, _ = text.partition("griddepcontrol.wait")
-        assert wait, "the PDL build has no griddepcontrol.wait"
-        assert "griddepcontrol.launch_dependents" in head
-        assert not re.search(r"\b(st|atom|red)\.global", head)
-        assert not re.search(r"\bld\.global\.(?!cg\b)", head), "a cached (L1) load before the PDL wait"
-        # 128 tokens x 2 lines of K and of V over 128 threads; none without the prefetch
-        assert head.count("prefetch.global.L2") == (4 if ahead == "128" else 0)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch,kv_len", [(1, 16384), (16, 4000), (64, 1023), (7, 123)])
