@@ -62,8 +62,13 @@ MIN_K_TILES = 16
 # (benchmarks/results/dev-logs/h100/wgmma_plan_general.md), split 4 vs 2: K = 2048 (1B, tuned on) W8A16 M = 64 1.01x
 # vs 0.77x cuBLAS (qkv), 0.90 vs 0.67 (o), M = 128 0.85 vs 0.79, 0.73 vs 0.67; K = 3072 (3B qkv, judged on) W8 M = 64
 # 1.19 vs 1.06, M = 128 0.99 vs 0.84, W4 1.28 vs 1.04, 0.97 vs 0.86. At M = 256 mixed (1B o 0.59 vs 0.72).
+# From M = 17, the first M the routes give this GEMM (the rule started at 64 before): M = 17..63 runs the same 64-row
+# blocks as M = 64 (rows past M zero-filled), so a block costs there what it costs at M = 64 and the plan should be
+# M = 64's. Without the rule there, short K kept half the splits, and half the resident warps, of M = 64's plan
+# (Qwen2.5-7B q|k|v W4A16 at M = 40 / 56 0.73 / 0.75x cuBLAS, the M = 64 plan's variant 0.94 / 0.95x; H200,
+# benchmarks/results/dev-logs/h200/wgmma_short_split_dsmem.md).
 SHORT_K_SPLITS = 4
-SHORT_K_M = (64, 128)
+SHORT_K_M = (17, 128)
 MIN_SHORT_K_TILES = 4
 # Unsplit plans for M in WIDE_M whose 64-column tiles are many take two tiles per warpgroup (wt = 2, same bm and wgs)
 # when the wider blocks still number WIDE_MIN_FILL of the SMs: the block reads each x stage once for twice the
