@@ -62,13 +62,17 @@ MIN_K_TILES = 16
 # (benchmarks/results/dev-logs/h100/wgmma_plan_general.md), split 4 vs 2: K = 2048 (1B, tuned on) W8A16 M = 64 1.01x
 # vs 0.77x cuBLAS (qkv), 0.90 vs 0.67 (o), M = 128 0.85 vs 0.79, 0.73 vs 0.67; K = 3072 (3B qkv, judged on) W8 M = 64
 # 1.19 vs 1.06, M = 128 0.99 vs 0.84, W4 1.28 vs 1.04, 0.97 vs 0.86. At M = 256 mixed (1B o 0.59 vs 0.72).
-# From M = 17, the first M the routes give this GEMM (the rule started at 64 before): M = 17..63 runs the same 64-row
-# blocks as M = 64 (rows past M zero-filled), so a block costs there what it costs at M = 64 and the plan should be
-# M = 64's. Without the rule there, short K kept half the splits, and half the resident warps, of M = 64's plan
-# (Qwen2.5-7B q|k|v W4A16 at M = 40 / 56 0.73 / 0.75x cuBLAS, the M = 64 plan's variant 0.94 / 0.95x; H200,
-# benchmarks/results/dev-logs/h200/wgmma_short_split_dsmem.md).
+# Below 64, by weight bits: M = 17..63 runs the same 64-row blocks as M = 64 (rows past M zero-filled), so a block costs
+# there what it costs at M = 64 and the plan should be M = 64's. With the rule from 64 only, short K kept half the
+# splits, and half the resident warps, of M = 64's plan below it (Qwen2.5-7B q|k|v W4A16 at M = 40 / 56 0.73 / 0.75x
+# cuBLAS, the M = 64 plan's variant 0.94 / 0.95x; H200, benchmarks/results/dev-logs/h200/wgmma_short_split_dsmem.md).
+# INT8 from 17, the first M its route gives this GEMM; INT4 from 33, above the GEMV's range (at M = 17..32 the W4A16
+# route compares this plan's resident warps with the GEMV's, kernels.gemm.routing.wgmma_over_gemv: from 17 the rule
+# would move calls from the GEMV unmeasured, e.g. K = 1024, N 6144-11264). Judged on every plan it changes (15 shapes
+# with K <= 3584, both builds; W4 at M = 40 / 56, W8 at 24 / 40 / 56; H200, dev-logs/h200/wgmma_short_k_small_m.md):
+# 75 of 75 faster, 1.019-1.991x (Qwen2.5-1.5B's and SmolLM2's down ~1.9x, 1B / 3B / Qwen2.5-7B q|k|v 1.04-1.34x).
 SHORT_K_SPLITS = 4
-SHORT_K_M = (17, 128)
+SHORT_K_M = {4: (33, 128), 8: (17, 128)}
 MIN_SHORT_K_TILES = 4
 # Unsplit plans for M in WIDE_M whose 64-column tiles are many take two tiles per warpgroup (wt = 2, same bm and wgs)
 # when the wider blocks still number WIDE_MIN_FILL of the SMs: the block reads each x stage once for twice the
@@ -289,7 +293,7 @@ def _plan(M, N, K, sm_count, bm, wt, wgs, stages, splits, dsmem, bits, tma=None)
             tiles = -(-M // bm_) * (N // bn)
             cap = sm_count * blocks_per_sm(bm_, a, b, stages, bits)
             for s in [splits] if splits else [s for s in SPLITS if s == 1 or (
-                    _split_long_enough(ktiles, s, M) and tiles * s <= cap)]:
+                    _split_long_enough(ktiles, s, M, bits) and tiles * s <= cap)]:
                 if dsmem and s > 1 and not dsmem_fits(bm_, a, b, stages, bits):
                     continue  # asked for DSMEM sums: only blocks whose partial tile fits
                 key = (_resident_warps(tiles * s, b, cap, sm_count), bm_ == 128, -s, b if bits == 8 else -b, bn)
@@ -358,11 +362,12 @@ def _clusters_fit(splits: int, ctas: int, cap: int) -> bool:
     return splits <= 2 or ctas <= (DSMEM_MAX_FILL if splits <= 4 else DSMEM_MAX_FILL_8) * cap
 
 
-def _split_long_enough(ktiles: int, s: int, M: int) -> bool:
+def _split_long_enough(ktiles: int, s: int, M: int, bits: int) -> bool:
     """Whether ``s`` splits of ``ktiles`` K stages leave each long enough: ``MIN_K_TILES``, or, for M in
-    ``SHORT_K_M``, up to ``SHORT_K_SPLITS`` splits of a quarter of K at least (``MIN_SHORT_K_TILES`` or more)."""
+    ``SHORT_K_M[bits]``, up to ``SHORT_K_SPLITS`` splits of a quarter of K at least (``MIN_SHORT_K_TILES`` or more)."""
     per = ktiles // s
-    return per >= MIN_K_TILES or (SHORT_K_M[0] <= M <= SHORT_K_M[1] and s <= SHORT_K_SPLITS
+    lo, hi = SHORT_K_M[bits]
+    return per >= MIN_K_TILES or (lo <= M <= hi and s <= SHORT_K_SPLITS
                                   and per >= max(MIN_SHORT_K_TILES, ktiles // SHORT_K_SPLITS))
 
 

@@ -149,15 +149,20 @@ def test_wgmma_gemm_plan_and_support():
 
 def test_wgmma_gemm_plan_short_k_and_wide_rules():
     """The two refinements of the warps ranking (gemm_wgmma.SHORT_K_SPLITS, WIDE_MIN_FILL), each only where it was
-    measured: short K splits into quarters at M = 64..128, many unsplit tiles go two to a warpgroup at M = 64..256."""
+    measured: short K splits into quarters at M = 64..128 and below, down to 33 (INT4) / 17 (INT8), where the 64-row
+    blocks are M = 64's (SHORT_K_M); many unsplit tiles go two to a warpgroup at M = 64..256."""
     for bits in (4, 8):
         # K = 2048 (32 stages): split 4 of 8 stages at M = 64 and 128 (the old floor of 16 stages allowed 2) ...
         for M in (64, 128):
             p = wg.gemm_plan(M, 3072, 2048, bits=bits)
             assert p["splits"] == 4 and -(-32 // p["splits"]) >= wg.MIN_SHORT_K_TILES, (bits, M, p)
-        # ... not outside that range (M = 32 feeds the W4A16 GEMV-or-wgmma choice, which was tuned without it), and
+        # ... below 64 down to SHORT_K_M's start, M = 64's plan (the same 64-row blocks) ...
+        lo = wg.SHORT_K_M[bits][0]
+        for M in (lo, (lo + 63) // 2, 63):
+            assert wg.gemm_plan(M, 3072, 2048, bits=bits) == wg.gemm_plan(64, 3072, 2048, bits=bits), (bits, M)
+        # ... not below it (INT4 at M = 17..32 feeds the W4A16 GEMV-or-wgmma choice, which was tuned without it), and
         # never past a quarter of K or below MIN_SHORT_K_TILES stages.
-        assert wg.gemm_plan(32, 3072, 2048, bits=bits)["splits"] <= 2
+        assert wg.gemm_plan(lo - 1, 3072, 2048, bits=bits)["splits"] <= 2
         assert wg.gemm_plan(256, 2048, 2048, bits=bits)["splits"] <= 2
         assert wg.gemm_plan(64, 3072, 512, bits=bits)["splits"] <= 2  # 8 stages: quarters of 2 are too short
         # K = 4096 and longer: unchanged, splits of >= MIN_K_TILES stages (up to 8 where the tiles are few).
