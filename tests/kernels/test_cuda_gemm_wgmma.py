@@ -483,3 +483,31 @@ def test_wgmma_w8_gemm_matches_reference(M, N, K):
                                 swiglu=True, **v)
         assert_close_to_ref(y, ref_sw, baseline=torch.nn.functional.silu(base[:, 0::2]) * base[:, 1::2], factor=2.0,
                             atol=0.5 * torch.finfo(torch.float16).eps * float(ref_sw.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,M", [(4, 33), (4, 63), (8, 17), (8, 40)])
+def test_wgmma_gemm_short_k_plans_below_64(bits, M):
+    """The plans SHORT_K_M gives M = 17..63 on a short K (2048: split 4 of 8 stages, M = 64's plan; rows past M are
+    padding): every output against the fp32 reference, deterministic."""
+    from kernels._utils import device_sm
+
+    if device_sm() != 90:
+        pytest.skip("the wgmma GEMM is sm_90 (Hopper) code")
+    N, K = 3072, 2048
+    assert wg.gemm_plan(M, N, K, bits=bits)["splits"] == 4
+    if bits == 4:
+        x, qw, bias, ref, base = w4_gpu_case(M, N, K, 128, False, seed=M)
+        run = lambda out=None: wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128, bias, out=out)  # noqa: E731
+    else:
+        g = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, generator=g).half().cuda()
+        qw = quantize_int8(torch.randn(N, K, generator=g).half() * 0.05).to("cuda")
+        bias = torch.randn(N, generator=g).half().cuda()
+        ref = w8a16_reference(x, qw.qweight, qw.scales, bias)
+        base = x @ dequantize(qw).t() + bias
+        run = lambda out=None: wg.w8a16_gemm_wgmma(x, qw.qweight, qw.scales, bias, out=out)  # noqa: E731
+    y = run(poisoned((M, N), torch.float16, "cuda"))
+    assert_close_to_ref(y, ref, baseline=base, factor=2.0,
+                        atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+    assert torch.equal(run(), y)
