@@ -155,7 +155,8 @@ DSMEM_MAX_FILL_8 = 0.75
 # (0.85-1.42x), 16-70 stages 13 of 40 slower; read off Qwen2.5-1.5B / 3B q|k|v W4 at M = 128 (1.08x, 1.13x); the H100's
 # table (dev-logs/h100/wgmma_ws_alternatives.json) at 8 stages 0.99-1.12x, at 16+ 0.77-1.14x. Judged on every plan it
 # changes on 1b_qkv, 1b_o and SmolLM2-135M's projections (W4 / W8, M = 64 / 96 / 128): 27 of 27 faster, 1.012-1.323x,
-# bit-identical. In effect at M = 64..128 (SHORT_K_SPLITS is what splits that short).
+# bit-identical. In effect where SHORT_K_SPLITS splits that short (``SHORT_K_M``: M up to 128; below 64 since
+# M = 64's plans were given to M = 33..63 / 17..63, judged there with these DSMEM sums).
 DSMEM_SHORT_SPLIT_K_TILES = 8
 # Launched as a programmatic dependent (the prologue's weight copies before the PDL wait) only for blocks of at least
 # PDL_MIN_BM rows. H100, routed ops, 21 shapes x M = 32-256 x W4 / W8, PDL on vs off in one process
@@ -258,7 +259,8 @@ def gemm_plan(M: int, N: int, K: int, sm_count: int = 132, bm: Optional[int] = N
     ``DSMEM_SHORT_SPLIT_K_TILES``. Three rules the warps ranking misses, each where it was measured: from M = 256 the
     256-row blocks of ``BIG_M`` come first (one block per SM, half the dequantization per row; long splits through the
     workspace where DSMEM clusters would not fit, ``BIG_WS_MIN_K_TILES``), short K may split into quarters at M =
-    64..128 (``SHORT_K_SPLITS``), and many unsplit tiles go two to a warpgroup at M = 64..256 (``WIDE_MIN_FILL``). Then
+    33..128 for INT4, 17..128 for INT8 (``SHORT_K_SPLITS``, ``SHORT_K_M``), and many unsplit tiles go two to a
+    warpgroup at M = 64..256 (``WIDE_MIN_FILL``). Then
     the stage count: ``STAGES``, ``BIG_STAGES`` for 256-row blocks, and ``SOLO_STAGES`` (one block barrier per stage)
     for INT8 64-row DSMEM splits with at most one block per SM; and 256-row plans copy x with the tensor memory
     accelerator (``BIG_TMA``; ``tma`` forces it either way). Measured (H100,
