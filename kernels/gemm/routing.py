@@ -6,7 +6,8 @@ activation dtype, the GPU (a ``Card``) and the few flags that change the choice.
 W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEMV_MMA_MAX_M`` rows (M > 8 tiled in
 M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
 ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
-``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape, the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
+``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape (but up to ``GEMV_FEW_WARPS_MAX_M`` the GEMV where its plan
+keeps fewer than ``WGMMA_FEW_WARPS`` warps per SM), the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
 ``WGMMA_W4_BIG_MAX_M`` where its plan takes 256-row blocks).
 W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper from ``WGMMA_W8_MIN_M`` the
 wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Both, past those limits up
@@ -88,6 +89,15 @@ WGMMA_W4 = True
 # (2.07-2.63 vs 1.58-2.05).
 GEMV_ONLY_MAX_M = 16
 WGMMA_MIN_WARPS = 10
+# Above CUDA_GEMV_MMA_MAX_M, up to GEMV_FEW_WARPS_MAX_M, on sm_90: the tensor-core GEMV (tiled in M) instead of the
+# wgmma GEMM where the wgmma plan keeps fewer than WGMMA_FEW_WARPS warps per SM resident (narrow, short weights: too
+# few tiles to split). H200, both forced in one process at M = 33 / 40 / 48 / 56 / 64 (benchmarks/results/dev-logs/h200/
+# gemv_vs_wgmma_m33_64.md): read off 14 shapes (1B-13B, 70B/4, Llama-3-8B), the GEMV won only on 1b_o (3.9 warps,
+# 1.22-1.26x) and lost from 5.8 warps up (1b_qkv 0.94-0.97x, the rest 0.39-0.99x), so the bound sits between; judged on
+# 15 shapes it was not read off (Qwen2.5-0.5B / 1.5B / 3B / 7B, Gemma-2-2B, Phi-3-mini, Mistral-NeMo, SmolLM2), 35
+# (shape, M) rows change: 31 faster (1.184-1.643x), 4 slower (0.950-0.965x: 4.4-4.8 warps at M = 52-64).
+GEMV_FEW_WARPS_MAX_M = 64
+WGMMA_FEW_WARPS = 5
 # Two-tile 64-row wgmma plans (gemm_wgmma.SMALL_WIDE_M's, K split over DSMEM, and the warps ranking's own where it
 # picks two tiles) keep fewer warps resident and still beat the GEMV: H200, M = 24 / 32 on five shapes the rule takes
 # (benchmarks/results/dev-logs/h200/wgmma_small_m_wide.md), GEMV 1.10-1.31x cuBLAS against 1.39-1.65x; the ranking's
@@ -176,8 +186,11 @@ def wgmma_fills_prefill(M: int, wg_plan: dict, card: Card, bits: int) -> bool:
 
 
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
-    """Whether an fp16 W4A16 call with M <= CUDA_GEMV_MMA_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
-    the tensor-core GEMV (see GEMV_ONLY_MAX_M and, for two-tile 64-row plans, the note under WGMMA_MIN_WARPS)."""
+    """Whether an fp16 W4A16 call with M <= GEMV_FEW_WARPS_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
+    the tensor-core GEMV (see GEMV_ONLY_MAX_M and, for two-tile 64-row plans, the note under WGMMA_MIN_WARPS; above
+    CUDA_GEMV_MMA_MAX_M, WGMMA_FEW_WARPS)."""
+    if M > CUDA_GEMV_MMA_MAX_M:
+        return wg_plan["warps_per_sm"] >= WGMMA_FEW_WARPS
     return M > GEMV_ONLY_MAX_M and (wg_plan["warps_per_sm"] >= WGMMA_MIN_WARPS
                                     or (wg_plan["bm"] == 64 and wg_plan["wt"] == 2))
 
@@ -201,7 +214,8 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
         wg = None  # past WGMMA_W4_MAX_M only with 256-row blocks
     if wg is not None and M > WGMMA_W4_BIG_MAX_M and not wgmma_fills_prefill(M, wg, card, 4):
         wg = None
-    if (not residual and M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))
+    gemv_m = M <= CUDA_GEMV_MMA_MAX_M or (wg is not None and M <= GEMV_FEW_WARPS_MAX_M)
+    if (not residual and gemv_m and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
                                                                       clusters=card.sm >= 90))

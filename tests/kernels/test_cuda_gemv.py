@@ -315,7 +315,7 @@ def test_mma_gemv_clusters_of_any_size_match_reference(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [9, 16, 31, 64, 100, 128, 257])
+@pytest.mark.parametrize("M", [9, 16, 31, 40, 57, 64, 100, 128, 257])
 @pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1000, 14336, 32, True),
                                                       (36, 256, 64, False)])
 def test_mma_gemm_tiled_in_m_matches_reference(M, N, K, group_size, symmetric):

@@ -256,6 +256,13 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemm_wgmma", swiglu, bias, where)
         assert card.sm == 90 and not residual and M > routing.GEMV_ONLY_MAX_M, where
         return
+    if got.backend == "w4_gemv_mma" and legacy.CUDA_GEMV_MMA_MAX_M < M <= routing.GEMV_FEW_WARPS_MAX_M:
+        # Changed on purpose from the cascade: M = 33..64 goes to the tensor-core GEMV where the wgmma plan keeps
+        # fewer than WGMMA_FEW_WARPS warps per SM resident (routing, the note there).
+        _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemv_mma", swiglu, bias, where)
+        wg = routing.wgmma_plan(M, N, K, gs, dtype, card)
+        assert card.sm == 90 and not residual and wg["warps_per_sm"] < routing.WGMMA_FEW_WARPS, where
+        return
     calls = kernels.run(legacy.w4a16_linear, *args)
     assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
     got = route_w4a16(M, N, K, dtype, card, group_size=gs, residual=residual, swiglu=swiglu, aligned=aligned)
@@ -709,3 +716,26 @@ def test_ops_route_large_m_through_dequantize_and_cublas(bits, dtype):
         ref2 = w8a16_reference(x, qw.qweight, qw.scales, bias, res2, True)
     assert torch.equal(y2, swiglu(dequant_matmul(x, w_kn, bias), interleaved=True) + res2)
     assert_gemm_close(y2, ref2, dequant_baseline(x, qw, bias, res2, swiglu=True))
+
+
+def test_w4_gemv_takes_m33_to_64_where_the_wgmma_plan_keeps_few_warps():
+    """M = CUDA_GEMV_MMA_MAX_M + 1 .. GEMV_FEW_WARPS_MAX_M on Hopper: the tensor-core GEMV where the wgmma plan keeps
+    fewer than WGMMA_FEW_WARPS warps per SM resident (narrow, short weights), the wgmma GEMM elsewhere; not on cards
+    without the wgmma GEMM (Triton there, as before), not past 64, not with a residual."""
+    def w4(M, N, K, card=routing.H200, **kw):
+        return route_w4a16(M, N, K, torch.float16, card, group_size=128, **kw)
+
+    for N, K in ((2048, 2048), (2048, 1536), (576, 1536)):  # Llama-3.2-1B o, Qwen2.5-1.5B q|k|v, SmolLM2-135M down
+        for M in (33, 48, 64):
+            assert routing.wgmma_plan(M, N, K, 128, torch.float16, routing.H200)["warps_per_sm"] < \
+                routing.WGMMA_FEW_WARPS
+            assert w4(M, N, K).backend == GEMV, (N, K, M)
+            assert w4(M, N, K, swiglu=True).swiglu == "fused"
+            assert w4(M, N, K, residual=True).backend != GEMV
+            assert w4(M, N, K, card=A100).backend == "triton_w4_gemm"
+        assert w4(65, N, K).backend == WGMMA
+    for N, K in ((4096, 4096), (6144, 4096), (3072, 2048)):  # Llama-3-8B o (7.8 warps), q|k|v, Llama-3.2-1B q|k|v
+        for M in (33, 48, 64):
+            assert routing.wgmma_plan(M, N, K, 128, torch.float16, routing.H200)["warps_per_sm"] >= \
+                routing.WGMMA_FEW_WARPS
+            assert w4(M, N, K).backend == WGMMA, (N, K, M)
