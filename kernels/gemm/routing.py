@@ -214,7 +214,12 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
         wg = None  # past WGMMA_W4_MAX_M only with 256-row blocks
     if wg is not None and M > WGMMA_W4_BIG_MAX_M and not wgmma_fills_prefill(M, wg, card, 4):
         wg = None
-    gemv_m = M <= CUDA_GEMV_MMA_MAX_M or (wg is not None and M <= GEMV_FEW_WARPS_MAX_M)
+    # M = 33..64: the GEMV where the wgmma plan keeps few warps, whether or not these operands suit the wgmma GEMM
+    # (the op asks again with aligned=False only when the route names the wgmma GEMM)
+    few = (not residual and WGMMA_W4 and CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M
+           and (p := wg or wgmma_plan(M, N, K, group_size, dtype, card)) is not None
+           and p["warps_per_sm"] < WGMMA_FEW_WARPS)
+    gemv_m = M <= CUDA_GEMV_MMA_MAX_M or few
     if (not residual and gemv_m and not (wg and wgmma_over_gemv(M, wg))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,

@@ -259,7 +259,11 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
     if got.backend == "w4_gemv_mma" and legacy.CUDA_GEMV_MMA_MAX_M < M <= routing.GEMV_FEW_WARPS_MAX_M:
         # Changed on purpose from the cascade: M = 33..64 goes to the tensor-core GEMV where the wgmma plan keeps
         # fewer than WGMMA_FEW_WARPS warps per SM resident (routing, the note there).
-        _only_call(kernels, ops_gemm._w4a16_linear, args, "w4_gemv_mma", swiglu, bias, where)
+        calls = kernels.run(ops_gemm._w4a16_linear, *args)
+        assert [c[0] for c in calls] == ["w4_gemv_mma"], where
+        a = dict(calls[0][1])  # x: the op's x, or its contiguous copy (strided layouts), as for M <= 32
+        assert (a["qweight"], a["scales"], a["swiglu"]) == ("arg1", "arg2", swiglu), where
+        assert a["bias"] == (f"arg{len(args) - 3}" if bias else None), where
         wg = routing.wgmma_plan(M, N, K, gs, dtype, card)
         assert card.sm == 90 and not residual and wg["warps_per_sm"] < routing.WGMMA_FEW_WARPS, where
         return
