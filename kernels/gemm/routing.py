@@ -94,7 +94,7 @@ WGMMA_MIN_WARPS = 10
 # few tiles to split). H200, both forced in one process at M = 33 / 40 / 48 / 56 / 64 (benchmarks/results/dev-logs/h200/
 # gemv_vs_wgmma_m33_64.md): read off 14 shapes (1B-13B, 70B/4, Llama-3-8B), the GEMV won only on 1b_o (3.9 warps,
 # 1.22-1.26x) and lost from 5.8 warps up (1b_qkv 0.94-0.97x, the rest 0.39-0.99x), so the bound sits between; judged on
-# 15 shapes it was not read off (Qwen2.5-0.5B / 1.5B / 3B / 7B, Gemma-2-2B, Phi-3-mini, Mistral-NeMo, SmolLM2), 35
+# 20 shapes it was not read off (Qwen2.5-0.5B / 1.5B / 3B / 7B, Gemma-2-2B, Phi-3-mini, Mistral-NeMo, SmolLM2), 35
 # (shape, M) rows change: 31 faster (1.184-1.643x), 4 slower (0.950-0.965x: 4.4-4.8 warps at M = 52-64).
 GEMV_FEW_WARPS_MAX_M = 64
 WGMMA_FEW_WARPS = 5
