@@ -186,11 +186,8 @@ def wgmma_fills_prefill(M: int, wg_plan: dict, card: Card, bits: int) -> bool:
 
 
 def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
-    """Whether an fp16 W4A16 call with M <= GEMV_FEW_WARPS_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
-    the tensor-core GEMV (see GEMV_ONLY_MAX_M and, for two-tile 64-row plans, the note under WGMMA_MIN_WARPS; above
-    CUDA_GEMV_MMA_MAX_M, WGMMA_FEW_WARPS)."""
-    if M > CUDA_GEMV_MMA_MAX_M:
-        return wg_plan["warps_per_sm"] >= WGMMA_FEW_WARPS
+    """Whether an fp16 W4A16 call with M <= CUDA_GEMV_MMA_MAX_M goes to the wgmma GEMM (plan ``wg_plan``) rather than
+    the tensor-core GEMV (see GEMV_ONLY_MAX_M and, for two-tile 64-row plans, the note under WGMMA_MIN_WARPS)."""
     return M > GEMV_ONLY_MAX_M and (wg_plan["warps_per_sm"] >= WGMMA_MIN_WARPS
                                     or (wg_plan["bm"] == 64 and wg_plan["wt"] == 2))
 
@@ -214,13 +211,12 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
         wg = None  # past WGMMA_W4_MAX_M only with 256-row blocks
     if wg is not None and M > WGMMA_W4_BIG_MAX_M and not wgmma_fills_prefill(M, wg, card, 4):
         wg = None
-    # M = 33..64: the GEMV where the wgmma plan keeps few warps, whether or not these operands suit the wgmma GEMM
-    # (the op asks again with aligned=False only when the route names the wgmma GEMM)
-    few = (not residual and WGMMA_W4 and CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M
-           and (p := wg or wgmma_plan(M, N, K, group_size, dtype, card)) is not None
-           and p["warps_per_sm"] < WGMMA_FEW_WARPS)
-    gemv_m = M <= CUDA_GEMV_MMA_MAX_M or few
-    if (not residual and gemv_m and not (wg and wgmma_over_gemv(M, wg))
+    # M = 33..64: the GEMV where the wgmma plan keeps few warps (WGMMA_FEW_WARPS), whether or not these operands suit
+    # the wgmma GEMM (the op asks again with aligned=False only when the route names the wgmma GEMM)
+    few_warps = (WGMMA_W4 and CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M
+                 and (p := wg or wgmma_plan(M, N, K, group_size, dtype, card)) is not None
+                 and p["warps_per_sm"] < WGMMA_FEW_WARPS)
+    if (not residual and (few_warps or (M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,
                                                                       clusters=card.sm >= 90))
