@@ -555,18 +555,24 @@ def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M, N):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [33, 64, 128, 255])
-def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
+@pytest.mark.parametrize("M, N", [(33, 8192), (64, 8192), (33, 2048), (64, 2048), (128, 2048), (255, 2048)])
+def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M, N):
+    """M = 33..255 on Hopper: the wgmma GEMM, except at M <= GEMV_FEW_WARPS_MAX_M where its plan keeps fewer than
+    WGMMA_FEW_WARPS warps per SM (N = 2048, K = 1024 at M = 33 and 64): the tensor-core GEMV tiled in M."""
     x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
-    qw = quantize_int4(torch.randn(2048, 1024, dtype=torch.float16), 128).to("cuda")
-    r = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
+    qw = quantize_int4(torch.randn(N, 1024, dtype=torch.float16), 128).to("cuda")
+    r = torch.randn(M, N, device="cuda", dtype=torch.float16)
     args = (x, qw.qweight, qw.scales, qw.zeros, 128)
     y_op = torch.ops.tritrt.w4a16_linear(*args, None, None)
     if routing.card_of().sm == 90:
-        assert _gpu_route("w4", M, 2048, 1024, group_size=128).backend == WGMMA
-        assert torch.equal(y_op, wg.w4a16_gemm_wgmma(*args))
+        plan = routing.wgmma_plan(M, N, 1024, 128, torch.float16, routing.card_of())
+        few_warps = M <= routing.GEMV_FEW_WARPS_MAX_M and plan["warps_per_sm"] < routing.WGMMA_FEW_WARPS
+        assert few_warps == (N == 2048 and M <= 64)  # the cases are what they say
+        want = GEMV if few_warps else WGMMA
+        assert _gpu_route("w4", M, N, 1024, group_size=128).backend == want
+        assert torch.equal(y_op, mma.w4a16_gemv_mma(*args) if few_warps else wg.w4a16_gemm_wgmma(*args))
     # With a residual the op takes the Triton kernel (the wgmma GEMM has no residual epilogue).
-    assert _gpu_route("w4", M, 2048, 1024, group_size=128, residual=True).backend == "triton_w4_gemm"
+    assert _gpu_route("w4", M, N, 1024, group_size=128, residual=True).backend == "triton_w4_gemm"
     y_res = torch.ops.tritrt.w4a16_linear(*args, None, r)
     assert torch.equal(y_res, w4a16_gemm(*args, residual=r))
     ref = w4a16_reference(*args)
@@ -577,7 +583,8 @@ def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 64, 128, 300, 600, 768])
 def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
-    """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M, the wgmma GEMM (Hopper)
+    """``w4a16_linear(..., swiglu=True)``: the tensor-core GEMV up to CUDA_GEMV_MMA_MAX_M (on Hopper up to
+    GEMV_FEW_WARPS_MAX_M where the wgmma plan keeps few warps: M = 64 on this shape), the wgmma GEMM (Hopper)
     up to WGMMA_W4_MAX_M (up to WGMMA_W4_BIG_MAX_M with 256-row blocks: M = 768, not 600), from there (and from
     DEQUANT_MIN_M_W4 where the wgmma GEMM does not run: a residual, not Hopper) dequantize + cuBLAS + the SwiGLU kernel
     on interleaved pairs; with a residual the Triton kernel below DEQUANT_MIN_M_W4. All within tolerance of the
@@ -609,8 +616,10 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
         assert (route_res.backend, route_res.swiglu) == ("triton_w4_gemm", "fused")
         assert torch.equal(y_res, w4a16_gemm(*args, r, swiglu=True))  # a residual: the Triton epilogue
         assert route.swiglu == "fused"
-        if route.backend == GEMV:
-            assert M <= routing.CUDA_GEMV_MMA_MAX_M
+        if route.backend == GEMV:  # above CUDA_GEMV_MMA_MAX_M only where the wgmma plan keeps few warps (Hopper)
+            plan = routing.wgmma_plan(M, N, K, 128, torch.float16, routing.card_of()) if hopper else None
+            assert M <= routing.CUDA_GEMV_MMA_MAX_M or (M <= routing.GEMV_FEW_WARPS_MAX_M and plan is not None
+                                                         and plan["warps_per_sm"] < routing.WGMMA_FEW_WARPS)
             assert torch.equal(y, mma.w4a16_gemv_mma(*args, swiglu=True))
         elif route.backend == WGMMA:
             assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
