@@ -556,7 +556,7 @@ def test_op_routes_small_fp16_to_gemv_and_agrees_with_triton(M, N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M, N", [(33, 8192), (64, 8192), (33, 2048), (64, 2048), (128, 2048), (255, 2048)])
-def test_op_routes_mid_m_fp16_to_wgmma_on_hopper(M, N):
+def test_op_routes_mid_m_fp16_on_hopper(M, N):
     """M = 33..255 on Hopper: the wgmma GEMM, except at M <= GEMV_FEW_WARPS_MAX_M where its plan keeps fewer than
     WGMMA_FEW_WARPS warps per SM (N = 2048, K = 1024 at M = 33 and 64): the tensor-core GEMV tiled in M."""
     x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
