@@ -192,6 +192,18 @@ def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
                                     or (wg_plan["bm"] == 64 and wg_plan["wt"] == 2))
 
 
+def gemv_over_few_warps(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dtype, card: Card,
+                        wg_plan: Optional[dict] = None) -> bool:
+    """Whether an fp16 W4A16 call with CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M goes to the tensor-core GEMV
+    rather than the wgmma GEMM: where the wgmma plan (``wg_plan``, else this call's) keeps fewer than WGMMA_FEW_WARPS
+    warps per SM (see there). Decided from the plan whether or not the operands suit the wgmma GEMM, so that the route
+    and the op agree when the op asks again with ``aligned=False``; False where the wgmma GEMM takes no such shape."""
+    if not (WGMMA_W4 and CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M):
+        return False
+    plan = wg_plan or wgmma_plan(M, N, K, group_size, dtype, card)
+    return plan is not None and plan["warps_per_sm"] < WGMMA_FEW_WARPS
+
+
 @lru_cache(maxsize=4096)
 def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card], *, group_size: int,
                 residual: bool = False, swiglu: bool = False, aligned: bool = True) -> Route:
@@ -211,11 +223,7 @@ def route_w4a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
         wg = None  # past WGMMA_W4_MAX_M only with 256-row blocks
     if wg is not None and M > WGMMA_W4_BIG_MAX_M and not wgmma_fills_prefill(M, wg, card, 4):
         wg = None
-    # M = 33..64: the GEMV where the wgmma plan keeps few warps (WGMMA_FEW_WARPS), whether or not these operands suit
-    # the wgmma GEMM (the op asks again with aligned=False only when the route names the wgmma GEMM)
-    few_warps = (WGMMA_W4 and CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M
-                 and (p := wg or wgmma_plan(M, N, K, group_size, dtype, card)) is not None
-                 and p["warps_per_sm"] < WGMMA_FEW_WARPS)
+    few_warps = not residual and gemv_over_few_warps(M, N, K, group_size, dtype, card, wg)
     if (not residual and (few_warps or (M <= CUDA_GEMV_MMA_MAX_M and not (wg and wgmma_over_gemv(M, wg))))
             and _gemv_mma.unsupported_reason(M, N, K, group_size, dtype) is None):
         return _route("w4_gemv_mma", fused, _gemv_mma.gemv_plan(M, N, K, group_size, sm_count=card.sm_count,

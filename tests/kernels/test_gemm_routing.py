@@ -264,8 +264,7 @@ def _w4_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         a = dict(calls[0][1])  # x: the op's x, or its contiguous copy (strided layouts), as for M <= 32
         assert (a["qweight"], a["scales"], a["swiglu"]) == ("arg1", "arg2", swiglu), where
         assert a["bias"] == (f"arg{len(args) - 3}" if bias else None), where
-        wg = routing.wgmma_plan(M, N, K, gs, dtype, card)
-        assert card.sm == 90 and not residual and wg["warps_per_sm"] < routing.WGMMA_FEW_WARPS, where
+        assert card.sm == 90 and not residual and routing.gemv_over_few_warps(M, N, K, gs, dtype, card), where
         return
     calls = kernels.run(legacy.w4a16_linear, *args)
     assert not op or kernels.run(ops_gemm._w4a16_linear, *args) == calls, where
@@ -565,8 +564,7 @@ def test_op_routes_mid_m_fp16_on_hopper(M, N):
     args = (x, qw.qweight, qw.scales, qw.zeros, 128)
     y_op = torch.ops.tritrt.w4a16_linear(*args, None, None)
     if routing.card_of().sm == 90:
-        plan = routing.wgmma_plan(M, N, 1024, 128, torch.float16, routing.card_of())
-        few_warps = M <= routing.GEMV_FEW_WARPS_MAX_M and plan["warps_per_sm"] < routing.WGMMA_FEW_WARPS
+        few_warps = routing.gemv_over_few_warps(M, N, 1024, 128, torch.float16, routing.card_of())
         assert few_warps == (N == 2048 and M <= 64)  # the cases are what they say
         want = GEMV if few_warps else WGMMA
         assert _gpu_route("w4", M, N, 1024, group_size=128).backend == want
@@ -617,9 +615,8 @@ def test_op_swiglu_takes_the_fast_paths_for_fp16(M):
         assert torch.equal(y_res, w4a16_gemm(*args, r, swiglu=True))  # a residual: the Triton epilogue
         assert route.swiglu == "fused"
         if route.backend == GEMV:  # above CUDA_GEMV_MMA_MAX_M only where the wgmma plan keeps few warps (Hopper)
-            plan = routing.wgmma_plan(M, N, K, 128, torch.float16, routing.card_of()) if hopper else None
-            assert M <= routing.CUDA_GEMV_MMA_MAX_M or (M <= routing.GEMV_FEW_WARPS_MAX_M and plan is not None
-                                                         and plan["warps_per_sm"] < routing.WGMMA_FEW_WARPS)
+            assert M <= routing.CUDA_GEMV_MMA_MAX_M or (
+                hopper and routing.gemv_over_few_warps(M, N, K, 128, torch.float16, routing.card_of()))
             assert torch.equal(y, mma.w4a16_gemv_mma(*args, swiglu=True))
         elif route.backend == WGMMA:
             assert torch.equal(y, wg.w4a16_gemm_wgmma(*args, swiglu=True))
