@@ -145,3 +145,19 @@ def w4_gpu_case(M, N, K, group_size, symmetric, seed):
     bias = torch.randn(N, generator=g).half().cuda()
     ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size, bias)
     return x, qw, bias, ref, dequant_baseline(x, qw, bias)
+
+
+def w8_gpu_case(M, N, K, seed):
+    """A W8A16 case on the GPU: fp16 x [M, K], an INT8 weight for a random [N, K] (row 0 starting with the ends of the
+    int8 range), an fp16 bias, the fp32 reference on the dequantized weight and PyTorch's fp16 result on it (the
+    tolerance baseline). Returns (x, qw, bias, ref, baseline)."""
+    from kernels.gemm.w8a16.triton_gemm import w8a16_reference
+    from kernels.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).half().cuda()
+    qw = quantize_int8(torch.randn(N, K, generator=g).half() * 0.05).to("cuda")
+    qw.qweight[0, :5] = torch.tensor([-127, 127, -1, 0, 1], dtype=torch.int8)
+    bias = torch.randn(N, generator=g).half().cuda()
+    ref = w8a16_reference(x, qw.qweight, qw.scales, bias)
+    return x, qw, bias, ref, dequant_baseline(x, qw, bias)

@@ -16,7 +16,7 @@ from kernels.gemm import gemm_wgmma as wg
 from kernels.gemm.w4a16.triton_gemm import w4a16_reference
 from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 from kernels.quant import dequantize, quantize_int4, quantize_int8
-from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case
+from tests.helpers import assert_close_to_ref, cuobjdump, poisoned, w4_gpu_case, w8_gpu_case
 
 VARIANTS = [dict(), dict(bm=64, wt=1, wgs=1), dict(bm=128, wt=2, wgs=2), dict(bm=64, wt=4, wgs=2, stages=3),
             dict(bm=128, wt=1, wgs=2, stages=6), dict(splits=1), dict(splits=3, dsmem=False),
@@ -454,13 +454,7 @@ def test_wgmma_w8_gemm_matches_reference(M, N, K):
 
     if device_sm() != 90:
         pytest.skip("the wgmma GEMM is sm_90 (Hopper) code")
-    g = torch.Generator().manual_seed(M * 7 + N + K)
-    x = torch.randn(M, K, generator=g).half().cuda()
-    qw = quantize_int8(torch.randn(N, K, generator=g).half() * 0.05).to("cuda")
-    qw.qweight[0, :5] = torch.tensor([-127, 127, -1, 0, 1], dtype=torch.int8)  # the ends of the int8 range
-    bias = torch.randn(N, generator=g).half().cuda()
-    ref = w8a16_reference(x, qw.qweight, qw.scales, bias)
-    base = x @ dequantize(qw).t() + bias  # PyTorch on the fp16 weight q * s
+    x, qw, bias, ref, base = w8_gpu_case(M, N, K, seed=M * 7 + N + K)  # base: PyTorch on the fp16 weight q * s
     # The sum of q x in fp32 scaled once (no fp16 rounding of q * s): at most twice cuBLAS's error on the rounded
     # weight plus half an ulp of the largest output.
     atol = 0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max())
@@ -500,12 +494,7 @@ def test_wgmma_gemm_short_k_plans_below_64(bits, M):
         x, qw, bias, ref, base = w4_gpu_case(M, N, K, 128, False, seed=M)
         run = lambda out=None: wg.w4a16_gemm_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128, bias, out=out)  # noqa: E731
     else:
-        g = torch.Generator().manual_seed(M)
-        x = torch.randn(M, K, generator=g).half().cuda()
-        qw = quantize_int8(torch.randn(N, K, generator=g).half() * 0.05).to("cuda")
-        bias = torch.randn(N, generator=g).half().cuda()
-        ref = w8a16_reference(x, qw.qweight, qw.scales, bias)
-        base = x @ dequantize(qw).t() + bias
+        x, qw, bias, ref, base = w8_gpu_case(M, N, K, seed=M)
         run = lambda out=None: wg.w8a16_gemm_wgmma(x, qw.qweight, qw.scales, bias, out=out)  # noqa: E731
     y = run(poisoned((M, N), torch.float16, "cuda"))
     assert_close_to_ref(y, ref, baseline=base, factor=2.0,
