@@ -108,9 +108,9 @@ def test_mma_gemv_sass_has_wide_loads_tensor_cores_and_no_local_memory(tmp_path)
 @pytest.mark.skipif(shutil.which("nvcc") is None or cuobjdump() is None, reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize("M", [1, 16, 32])
 def test_mma_gemv_plan_builds_have_no_spills_under_their_register_cap(M, tmp_path):
-    """The plan's builds for the five Llama shapes: __launch_bounds__ caps the registers at what one wave needs
-    (minb blocks per SM), and ptxas meets the cap without local memory, except the measured trade-off of the 1-warp
-    tiled build (gate_up at M = 17..32, see gemv_plan): a few spills, no more."""
+    """The plan's builds for the five Llama shapes and a wide one (WIDE_WARPS): __launch_bounds__ caps the registers at
+    what one wave needs (minb blocks per SM), and ptxas meets the cap without local memory, except the measured
+    trade-off of the 1-warp tiled build (gate_up at M = 17..32, see gemv_plan): a few spills, no more."""
     import re
     import subprocess
 
@@ -119,7 +119,7 @@ def test_mma_gemv_plan_builds_have_no_spills_under_their_register_cap(M, tmp_pat
 
     keys = ("warps", "u", "gsteps", "mmax", "chains", "mt", "wscale", "sz_ahead", "minb", "x_ahead")
     builds = {tuple(mma.gemv_plan(M, N, K, 128)[k] for k in keys)
-              for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]}
+              for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (38912, 4096)]}
     for values in sorted(builds):
         b = dict(zip(keys, values))
         art = compile_cuda(mma.SOURCE, mma.KERNEL, mma.PARAMS, sm=90, threads=32 * b["warps"],
@@ -148,6 +148,13 @@ def test_mma_gemv_plan_and_support():
                                                               (4096, 14336), (8192, 8192)]] == [8, 16, 2, 16, 8]
     # The measured exception: with <= 2 warps per block the M <= 8 build with two chains, also at M = 1.
     assert {k: mma.gemv_plan(1, 28672, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 8, "chains": 2}
+    # Past ~1056 column blocks one wave would leave one warp a block: WIDE_WARPS instead (M <= 8, unsplit), in more
+    # waves; two warps (gate_up above) stay.
+    for M, N, K in [(1, 38912, 4096), (8, 57344, 8192), (1, 49152, 3072)]:
+        p = mma.gemv_plan(M, N, K, 128)
+        assert (p["warps"], p["ksplit"], p["chains"]) == (mma.WIDE_WARPS, 1, 1)
+        assert p["grid"][0] * p["warps"] > 132 * 16  # more than one wave of it
+    assert mma.gemv_plan(16, 38912, 4096, 128)["warps"] == 1  # M > 8: not measured, unchanged
     assert {k: mma.gemv_plan(1, 4096, 4096, 128)[k] for k in ("mmax", "chains")} == {"mmax": 8, "chains": 1}
     for M, N, K, g in [(1, 4096, 4096, 128), (3, 28672, 4096, 64), (8, 36, 128, 32), (1, 4096, 14336, 256)]:
         p = mma.gemv_plan(M, N, K, g)
@@ -284,6 +291,22 @@ def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
         ref = w4a16_reference(x, qw.qweight, qw.scales, qw.zeros, group_size)
         assert_close_to_ref(y, ref, baseline=x @ dequantize(qw).t(), factor=2.0,
                             atol=0.5 * torch.finfo(torch.float16).eps * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8])
+def test_mma_gemv_wide_weight_plan_matches_reference(M):
+    """Past ~1056 column blocks the plan takes WIDE_WARPS warps a block in more than one wave (the one-wave rule would
+    leave one): that build, and the one-warp build it replaced, against the reference."""
+    N, K, group_size = 38912, 4096, 128
+    assert mma.gemv_plan(M, N, K, group_size)["warps"] == mma.WIDE_WARPS
+    x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, False, seed=M + N)
+    for ov in ({}, dict(warps=1)):
+        out = poisoned((M, N), torch.float16, "cuda")
+        y = mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, group_size, bias, out=out, **ov)
+        # As test_mma_gemv_matches_reference: exact (q - z), fp32 sums, one fp16 rounding.
+        assert_close_to_ref(y, ref, baseline=base, factor=2.0, atol=0.5 * torch.finfo(torch.float16).eps *
+                            float(ref.abs().max()))
 
 
 @pytest.mark.gpu

@@ -97,6 +97,7 @@ MT_DEFAULT = 2
 # judged on 8 shapes it was not read off (Qwen2.5-0.5B / 1.5B, SmolLM2-135M's down, Llama-3-70B / 8 q|k|v;
 # 18-64 column blocks) at M = 10 / 12 / 14 / 16: 32 of 32 rows 1.046-1.261x.
 TILE_SPLIT_MAX_M = 16
+WIDE_WARPS = 4  # warps a block where the one-wave rule leaves one (M <= 8, unsplit): see gemv_plan
 
 
 def _plan_warps(blocks: int, chunks: int, mt: int, regs: int, sm_count: int) -> int:
@@ -172,6 +173,7 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     measured of 2-3 choices on all five shapes. At M = 9..16 narrow weights take two 8-row tiles per column slice
     (``TILE_SPLIT_MAX_M``); K splits over a cluster where columns leave SMs idle (``default_ksplit``) or warp slots
     empty (``fill_ksplit``)."""
+    planned_warps = warps is None  # an explicit ``warps`` (tests, benchmarks) is kept as given
     if mt is None:
         mt = 1 if M <= MAX_M or (M <= TILE_SPLIT_MAX_M and -(-N // 32) <= sm_count // 2) else MT_DEFAULT
     if wscale is None:
@@ -191,6 +193,11 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     blocks = col_blocks * ksplit
     if warps is None:
         warps = _plan_warps(blocks, chunks, mt, regs, sm_count)
+    if planned_warps and warps == 1 and M <= MAX_M and ksplit == 1 and chunks >= WIDE_WARPS:
+        # One warp a block is what one wave leaves past ~1056 column blocks (N > ~33800). WIDE_WARPS a block, in two
+        # or more waves, read 1.03-1.24x faster on the 5 such shapes it was read off and 1.004-1.173x on 6 it was
+        # judged on (M = 1 / 8, 12 of 12 rows; H200, benchmarks/results/dev-logs/h200/gemv_wide_warps.md).
+        warps = WIDE_WARPS
     # Measured, not understood: with <= 2 warps per block (gate_up, 896 blocks) two accumulator chains ran 23.6 us at
     # M = 1 against 28.6-32.2 us with one (H200); with more warps per block one chain was best. The M = 1 build
     # (GEMV_MMAX 1, which skips the other rows' loads and FMAs) is not used: H100 (benchmarks/results/
