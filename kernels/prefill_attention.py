@@ -105,8 +105,9 @@ def _prefill_attention_program(
     kernel that maps its own program ids onto it (``kernels.paged_attention``).
 
     Any index inputs are safe: query offsets are clamped to ``[0, num_tokens]``, a paged sequence's length to its
-    table row (``stride_bt * PAGE``) and page ids to ``[0, num_blocks)`` -- no-ops on a valid batch, and what keeps
-    a TensorRT build, which times the plugin on arbitrary input contents, inside its buffers."""
+    table row (``stride_bt * PAGE``), key positions to ``[0, k_len)`` and page ids to ``[0, num_blocks)`` -- no-ops
+    on a valid batch, and what keeps a TensorRT build, which times the plugin on arbitrary input contents, inside its
+    buffers."""
     kv_head = head // GROUP
 
     # Which sequence owns tile id `pid`: the last i with cu[i] // BLOCK_M + i <= pid (starts strictly increase).
@@ -138,7 +139,10 @@ def _prefill_attention_program(
 
     if CAUSAL:
         p0 = k_len - q_len + m0  # position of the tile's first query row
-        full_hi = (p0 + 1) // BLOCK_N * BLOCK_N  # key blocks entirely at or before every row of the tile
+        # Key blocks entirely at or before every row of the tile. At least 0: with fewer keys than new tokens (no
+        # valid batch; a TensorRT build's arbitrary inputs) p0 < 0, and keys before position 0 would index page rows
+        # n % PAGE < 0, before the cache.
+        full_hi = tl.maximum((p0 + 1) // BLOCK_N * BLOCK_N, 0)
         hi = tl.minimum(k_len, p0 + BLOCK_M)
     else:
         full_hi = k_len // BLOCK_N * BLOCK_N

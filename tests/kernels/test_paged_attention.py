@@ -94,6 +94,33 @@ def test_scratch_is_reusable_interpreter():
     _check([1, 1], [120, 250], 4, 4, 2, 16, torch.float16, width=80, scratch=scratch)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("q_hint", [1, 128])
+def test_reads_stay_in_the_cache_when_new_tokens_outnumber_keys_interpreter(q_hint):
+    """A TensorRT build times the plugin on arbitrary contents: here seq_lens says 0 keys for 130 new tokens. The
+    causal tiles' first key position (k_len - q_len + m0, rounded down to BLOCK_N) is then negative: the kernel must not
+    read keys before position 0 (a page's row n % PAGE < 0, before the cache when the page is 0; H200 GPU tier,
+    test_any_index_input_stays_in_bounds). The cache, its table and the scratch are views past NaN / garbage guard
+    bands: a read before them shows as a non-finite output (no key exists, so no row may see one)."""
+    torch.manual_seed(q_hint)
+    page, hq, hk, d, nb, t = 4, 2, 1, 16, 8, 130
+    guard = 64 * page  # rows of NaN K / V before the cache: more than a tile of negative key positions
+    kv = [torch.full((nb * page + guard, hk, d), float("nan"), dtype=torch.float16) for _ in range(2)]
+    for c in kv:
+        c[guard:] = torch.randn(nb * page, hk, d).to(torch.float16)
+    k_cache, v_cache = (c[guard:].view(nb, page, hk, d) for c in kv)
+    table = torch.zeros(64 + 2 * nb, dtype=torch.int32)  # page 0 before the row: key rows n % PAGE < 0 of page 0
+    table[64:] = torch.arange(2 * nb, dtype=torch.int32) % nb
+    block_table = table[64:].view(2, nb)
+    seq_lens = torch.tensor([0, 5], dtype=torch.int32)
+    cu = torch.tensor([0, t, t + 1], dtype=torch.int32)
+    q = torch.randn(t + 1, hq, d).to(torch.float16)
+    scratch = paged_attention_scratch(2, hq, hk, d, "cpu")
+    out = paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu, d ** -0.5, scratch,
+                                     out=poisoned(q.shape, torch.float16, "cpu"), q_hint=q_hint)
+    assert torch.isfinite(out).all(), "read K / V before the cache"
+
+
 def test_one_max_splits_default_everywhere():
     # The exporter's scratch inputs, the plugin attribute's default and the kernel's default must agree: an engine
     # whose scratch is narrower than its kernel's splits would write past it.

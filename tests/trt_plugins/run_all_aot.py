@@ -1,11 +1,12 @@
-"""Run every plugin once through the AOT launcher at small, odd shapes and check it against the fp32 reference:
-a quick end-to-end smoke run, small enough for ``compute-sanitizer --tool memcheck python -m
-tests.trt_plugins.run_all_aot`` on the GPU machine (the pytest GPU tier is the real check)."""
+"""Run every plugin once through the AOT launcher at small, odd shapes and check it against the fp32 reference, then
+the index-taking plugins on random index inputs at the small and the large shapes: a quick end-to-end smoke run,
+small enough for ``compute-sanitizer --tool memcheck python -m tests.trt_plugins.run_all_aot`` on the GPU machine
+(the pytest GPU tier is the real check)."""
 
 import torch
 
-from tests.trt_plugins.cases import (CASES, INDEXING_OPS, SCRATCH_OUTPUTS, SMALL, fp32_reference, garbage_indices,
-                                    make_case)
+from tests.trt_plugins.cases import (CASES, INDEXING_OPS, LARGE, SCRATCH_OUTPUTS, SMALL, fp32_reference,
+                                    garbage_indices, make_case)
 from trt_plugins.aot import run_aot
 from trt_plugins.specs import SPECS
 
@@ -22,14 +23,17 @@ def main():
         print(f"{case:22s} max |aot - ref| = {err:.3e}")
     # Then random index inputs (tables, offsets, slots, positions over the whole int32 range), as a TensorRT build's
     # tactic timing may feed them: under memcheck, any access outside a buffer is an error.
-    for case in CASES:
-        op = case.split(":")[0]
-        if op in INDEXING_OPS:
-            ins, attrs = make_case(case, SMALL, torch.float16, "cuda")
-            for seed in range(3):
-                run_aot(op, garbage_indices(ins, seed), attrs)
-            torch.cuda.synchronize()
-            print(f"{case:22s} random index inputs: ran")
+    # At both sizes and the GPU test's seeds: the small shapes cannot hold a sequence with more new tokens than a
+    # tile has rows, which the large ones do (the prefill program's negative key positions, found by the GPU tier).
+    for size in (SMALL, LARGE):
+        for case in CASES:
+            op = case.split(":")[0]
+            if op in INDEXING_OPS:
+                ins, attrs = make_case(case, size, torch.float16, "cuda")
+                for seed in range(4):
+                    run_aot(op, garbage_indices(ins, seed), attrs)
+                torch.cuda.synchronize()
+                print(f"{case:22s} {size:5s} random index inputs: ran")
 
 
 if __name__ == "__main__":
