@@ -100,8 +100,8 @@ def test_reads_stay_in_the_cache_when_new_tokens_outnumber_keys_interpreter(q_hi
     """A TensorRT build times the plugin on arbitrary contents: here seq_lens says 0 keys for 130 new tokens. The
     causal tiles' first key position (k_len - q_len + m0, rounded down to BLOCK_N) is then negative: the kernel must not
     read keys before position 0 (a page's row n % PAGE < 0, before the cache when the page is 0; H200 GPU tier,
-    test_any_index_input_stays_in_bounds). The cache, its table and the scratch are views past NaN / garbage guard
-    bands: a read before them shows as a non-finite output (no key exists, so no row may see one)."""
+    test_any_index_input_stays_in_bounds). The cache and its table are views past guard bands (NaN K / V, page ids 0):
+    a read before them shows as a non-finite output (no key exists, so no row may see one)."""
     torch.manual_seed(q_hint)
     page, hq, hk, d, nb, t = 4, 2, 1, 16, 8, 130
     guard = 64 * page  # rows of NaN K / V before the cache: more than a tile of negative key positions
