@@ -181,6 +181,8 @@ def jit_run(op, ins, attrs):
 
 # Plugins whose kernels index memory with values read from their inputs (tables, offsets, slots, positions).
 INDEXING_OPS = ("PagedAttention", "Rope", "WriteKvCache")
+# The random index inputs every index-input check runs (the GPU test and the memcheck smoke run alike).
+GARBAGE_SEEDS = range(4)
 
 
 def garbage_indices(ins: list, seed: int = 0) -> list:
