@@ -1,7 +1,7 @@
 """One decoder layer's decode step as the TensorRT engine runs it vs the torch path, Llama-3-8B shape, bs 1, ctx 512.
 
-"plugin": every op of the plugin graph (``export.onnx_export``'s layer: FusedAddRmsNorm, W*A16Linear qkv, Rope,
-WriteKvCache, PagedAttention, W*A16Linear o, FusedAddRmsNorm, W*A16Linear gate/up with swiglu=1 on the interleaved
+"plugin": every op of the plugin graph (``export.onnx_export``'s layer: FusedAddRmsNorm, W*A16Linear qkv,
+RopeWriteKvCache, PagedAttention, W*A16Linear o, FusedAddRmsNorm, W*A16Linear gate/up with swiglu=1 on the interleaved
 weight, W*A16Linear down) is its
 plugin's AOT kernel -- the one the engine embeds for M = 1 (the GEMMs' tactic 1, which on this GPU is the kernel the
 torch op routes to: ``trt_plugins.specs.linear_kernels``) -- compiled ahead of time and launched through the CUDA driver
@@ -64,8 +64,7 @@ def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, s
     SwiGLU in its epilogue on the interleaved weight ``w13_pairs`` (a fused model's layer)."""
     h, residual = ops.fused_add_rms_norm(x, residual, "attn_norm", EPS, "attn_norm")
     q, k, v = ops.split_heads(ops.linear(h, "wqkv"), [HEADS, KV_HEADS, KV_HEADS], HEAD_DIM, "qkv_split")
-    q, k = ops.rope(q, k, positions, "rope")
-    caches = ops.write_kv_cache(k, v, 0, caches, slot_mapping, "write_kv")
+    q, caches = ops.rope_write_kv_cache(q, k, v, positions, 0, caches, slot_mapping, "rope_write_kv")
     attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, 1, HEAD_DIM ** -0.5, "attention")
     x = ops.linear(ops.merge_heads(attn, HEADS * HEAD_DIM), "wo")
     h, residual = ops.fused_add_rms_norm(x, residual, "mlp_norm", EPS, "mlp_norm")
@@ -112,13 +111,10 @@ class PluginOps:
     def merge_heads(self, x, size):
         return x.reshape(x.shape[0], size)
 
-    def rope(self, q, k, positions, name):
-        q, k = self._run("Rope", [q, k, positions, self.cos_sin_cache], {"interleaved": 0})
-        return q, k
-
-    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
-        self._run("WriteKvCache", [k, v, caches[0], caches[1], slot_mapping])
-        return caches
+    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
+        q = self._run("RopeWriteKvCache", [q, k, v, positions, self.cos_sin_cache, caches[0], caches[1], slot_mapping],
+                      {"interleaved": 0})[0]
+        return q, caches
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         return self._run("PagedAttention", [q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q,
@@ -132,8 +128,8 @@ class Recorder:
     """Wraps a ``DecoderOps`` backend: calls go through, and each op call (name, the bound method, its arguments) is
     kept, so that every op of the layer can then be timed alone on the inputs it really had (``per_op``)."""
 
-    TIMED = ("fused_add_rms_norm", "linear", "linear_swiglu", "split_heads", "rope", "write_kv_cache",
-             "paged_attention", "swiglu")
+    TIMED = ("fused_add_rms_norm", "linear", "linear_swiglu", "split_heads", "rope_write_kv_cache", "paged_attention",
+             "swiglu")
 
     def __init__(self, ops):
         self.ops, self.calls = ops, []

@@ -53,12 +53,11 @@ class DecoderOps(Protocol):
     def merge_heads(self, x: Value, size: int) -> Value:
         """[T, H, D] -> [T, H * D]."""
 
-    def rope(self, q: Value, k: Value, positions: Value, name: str) -> tuple[Value, Value]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] at ``positions`` with the config's RoPE table."""
-
-    def write_kv_cache(self, k: Value, v: Value, layer: int, caches: tuple[Value, Value], slot_mapping: Value,
-                       name: str) -> tuple[Value, Value]:
-        """Write the new tokens' K/V into layer ``layer``'s paged cache; returns the caches to attend to."""
+    def rope_write_kv_cache(self, q: Value, k: Value, v: Value, positions: Value, layer: int,
+                            caches: tuple[Value, Value], slot_mapping: Value, name: str) -> tuple[Value, tuple]:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] at ``positions`` with the config's RoPE table and write the rotated k
+        and v into layer ``layer``'s paged cache; returns (the rotated q, the caches to attend to). One op, since
+        the rotated k goes nowhere but the cache: one kernel (and one plugin node) does both."""
 
     def paged_attention(self, q: Value, caches: tuple[Value, Value], block_table: Value, seq_lens: Value,
                         cu_seqlens_q: Value, max_seqlen_q: Any, scale: float, name: str) -> Value:
@@ -102,8 +101,7 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
         if getattr(c, "qk_norm", False):  # Qwen3: RMSNorm over each head of q and k, before RoPE
             q = ops.head_rms_norm(q, p + "q_norm", eps)
             k = ops.head_rms_norm(k, p + "k_norm", eps)
-        q, k = ops.rope(q, k, positions, p + "rope")
-        caches = ops.write_kv_cache(k, v, i, caches, slot_mapping, p + "write_kv")
+        q, caches = ops.rope_write_kv_cache(q, k, v, positions, i, caches, slot_mapping, p + "rope_write_kv")
         attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
                                    p + "attention")
         x = ops.linear(ops.merge_heads(attn, c.q_size), p + "wo")
@@ -155,11 +153,8 @@ class NameRecorder:
     def merge_heads(self, x, size):
         return None
 
-    def rope(self, q, k, positions, name):
-        return None, None
-
-    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
-        return caches
+    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
+        return None, caches
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         return None

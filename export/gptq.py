@@ -140,8 +140,9 @@ class CalibrationOps(TorchOps):
 
     # Calibration runs equal-length fresh sequences: causal attention over each one's own K/V, with no paged cache
     # (the CPU reference's per-sequence cache walk took 10 of the 18 s of the tiny model's 64 x 512 calibration).
-    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
-        return k, v
+    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
+        q, k = self.ops.rotary_embedding(q, k, positions, self.cos_sin_cache, False)
+        return q, (k, v)
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         k, v = caches

@@ -3,10 +3,10 @@
 What a layer computes is ``export.decoder.decoder_forward`` (defined once, shared with the ONNX exporter); this module
 runs it on ``TorchOps``, which maps each decoder op to a ``torch.ops.tritrt`` op (its implementation, called directly).
 One ``forward`` serves prefill, chunked prefill and decode (see ``export.batch.Batch``): each layer writes the new
-tokens' K/V into the cache (``write_kv_cache_``) and attends to the cache (``paged_attention``). CUDA tensors run the
-Triton kernels, CPU tensors the ops' torch references; the runtime's torch backend runs this module. Weights use the
-internal names of ``export.checkpoint``; quantized linears are ``kernels.quant.QuantizedWeight`` and go through
-``kernels.quant.linear``.
+tokens' rotated K and their V into the cache (``rope_write_kv_cache_``, RoPE in the same kernel) and attends to the
+cache (``paged_attention``). CUDA tensors run the Triton kernels, CPU tensors the ops' torch references; the
+runtime's torch backend runs this module. Weights use the internal names of ``export.checkpoint``; quantized linears
+are ``kernels.quant.QuantizedWeight`` and go through ``kernels.quant.linear``.
 """
 
 from __future__ import annotations
@@ -224,12 +224,10 @@ class TorchOps:
     def merge_heads(self, x, size):
         return x.reshape(x.shape[0], size)
 
-    def rope(self, q, k, positions, name):
-        return self.ops.rotary_embedding(q, k, positions, self.cos_sin_cache, False)
-
-    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
-        self.ops.write_kv_cache_(k, v, caches[0], caches[1], slot_mapping)
-        return caches
+    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
+        q = self.ops.rope_write_kv_cache_(q, k, v, positions, self.cos_sin_cache, caches[0], caches[1], slot_mapping,
+                                          False)
+        return q, caches
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         return self.ops.paged_attention(q, caches[0], caches[1], block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
@@ -275,7 +273,9 @@ class CpuOps(TorchOps):
         res = x + residual
         return F.rms_norm(res, (res.shape[-1],), self.w[weight], eps), res
 
-    def rope(self, q, k, positions, name):
+    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
+        from kernels.attention_cpu import write_kv_cache_cpu
+
         # Non-interleaved (rotate-half) RoPE over the whole head: x * [cos|cos] + roll(x, D/2) * [-sin|sin].
         if self._rope_rows is None or self._rope_rows[0] is not positions:
             cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
@@ -283,13 +283,8 @@ class CpuOps(TorchOps):
         _, cos, sin = self._rope_rows
         qk = torch.cat([q, k], dim=1)
         qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
-        return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
-
-    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
-        from kernels.attention_cpu import write_kv_cache_cpu
-
-        write_kv_cache_cpu(k, v, caches[0], caches[1], slot_mapping)
-        return caches
+        write_kv_cache_cpu(qk[:, q.shape[1]:], v, caches[0], caches[1], slot_mapping)
+        return qk[:, :q.shape[1]], caches
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         # What the op runs on CPU tensors, called directly: the op's first call imports torch._dynamo (~1-3 s here).

@@ -41,7 +41,7 @@ which is no longer the weight-only model.
 
 ``num_tokens``, ``num_seqs``, ``max_blocks`` and ``num_blocks`` are dynamic; ``block_size`` is fixed at export
 (``export_onnx(block_size=...)``, recorded in the model's metadata). In the plugin flavour the cache outputs are the
-WriteKvCache plugin's outputs, which alias its cache inputs (the engine updates the cache in place); in the reference
+RopeWriteKvCache plugin's, which alias its cache inputs (the engine updates the cache in place); in the reference
 flavour they are fresh tensors. Logits are float32 whatever the activation dtype, so that sampling and comparisons
 see the same values.
 """
@@ -232,14 +232,12 @@ class OnnxOps:
     def merge_heads(self, x, size):
         return self.g.op1("Reshape", [x, self.g.const([-1, size])])
 
-    def rope(self, q, k, positions, name):
+    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
         d = self.c.head_dim
-        return self.em.rope(q, k, positions, self.cos_sin, d, d, name)  # LLaMA rotates whole heads
-
-    def write_kv_cache(self, k, v, layer, caches, slot_mapping, name):
-        return self.em.write_kv_cache(k, v, caches[0], caches[1], slot_mapping,
-                                      (f"k_cache_out_{layer}", f"v_cache_out_{layer}"), self.c.num_kv_heads,
-                                      self.c.head_dim, name)
+        q, kc, vc = self.em.rope_write_kv_cache(q, k, v, positions, self.cos_sin, caches[0], caches[1], slot_mapping,
+                                                (f"k_cache_out_{layer}", f"v_cache_out_{layer}"), d, d,
+                                                self.c.num_kv_heads, name)  # LLaMA rotates whole heads
+        return q, (kc, vc)
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):
         c = self.c

@@ -1,9 +1,9 @@
 """Per-op ONNX emitters, in two flavours: one ``tritrt`` plugin node, or the same math in standard ONNX ops.
 
-``OpEmitter(builder, flavour)`` has one method per model op (``rms_norm``, ``fused_add_rms_norm``, ``swiglu``, ``rope``,
-``write_kv_cache``, ``paged_attention``, ``linear``); ``export.onnx_export.OnnxOps`` calls them for the ops of the one
-decoder definition (``export.decoder``), so both flavours and the torch model come from one description of the model
-and cannot drift apart in structure.
+``OpEmitter(builder, flavour)`` has one method per model op (``rms_norm``, ``fused_add_rms_norm``, ``swiglu``,
+``rope``, ``write_kv_cache``, ``rope_write_kv_cache``, ``paged_attention``, ``linear``);
+``export.onnx_export.OnnxOps`` calls them for the ops of the one decoder definition (``export.decoder``), so both
+flavours and the torch model come from one description of the model and cannot drift apart in structure.
 
 Plugin nodes take their op type, input order and attributes from ``trt_plugins.specs.SPECS`` (the one place that
 defines a plugin's contract), so a spec change shows up here as a clear error rather than a silently wrong node.
@@ -163,6 +163,22 @@ class OpEmitter:
             kept = g.op1("Slice", [written, g.const([0]), g.op1("Unsqueeze", [num_slots, g.const([0])]), g.const([0])])
             outs.append(g.op1("Reshape", [kept, shape], outputs=[out]))
         return outs[0], outs[1]
+
+    def rope_write_kv_cache(self, q: str, k: str, v: str, positions: str, cos_sin_cache: str, k_cache: str,
+                            v_cache: str, slot_mapping: str, out_names: tuple[str, str], rotary_dim: int,
+                            head_dim: int, kv_heads: int, name: str) -> tuple[str, str, str]:
+        """``rope`` then ``write_kv_cache`` of the rotated k: (rotated q, the new caches). One RopeWriteKvCache node
+        in the plugin flavour; the two decompositions in the reference flavour."""
+        if self.plugin:
+            q2, kc, vc = self.plugin_node(
+                "RopeWriteKvCache", {"q": q, "k": k, "v": v, "positions": positions, "cos_sin_cache": cos_sin_cache,
+                                     "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping},
+                {"interleaved": 0}, name, outputs=[self.g.fresh(f"{name}_out0"), *out_names])
+            return q2, kc, vc
+        q2, k2 = self.rope(q, k, positions, cos_sin_cache, rotary_dim, head_dim, name + "/rope")
+        kc, vc = self.write_kv_cache(k2, v, k_cache, v_cache, slot_mapping, out_names, kv_heads, head_dim,
+                                     name + "/write_kv")
+        return q2, kc, vc
 
     def paged_attention(self, q: str, k_cache: str, v_cache: str, block_table: str, seq_lens: str,
                         cu_seqlens_q: str, scratch: tuple, num_heads: int, kv_heads: int, head_dim: int,

@@ -8,10 +8,15 @@ remaining ``D - R`` dims pass through (copied only when the output is a differen
 aliases in): each program reads a head block completely before it writes it, and no two programs share elements.
 
 Grid: (tokens, head blocks of q + head blocks of k); the cos/sin row of a token is read once per program.
+
+``rope_write_kv_cache`` is RoPE and the paged KV-cache write (``kernels.kv_cache``) in one launch, what the model
+runs: its k programs rotate k into the cache slot and copy v beside it, so a decode step has one small kernel a layer
+fewer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -131,6 +136,48 @@ def _rope_kernel(
                       BLOCK_PASS)
 
 
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cache_ptr, slot_mapping_ptr,
+    n_q_heads, n_k_heads, max_pos, num_slots,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+    HALF: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """``_rope_kernel`` whose k head blocks go to the paged cache: a k program rotates its heads into the token's
+    cache slot and copies the same heads of v there (``kernels.kv_cache``'s layout, slot < 0 or past the cache:
+    skipped); q programs rotate q into q_out as before. One launch for what RoPE and the cache write took two."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    # Both metadata loads before any branch: one memory round trip, not two.
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + row)
+    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    if hb >= n_q_blocks:
+        if (slot < 0) | (slot >= num_slots):
+            return
+    i = tl.arange(0, BLOCK_HALF)
+    cmask = (i < HALF) & (pos >= 0) & (pos < max_pos)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + i, mask=cmask, other=0.0)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i, mask=cmask, other=0.0)
+    if hb < n_q_blocks:
+        _rotate_heads(q_ptr, q_out_ptr, row, hb * BLOCK_H, n_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
+                      cos, sin, HALF, D, INTERLEAVED, COPY_PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
+    else:
+        head0 = (hb - n_q_blocks) * BLOCK_H
+        dst = slot.to(tl.int64) * n_k_heads * D  # int64: a large cache holds more than 2**31 elements
+        # the slot's row as a one-token output: token stride 0, heads D apart
+        _rotate_heads(k_ptr, k_cache_ptr + dst, row, head0, n_k_heads, stride_kt, stride_kh, 0, D, cos, sin,
+                      HALF, D, INTERLEAVED, COPY_PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
+        heads = head0 + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (heads < n_k_heads)[:, None] & (d < D)[None, :]
+        v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(v_cache_ptr + dst + heads[:, None] * D + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
 @functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
                        interleaved: bool, copy_pass: bool, elem_bytes: int = 2) -> LaunchConfig:
@@ -163,6 +210,20 @@ def rope_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: 
     )
 
 
+@functools.lru_cache(maxsize=512)
+def rope_write_kv_launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
+                                interleaved: bool, elem_bytes: int = 2) -> LaunchConfig:
+    """The launch of ``_rope_write_kv_kernel``: ``rope_launch_config``'s grid, head blocks and warps (a k program
+    moves v's heads too, as many bytes again as its rotation), the unrotated dims always copied (q_out and the cache
+    are other buffers than q and k).
+
+    Runtime args: ``q, k, v, q_out, k_cache, v_cache, positions, cos_sin_cache, slot_mapping, n_q_heads, n_k_heads,
+    max_pos, num_slots`` (the cache's slots) and the token/head strides of q, k, v, q_out."""
+    cfg = rope_launch_config(n_tokens, n_q_heads, n_k_heads, head_dim, rotary_dim, interleaved, True, elem_bytes)
+    return dataclasses.replace(cfg, kernel=_rope_write_kv_kernel,
+                               constexprs={**cfg.constexprs, "BLOCK_D": triton.next_power_of_2(head_dim)})
+
+
 def _check_qk(t: torch.Tensor, name: str) -> None:
     if t.dim() != 3:
         raise ValueError(f"rotary_embedding: {name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
@@ -173,11 +234,8 @@ def _check_qk(t: torch.Tensor, name: str) -> None:
                          f"{tuple(t.stride())}; pass {name}.contiguous()")
 
 
-def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                      interleaved: bool = False, q_out: torch.Tensor | None = None,
-                      k_out: torch.Tensor | None = None) -> None:
-    """Rotate ``q[T, Hq, D]`` and ``k[T, Hk, D]`` at ``positions[T]`` (int32/int64) into ``q_out``/``k_out``
-    (default: in place). Token and head strides are free (e.g. q, k as views of a fused qkv output)."""
+def _check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> int:
+    """Validate a RoPE call (errors say what to change); returns the rotary dim R."""
     _check_qk(q, "q")
     _check_qk(k, "k")
     check_device(q, k, positions, cos_sin_cache)
@@ -191,7 +249,16 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
         raise ValueError("rotary_embedding: cos_sin_cache must be a contiguous fp32 [max_position, rotary_dim] tensor "
                          "from kernels.rope.rope_cos_sin_cache")
-    rotary_dim = cos_sin_cache.shape[1]
+    return cos_sin_cache.shape[1]
+
+
+def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      interleaved: bool = False, q_out: torch.Tensor | None = None,
+                      k_out: torch.Tensor | None = None) -> None:
+    """Rotate ``q[T, Hq, D]`` and ``k[T, Hk, D]`` at ``positions[T]`` (int32/int64) into ``q_out``/``k_out``
+    (default: in place). Token and head strides are free (e.g. q, k as views of a fused qkv output)."""
+    rotary_dim = _check_rope_args(q, k, positions, cos_sin_cache)
+    T, Hq, D = q.shape
     q_out = q if q_out is None else q_out
     k_out = k if k_out is None else k_out
     for o, t, n in ((q_out, q, "q_out"), (k_out, k, "k_out")):
@@ -213,6 +280,37 @@ def rotary_embedding(q, k, positions, cos_sin_cache, interleaved: bool = False):
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     rotary_embedding_(q, k, positions, cos_sin_cache, interleaved, q_out, k_out)
     return q_out, k_out
+
+
+def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE and the cache write in one launch: returns the rotated q (a new contiguous tensor) and writes the rotated
+    k and v ``[T, Hk, D]`` into the paged caches at ``slot_mapping [T]`` (int32; < 0 skipped), as
+    ``rotary_embedding`` then ``kernels.kv_cache.write_kv_cache`` would. q, k, v inputs are untouched; their token
+    and head strides are free (views of a fused qkv output)."""
+    from .kv_cache import check_kv_cache
+
+    rotary_dim = _check_rope_args(q, k, positions, cos_sin_cache)
+    check_kv_cache(k_cache, v_cache)
+    T, Hq, D = q.shape
+    _, _, hk, dc = k_cache.shape
+    if k.shape[1] != hk or dc != D or v.shape != k.shape or v.stride(-1) != 1:
+        raise ValueError(f"rope_write_kv_cache: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                         f"[T, {hk}, {dc}] (the cache's heads and head_dim) with a contiguous last dim")
+    if slot_mapping.shape != (T,) or slot_mapping.dtype != torch.int32:
+        raise ValueError(f"rope_write_kv_cache: slot_mapping must be int32 [{T}]; got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    check_device(v, k_cache, v_cache, slot_mapping)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if T == 0:
+        return q_out
+    cfg = rope_write_kv_launch_config(T, Hq, hk, D, rotary_dim, interleaved, q.element_size())
+    cfg.launch(q, k, v, q_out, k_cache, v_cache, positions, cos_sin_cache, slot_mapping, Hq, hk,
+               cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1],
+               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               q_out.stride(0), q_out.stride(1))
+    return q_out
 
 
 # ----------------------------------------------------------------------------------------------- torch references

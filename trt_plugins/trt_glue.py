@@ -3,7 +3,7 @@
 For each spec this generates, with the signatures TensorRT validates (inputs, then attributes, then ``outputs`` ...):
 
 - ``@trtp.register("tritrt::<Op>")``: output descriptors from the spec's shape / dtype functions; an aliased output
-  (``WriteKvCache``'s caches) is ``input.aliased()``.
+  (``WriteKvCache``'s and ``RopeWriteKvCache``'s caches) is ``input.aliased()``.
 - ``@trtp.autotune``: the supported dtype combinations and, where a block size matters (the GEMMs' ``m_hint``), the
   tactics TensorRT times on the profile's shapes.
 - ``@trtp.aot_impl``: compiles the specialisation's kernel for this GPU -- the spec's Triton entry, or the CUDA kernel

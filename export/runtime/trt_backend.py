@@ -5,7 +5,7 @@ Written against the documented TensorRT >= 10.9 Python API (``Runtime.deserializ
 constructed, with a clear error when it is missing. The feeds are exactly the ONNX graph I/O of
 ``export.onnx_export``: ``input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q, k_cache_{i},
 v_cache_{i}, attn_part_o, attn_part_lse, attn_counter`` in, ``logits`` (fp32) and ``k_cache_out_{i},
-v_cache_out_{i}`` out. The cache outputs alias their inputs in the plugin flavour (the WriteKvCache plugin writes in
+v_cache_out_{i}`` out. The cache outputs alias their inputs in the plugin flavour (the RopeWriteKvCache plugin writes in
 place), so they are bound to the same memory.
 
 Decode steps are padded to batch-size buckets (``pad_decode_batch``) and captured in CUDA graphs, one execution

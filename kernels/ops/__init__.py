@@ -18,6 +18,8 @@ norm / activation / RoPE (``kernels.ops.norm_act``)
 
 attention (``kernels.ops.attention``); cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V
 - ``write_kv_cache_(k[T, Hk, D], v, k_cache, v_cache, slot_mapping[T] int32) -> None`` (slot < 0: skipped)
+- ``rope_write_kv_cache_(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved: bool)
+  -> q_out``: ``rotary_embedding`` then ``write_kv_cache_`` of the rotated k and v, in one kernel (what the model runs)
 - ``paged_attention(q[T, Hq, D], k_cache, v_cache, block_table[S, B] int32, seq_lens[S] int32,
   cu_seqlens_q[S+1] int32, max_seqlen_q: int, scale: float) -> out[T, Hq, D]``: the new tokens of sequence i are
   the last ``q_len_i`` of its ``seq_lens[i]`` tokens and attend causally to the cache (which already holds them):

@@ -1,11 +1,12 @@
-"""Attention ops: ``tritrt::write_kv_cache_``, ``tritrt::paged_attention``, ``tritrt::varlen_attention``.
+"""Attention ops: ``tritrt::write_kv_cache_``, ``tritrt::rope_write_kv_cache_``, ``tritrt::paged_attention``,
+``tritrt::varlen_attention``.
 
 See ``kernels/ops/__init__.py`` for the contract. CUDA tensors run the Triton kernels (``kernels.kv_cache``,
-``kernels.prefill_attention``, ``kernels.decode_attention``); CPU tensors run ``kernels.attention_cpu`` (the cache
-write, and decode steps: batched torch, equal to the references to fp32 rounding) or the fp32 references in
-``kernels.attention_ref`` (several new tokens per sequence, varlen attention). On CUDA ``paged_attention`` dispatches
-to the decode kernel when ``max_seqlen_q == 1`` and to the paged flash-prefill kernel otherwise. Inputs are validated
-on both paths so that a bad call fails the same way.
+``kernels.rope``, ``kernels.prefill_attention``, ``kernels.decode_attention``); CPU tensors run
+``kernels.attention_cpu`` (the cache write, and decode steps: batched torch, equal to the references to fp32 rounding)
+or the fp32 references in ``kernels.attention_ref`` (several new tokens per sequence, varlen attention). On CUDA
+``paged_attention`` dispatches to the decode kernel when ``max_seqlen_q == 1`` and to the paged flash-prefill kernel
+otherwise. Inputs are validated on both paths so that a bad call fails the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from ..attention_cpu import paged_decode_attention_cpu, write_kv_cache_cpu
 from ..decode_attention import decode_attention
 from ..kv_cache import check_kv_cache, write_kv_cache
 from ..prefill_attention import _check_cu, check_heads, paged_prefill_attention, varlen_attention as _varlen_triton
+from ..rope import rope_write_kv_cache, rotary_embedding_ref
+from .norm_act import _rope_check
 
 
 def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q: int) -> None:
@@ -57,6 +60,28 @@ write_kv_cache_ = torch.library.custom_op("tritrt::write_kv_cache_", _write_kv_c
 @write_kv_cache_.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping) -> None:
     return None
+
+
+def _rope_write_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if q.is_cuda:
+        return rope_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved)
+    _rope_check(q, k, positions, cos_sin_cache)
+    check_kv_cache(k_cache, v_cache)
+    q_out, k_out = rotary_embedding_ref(q, k, positions, cos_sin_cache, interleaved)
+    write_kv_cache_cpu(k_out, v, k_cache, v_cache, slot_mapping)
+    return q_out
+
+
+rope_write_kv_cache_ = torch.library.custom_op("tritrt::rope_write_kv_cache_", _rope_write_kv_cache_,
+                                               mutates_args=("k_cache", "v_cache"))
+
+
+@rope_write_kv_cache_.register_fake
+def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved):
+    _rope_check(q, k, positions, cos_sin_cache)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -105,5 +130,6 @@ def _(q, k, v, cu_seqlens, max_seqlen, scale, causal):
 
 # The ops' implementations by op name: what ``torch.ops.tritrt.<name>`` runs, callable without its dispatch
 # (``kernels.ops.eager``).
-IMPLS = {"write_kv_cache_": _write_kv_cache_, "paged_attention": _paged_attention,
+IMPLS = {"write_kv_cache_": _write_kv_cache_, "rope_write_kv_cache_": _rope_write_kv_cache_,
+         "paged_attention": _paged_attention,
          "varlen_attention": _varlen_attention}

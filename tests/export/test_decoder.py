@@ -29,12 +29,13 @@ def test_required_names_are_the_checkpoint_map(name):
 
 
 def test_every_backend_implements_every_op():
-    from export.model import TorchOps
+    from export.gptq import CalibrationOps
+    from export.model import CpuOps, TorchOps
     from export.onnx_export import OnnxOps
 
     ops = {n for n, _ in inspect.getmembers(DecoderOps, inspect.isfunction) if not n.startswith("_")}
-    assert {"rms_norm", "head_rms_norm", "linear", "rope", "paged_attention", "write_kv_cache"} <= ops
-    for backend in (TorchOps, OnnxOps, NameRecorder):
+    assert {"rms_norm", "head_rms_norm", "linear", "rope_write_kv_cache", "paged_attention"} <= ops
+    for backend in (TorchOps, CpuOps, CalibrationOps, OnnxOps, NameRecorder):
         for op in ops:
             impl = getattr(backend, op, None)
             assert impl is not None and impl is not getattr(DecoderOps, op), f"{backend.__name__} lacks {op}"

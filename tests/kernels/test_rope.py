@@ -184,3 +184,108 @@ def test_ops(device):
         with pytest.raises(ValueError, match="positions must have shape"):
             torch.ops.tritrt.rotary_embedding(mode.from_tensor(q), mode.from_tensor(k),
                                               mode.from_tensor(short_positions), mode.from_tensor(cache), False)
+
+
+# ------------------------------------------------------------------------------------ RoPE + the KV-cache write
+# (tokens, q heads, kv heads, head_dim, rotary_dim, block_size): GQA, partial rotary, more kv heads than one program's
+# head block (40 > 16 at d 64), MHA at d 128, one token (the decode step).
+FUSED_SMALL = [(7, 4, 2, 16, 16, 4), (5, 3, 1, 40, 32, 16), (9, 8, 8, 16, 8, 1)]
+FUSED_LARGE = [(1, 32, 8, 128, 128, 16), (1031, 32, 8, 128, 128, 16), (33, 40, 40, 64, 64, 32),
+               (17, 32, 32, 128, 128, 16)]
+FUSED_CASES = [pytest.param(d, s, marks=m) for s in FUSED_SMALL
+               for d, m in (("cpu", pytest.mark.interpreter), ("cuda", pytest.mark.gpu))]
+FUSED_CASES += [pytest.param("cuda", s, marks=pytest.mark.gpu) for s in FUSED_LARGE]
+
+
+def _fused_inputs(shape, dtype, device):
+    """q, k, v as views of one fused qkv output (token stride (Hq + 2 Hk) * D), NaN-filled caches with two spare
+    blocks, slots: a random distinct slot per token, token 1 padded (-1), the last token one past the cache."""
+    T, hq, hk, d, r, page = shape
+    qkv = torch.randn(T, (hq + 2 * hk) * d, device=device, dtype=dtype)
+    q, k, v = (qkv[:, a * d: b * d].view(T, b - a, d) for a, b in ((0, hq), (hq, hq + hk), (hq + hk, hq + 2 * hk)))
+    positions = torch.randint(0, 4096, (T,), device=device, dtype=torch.int64)
+    cache = rope_cos_sin_cache(r, 4096, 500000.0, LLAMA3_SCALING, device=device)
+    num_blocks = -(-T // page) + 2
+    k_cache, v_cache = (poisoned((num_blocks, page, hk, d), dtype, device) for _ in range(2))
+    slots = torch.randperm(num_blocks * page)[:T].to(torch.int32)
+    if T > 2:
+        slots[1], slots[-1] = -1, num_blocks * page
+    return q, k, v, positions, cache, k_cache, v_cache, slots.to(device)
+
+
+@pytest.mark.parametrize("device,shape", FUSED_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_write_kv_cache_matches_rope_then_write(device, shape, dtype, interleaved):
+    """The fused kernel against RoPE's fp32 reference for q and for the k rows it writes, v copied bit-exactly, and
+    nothing else in the caches touched (they start NaN; padded and out-of-range slots write nothing)."""
+    from kernels.rope import rope_write_kv_cache
+
+    q, k, v, positions, cache, k_cache, v_cache, slots = _fused_inputs(shape, dtype, device)
+    inputs = [t.clone() for t in (q, k, v)]
+    q_out = rope_write_kv_cache(q, k, v, positions, cache, k_cache, v_cache, slots, interleaved)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), inputs)), "the fused call modified its inputs"
+    assert q_out.is_contiguous() and q_out.shape == q.shape and q_out.dtype == dtype
+    q_ref, k_ref = rotary_embedding_ref(q.float(), k.float(), positions, cache, interleaved)
+    q_eager, k_eager = rotary_embedding_eager(q, k, positions, cache, interleaved)
+    assert_close_to_ref(q_out, q_ref, baseline=q_eager, factor=2.0, atol=rounding_atol(q_ref, dtype))
+
+    flat_k, flat_v = (c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache))
+    valid = (slots >= 0) & (slots < flat_k.shape[0])
+    rows = slots[valid].long()
+    assert_close_to_ref(flat_k[rows], k_ref[valid], baseline=k_eager[valid], factor=2.0,
+                        atol=rounding_atol(k_ref, dtype))
+    assert torch.equal(flat_v[rows], v[valid])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all(), "wrote outside the given slots"
+
+
+def test_rope_write_kv_launch_config_is_ropes():
+    from kernels.rope import _rope_write_kv_kernel, rope_write_kv_launch_config
+
+    fused = rope_write_kv_launch_config(1, 32, 8, 128, 128, False)
+    rope = rope_launch_config(1, 32, 8, 128, 128, False, True)
+    assert fused.kernel is _rope_write_kv_kernel and fused.grid == rope.grid == (1, 3)
+    assert fused.num_warps == rope.num_warps and fused.constexprs == {**rope.constexprs, "BLOCK_D": 128}
+    assert rope_write_kv_launch_config(3, 2, 1, 48, 16, True).constexprs["COPY_PASS"] is True
+
+
+def test_rope_write_kv_cache_bad_inputs_raise_clear_errors():
+    from kernels.rope import rope_write_kv_cache
+
+    q, k, v, positions, cache, k_cache, v_cache, slots = _fused_inputs((5, 4, 2, 16, 16, 4), torch.float16, "cpu")
+    with pytest.raises(ValueError, match=r"must both be \[T, 2, 16\]"):
+        rope_write_kv_cache(q, k, v[:, :1], positions, cache, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="slot_mapping must be int32"):
+        rope_write_kv_cache(q, k, v, positions, cache, k_cache, v_cache, slots.long())
+    with pytest.raises(ValueError, match="contiguous"):
+        rope_write_kv_cache(q, k, v, positions, cache, k_cache.transpose(0, 1), v_cache, slots)
+    with pytest.raises(ValueError, match="positions must be"):
+        rope_write_kv_cache(q, k, v, positions[:3], cache, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rope_write_kv_cache_op(device):
+    """``torch.ops.tritrt.rope_write_kv_cache_``: on CPU tensors the fp32 reference of RoPE then the cache write, on
+    CUDA the fused kernel; the same answer as the two ops it replaces (CPU: bit-equal, the same torch code; CUDA:
+    the same rounding of the same fp32 math, compared to one output ulp)."""
+    import kernels.ops  # noqa: F401
+
+    q, k, v, positions, cache, k_cache, v_cache, slots = _fused_inputs((7, 4, 2, 64, 32, 4), torch.bfloat16, device)
+    k_cache.normal_()
+    v_cache.normal_()
+    # the op's contract skips slot < 0 only (slots past the cache are the GPU kernel's safety net): a free slot
+    free = sorted(set(range(k_cache.shape[0] * k_cache.shape[1])) - set(slots.tolist()))
+    slots[-1] = free[0]
+    for interleaved in (False, True):
+        kc, vc, kc2, vc2 = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+        q_out = torch.ops.tritrt.rope_write_kv_cache_(q, k, v, positions, cache, kc, vc, slots, interleaved)
+        q_two, k_two = torch.ops.tritrt.rotary_embedding(q, k, positions, cache, interleaved)
+        torch.ops.tritrt.write_kv_cache_(k_two, v.contiguous(), kc2, vc2, slots)
+        tol = 0 if device == "cpu" else torch.finfo(torch.bfloat16).eps * 8  # 1 ulp at |x| < 8
+        torch.testing.assert_close(q_out, q_two, rtol=0, atol=tol)
+        torch.testing.assert_close(kc, kc2, rtol=0, atol=tol)
+        assert torch.equal(vc, vc2)
+    torch.library.opcheck(torch.ops.tritrt.rope_write_kv_cache_,
+                          (q, k, v, positions, cache, k_cache.clone(), v_cache.clone(), slots, False))

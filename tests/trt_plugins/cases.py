@@ -25,8 +25,8 @@ def _paged_batch(q_lens, ctx_lens, page, num_blocks, device, width=0):
 
 # (op, variant) of every case: one per op, PagedAttention's decode steps and the GEMMs with SwiGLU (swiglu=1) as
 # second cases.
-CASES = ("FusedAddRmsNorm", "PagedAttention", "PagedAttention:decode", "RmsNorm", "Rope", "SwiGLU", "W4A16Linear",
-         "W4A16Linear:swiglu", "W8A16Linear", "W8A16Linear:swiglu", "WriteKvCache")
+CASES = ("FusedAddRmsNorm", "PagedAttention", "PagedAttention:decode", "RmsNorm", "Rope", "RopeWriteKvCache", "SwiGLU",
+         "W4A16Linear", "W4A16Linear:swiglu", "W8A16Linear", "W8A16Linear:swiglu", "WriteKvCache")
 
 
 # Outputs whose contents are unspecified (PagedAttention's decode partials): compared nowhere. Its counter_out is
@@ -59,6 +59,10 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         slots[1] = -1  # a padded token: skipped
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         return [_t((t, hk, d), dtype, device), _t((t, hk, d), dtype, device), kc, vc, slots.to(device)], {}
+    if op == "RopeWriteKvCache":  # Rope's q, k, positions and table, then WriteKvCache's v, caches and slots
+        (q, k, pos, cache), attrs = make_case("Rope", size, dtype, device)
+        (_, v, kc, vc, slots), _ = make_case("WriteKvCache", size, dtype, device)
+        return [q, k, v, pos, cache, kc, vc, slots], attrs
     if op == "PagedAttention":
         from trt_plugins.specs.paged_attention import MAX_SPLITS, scratch_shapes
 
@@ -112,6 +116,15 @@ def fp32_reference(op, ins, attrs):
         from kernels.rope import rotary_embedding_ref
 
         return list(rotary_embedding_ref(*ins, interleaved=bool(attrs["interleaved"])))
+    if op == "RopeWriteKvCache":
+        from kernels.attention_ref import write_kv_cache_ref
+        from kernels.rope import rotary_embedding_ref
+
+        q, k, v, pos, cache, kc, vc, slots = ins
+        q_out, k_out = rotary_embedding_ref(q, k, pos, cache, interleaved=bool(attrs["interleaved"]))
+        kc, vc = kc.clone(), vc.clone()
+        write_kv_cache_ref(k_out, v, kc, vc, slots)
+        return [q_out, kc, vc]
     if op == "WriteKvCache":
         from kernels.attention_ref import write_kv_cache_ref
 
@@ -180,7 +193,7 @@ def jit_run(op, ins, attrs):
 
 
 # Plugins whose kernels index memory with values read from their inputs (tables, offsets, slots, positions).
-INDEXING_OPS = ("PagedAttention", "Rope", "WriteKvCache")
+INDEXING_OPS = ("PagedAttention", "Rope", "RopeWriteKvCache", "WriteKvCache")
 # The random index inputs every index-input check runs (the GPU test and the memcheck smoke run alike).
 GARBAGE_SEEDS = range(4)
 

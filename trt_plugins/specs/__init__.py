@@ -18,6 +18,9 @@ The plugin set (each is one kernel launch; T = packed tokens, the only dynamic d
   attr ``interleaved`` (0: NeoX halves, LLaMA; 1: GPT-J pairs).
 - ``WriteKvCache(k[T,Hk,D], v, k_cache[NB,BS,Hk,D], v_cache, slot_mapping[T] int32) -> k_cache_out, v_cache_out``,
   the outputs aliasing k_cache / v_cache (written in place; slot < 0 skipped).
+- ``RopeWriteKvCache(q[T,Hq,D], k[T,Hk,D], v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> q_out,
+  k_cache_out, v_cache_out``: Rope, then WriteKvCache of the rotated k and v, in one launch (what the exporter emits
+  and the torch model runs); attr ``interleaved``.
 - ``PagedAttention(q[T,Hq,D], k_cache, v_cache, block_table[S,B] int32, seq_lens[S] int32, cu_seqlens_q[S+1]
   int32, part_o[S,Hq,max_splits,D] fp32, part_lse[S,Hq,max_splits] fp32, counter[S,Hk] int32 zeros) -> out[T,Hq,D],
   part_o_out, part_lse_out, counter_out`` (the scratch, aliased: written in place); attrs ``scale`` (0: 1/sqrt(D)),
@@ -53,11 +56,13 @@ from .linear import W4A16_LINEAR, W8A16_LINEAR
 from .paged_attention import PAGED_ATTENTION
 from .rms_norm import FUSED_ADD_RMS_NORM, RMS_NORM
 from .rope import ROPE
+from .rope_write_kv_cache import ROPE_WRITE_KV_CACHE
 from .swiglu import SWIGLU
 from .write_kv_cache import WRITE_KV_CACHE
 
 SPECS: dict[str, PluginSpec] = {s.op_type: s for s in (
-    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, PAGED_ATTENTION, W8A16_LINEAR, W4A16_LINEAR)}
+    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, ROPE_WRITE_KV_CACHE, PAGED_ATTENTION, W8A16_LINEAR,
+    W4A16_LINEAR)}
 
 
 def get_spec(op_type: str) -> PluginSpec:

@@ -1,0 +1,96 @@
+"""RopeWriteKvCache plugin: ``kernels.rope._rope_write_kv_kernel``, Rope and WriteKvCache in one launch (what the
+torch model runs): q rotated into q_out, the rotated k and v written into the caches in place (aliased)."""
+
+from __future__ import annotations
+
+from ._base import FLOATS, Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
+from .rope import ROPE
+from .write_kv_cache import WRITE_KV_CACHE
+
+OP = "RopeWriteKvCache"
+
+
+def _kernel():
+    from kernels.rope import _rope_write_kv_kernel
+
+    return _rope_write_kv_kernel
+
+
+def _launch(shapes, dtypes, attrs):
+    from kernels.rope import rope_write_kv_launch_config
+
+    t, hq, d = shapes["q"]
+    return rope_write_kv_launch_config(t, hq, shapes["k"][1], d, shapes["cos_sin_cache"][1],
+                                       bool(attrs["interleaved"]))
+
+
+def _grid(s, a, c):
+    bh = c["BLOCK_H"]
+    return (s["q"][0], cdiv(s["q"][1], bh) + cdiv(s["k"][1], bh))
+
+
+def _check(shapes, dtypes, attrs):
+    ROPE.check(shapes, dtypes, attrs)
+    WRITE_KV_CACHE.check(shapes, dtypes, attrs)
+    require(dtypes["v"] == dtypes["k"], OP, f"v must be {dtypes['k']} like k, got {dtypes['v']}")
+
+
+def _ref(inputs, attrs):
+    from kernels.attention_ref import write_kv_cache_ref
+    from kernels.rope import rotary_embedding_ref
+
+    q, k, v, pos, cache, k_cache, v_cache, slots = inputs
+    q_out, k_out = rotary_embedding_ref(q, k, pos, cache, bool(attrs["interleaved"]))
+    write_kv_cache_ref(k_out, v, k_cache, v_cache, slots)
+    return [q_out, k_cache, v_cache]
+
+
+def _dim(name, i):
+    return lambda s, a: s[name][i]
+
+
+_CACHE = lambda name: (lambda s, a: tuple(s[name]))  # noqa: E731
+
+ROPE_WRITE_KV_CACHE = PluginSpec(
+    op_type=OP,
+    doc="Rope of q [T, Hq, D] and k [T, Hk, D] at positions [T] from cos_sin_cache [max_pos, R] fp32, then "
+        "k_cache[slot] = rotated k, v_cache[slot] = v for each token (slot_mapping[t] < 0: skipped): the caches "
+        "[num_blocks, block_size, Hk, D] are written in place and returned as the aliased outputs.",
+    input_specs=(TensorSpec("q", FLOATS, 3), TensorSpec("k", FLOATS, 3), TensorSpec("v", FLOATS, 3),
+                 TensorSpec("positions", ("int32", "int64"), 1), TensorSpec("cos_sin_cache", ("fp32",), 2),
+                 TensorSpec("k_cache", FLOATS, 4), TensorSpec("v_cache", FLOATS, 4),
+                 TensorSpec("slot_mapping", ("int32",), 1)),
+    output_specs=(OutputSpec("q_out", lambda s, a: tuple(s["q"]), lambda d, a: d["q"]),
+                  OutputSpec("k_cache_out", _CACHE("k_cache"), lambda d, a: d["k_cache"], alias="k_cache"),
+                  OutputSpec("v_cache_out", _CACHE("v_cache"), lambda d, a: d["v_cache"], alias="v_cache")),
+    attrs={"interleaved": Attr(int, 0, "1: GPT-J pairs (2i, 2i+1); 0: NeoX halves (i, i + R/2), LLaMA's layout")},
+    kernel=_kernel,
+    launch=_launch,
+    # The caches are written through the output pointers (TensorRT gives an aliased output the input's address).
+    kernel_args={"q_ptr": "q", "k_ptr": "k", "v_ptr": "v", "q_out_ptr": "q_out", "k_cache_ptr": "k_cache_out",
+                 "v_cache_ptr": "v_cache_out", "pos_ptr": "positions", "cache_ptr": "cos_sin_cache",
+                 "slot_mapping_ptr": "slot_mapping", "n_q_heads": "n_q_heads", "n_k_heads": "n_k_heads",
+                 "max_pos": "max_pos", "num_slots": "num_slots", "stride_qt": "q_stride", "stride_qh": "head_dim",
+                 "stride_kt": "k_stride", "stride_kh": "head_dim", "stride_vt": "k_stride", "stride_vh": "head_dim",
+                 "stride_qot": "q_stride", "stride_qoh": "head_dim"},
+    scalars={"n_q_heads": _dim("q", 1), "n_k_heads": _dim("k", 1), "max_pos": _dim("cos_sin_cache", 0),
+             "num_slots": lambda s, a: s["k_cache"][0] * s["k_cache"][1],
+             "q_stride": lambda s, a: s["q"][1] * s["q"][2], "k_stride": lambda s, a: s["k"][1] * s["k"][2],
+             "head_dim": _dim("q", 2)},
+    grid=_grid,
+    static_dims=(("q", 1), ("q", 2), ("k", 1), ("k", 2), ("v", 1), ("v", 2), ("cos_sin_cache", 1), ("k_cache", 1),
+                 ("k_cache", 2), ("k_cache", 3), ("v_cache", 1), ("v_cache", 2), ("v_cache", 3)),
+    reference=_ref,
+    samples=tuple(Sample({"q": (1, hq, d), "k": (1, hk, d), "v": (1, hk, d), "positions": (1,),
+                          "cos_sin_cache": (4096, d), "k_cache": (64, bs, hk, d), "v_cache": (64, bs, hk, d),
+                          "slot_mapping": (1,)},
+                         {"q": dt, "k": dt, "v": dt, "positions": "int64", "cos_sin_cache": "fp32", "k_cache": dt,
+                          "v_cache": dt, "slot_mapping": "int32"}, {"interleaved": 0}, note)
+                  for hq, hk, d, bs, note in ((32, 8, 128, 16, "Llama-3-8B"), (32, 32, 128, 16, "Llama-2-7B"),
+                                              (4, 2, 16, 4, "tiny test model"))
+                  for dt in ("bf16", "fp16")),
+    div16=lambda s, d, a: ("q", "k", "v", "q_out", "k_cache_out", "v_cache_out", "positions", "cos_sin_cache",
+                           "head_dim", "q_stride", "k_stride") if s["q"][2] % 16 == 0
+    else ("q", "k", "v", "q_out", "k_cache_out", "v_cache_out"),
+    check=_check,
+)
