@@ -176,6 +176,11 @@ def jit_run(op, ins, attrs):
 
         write_kv_cache(*ins)
         return [ins[2], ins[3]]
+    if op == "RopeWriteKvCache":
+        from kernels.rope import rope_write_kv_cache
+
+        q, k, v, pos, cache, kc, vc, slots = ins
+        return [rope_write_kv_cache(q, k, v, pos, cache, kc, vc, slots, bool(attrs["interleaved"])), kc, vc]
     if op.startswith("PagedAttention"):
         from kernels.paged_attention import paged_attention_one_launch
 

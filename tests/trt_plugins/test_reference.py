@@ -116,3 +116,26 @@ def test_device_argument(op):
             # cpu: the identical computation; cuda: fp32 sums in another order, rounded once to fp16: 1 fp16 ulp
             tol = 0 if dev == "cpu" else torch.finfo(torch.float16).eps
             torch.testing.assert_close(o.cpu(), b, atol=tol, rtol=tol)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_every_case_runs_through_its_jit_launcher_interpreter(case):
+    """``jit_run`` (what the GPU tests compare the AOT kernels and engines against) knows every case and returns the
+    spec's outputs in order, near the fp32 reference: checked here in the interpreter, so a case added without its
+    launcher fails on the CPU, not first on a lent GPU."""
+    from tests.trt_plugins.cases import SCRATCH_OUTPUTS, jit_run
+
+    op = case.split(":")[0]
+    ins, attrs = make_case(case, dtype=torch.float16)
+    want = fp32_reference(op, [t.clone() for t in ins], attrs)
+    outs = jit_run(op, ins, attrs)
+    assert len(outs) == len(SPECS[op].outputs)
+    for o, w, name in zip(outs, want, SPECS[op].outputs):
+        assert o.shape == w.shape, name
+        if name in SCRATCH_OUTPUTS:  # unspecified contents
+            continue
+        # The kernels' accuracy is the GPU tests' (test_aot_gpu); this checks that each output is the one named:
+        # 1e-2 is 10x what fp16 rounding (attention's P in fp16: <= 1e-3 here) leaves, and far below the distance
+        # between two different outputs of unit-normal data.
+        torch.testing.assert_close(o.float(), w.float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{op}.{name}: {m}")
