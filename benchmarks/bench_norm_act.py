@@ -1,4 +1,4 @@
-"""Benchmark: RMSNorm, fused add + RMSNorm, SwiGLU (and RoPE, GeGLU, LayerNorm at one shape each) vs PyTorch.
+"""Benchmark: RMSNorm, fused add + RMSNorm, SwiGLU (and RoPE, RoPE + the KV-cache write, GeGLU, LayerNorm) vs PyTorch.
 
 For each op: our Triton kernel, the same math in eager PyTorch (what HF's modules run) and ``torch.compile`` of that
 eager code, all timed in this run on the same rotating inputs (> L2). Bandwidth counts every input read once and
@@ -146,6 +146,42 @@ def bench_rope(tokens, copy_gbs, hq=32, hk=8, d=128):
     return [_row("rope (in place)", f"{tokens}x({hq}+{hk})x{d}", nbytes, times, copy_gbs)]
 
 
+def bench_rope_write_kv(tokens, copy_gbs, hq=32, hk=8, d=128, block_size=16):
+    """Llama-3-8B: RoPE of q and k and the paged KV-cache write of the rotated k and v (what a layer runs before
+    attention), fused, against HF-style eager RoPE then one ``index_copy_`` per cache (vLLM's cache write in plain
+    torch), every token to a random distinct slot of a cache of exactly ``tokens`` slots."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cache = rope.rope_cos_sin_cache(d, max(tokens, 8192), 500000.0, scaling, device="cuda")
+    positions = torch.arange(tokens, device="cuda", dtype=torch.int32)
+    q_bytes, kv_bytes = tokens * hq * d * DTYPE.itemsize, tokens * hk * d * DTYPE.itemsize
+    # q read + written, k and v read and written to the caches; a table row, a position and a slot per token
+    nbytes = 2 * q_bytes + 4 * kv_bytes + tokens * (d * 4 + 4 + 4)
+    blocks = tokens // block_size
+
+    def make():
+        return (torch.randn(tokens, hq, d, device="cuda", dtype=DTYPE),
+                torch.randn(tokens, hk, d, device="cuda", dtype=DTYPE),
+                torch.randn(tokens, hk, d, device="cuda", dtype=DTYPE),
+                torch.empty(blocks, block_size, hk, d, device="cuda", dtype=DTYPE),
+                torch.empty(blocks, block_size, hk, d, device="cuda", dtype=DTYPE),
+                torch.randperm(tokens, device="cuda").to(torch.int32))
+
+    def eager(q, k, v, k_cache, v_cache, slots):
+        q, k = rope.rotary_embedding_eager(q, k, positions, cache)
+        idx = slots.long()
+        k_cache.view(-1, hk, d).index_copy_(0, idx, k)
+        v_cache.view(-1, hk, d).index_copy_(0, idx, v)
+        return q
+
+    def ours(q, k, v, k_cache, v_cache, slots):
+        return rope.rope_write_kv_cache(q, k, v, positions, cache, k_cache, v_cache, slots)
+
+    sets = rotating_inputs(make, nbytes)
+    times = _time_all({"triton": ours, "eager": eager, "compile": _compiled(eager)}, sets)
+    return [_row("rope + kv cache write", f"{tokens}x({hq}+{hk}+{hk})x{d}", nbytes, times, copy_gbs)]
+
+
 def _sweep_row(rows, op, shape, config, chosen, ms, nbytes, copy_gbs):
     gbs = nbytes / (ms * 1e-3) / 1e9
     rows.append(dict(op=op, shape=shape, config=config, chosen=chosen, us=ms * 1e3, GBps=gbs,
@@ -225,6 +261,8 @@ def main():
             torch.cuda.empty_cache()
     rows += bench_rope(32768, copy_gbs)
     rows += bench_rope(4096, copy_gbs)
+    rows += bench_rope_write_kv(32768, copy_gbs)
+    rows += bench_rope_write_kv(4096, copy_gbs)
     rows += bench_gated(32768, 14336, copy_gbs, kind="geglu_tanh")
     rows += bench_layer_norm(32768, 4096, copy_gbs)
     cols = ["op", "shape", "dtype", "MB", "us", "GBps", "pct_copy", "pct_copy_same", "eager_us", "compile_us",
