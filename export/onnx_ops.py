@@ -1,7 +1,7 @@
 """Per-op ONNX emitters, in two flavours: one ``tritrt`` plugin node, or the same math in standard ONNX ops.
 
 ``OpEmitter(builder, flavour)`` has one method per model op (``rms_norm``, ``fused_add_rms_norm``, ``swiglu``,
-``rope``, ``write_kv_cache``, ``rope_write_kv_cache``, ``paged_attention``, ``linear``);
+``rope_write_kv_cache``, ``paged_attention``, ``linear``);
 ``export.onnx_export.OnnxOps`` calls them for the ops of the one decoder definition (``export.decoder``), so both
 flavours and the torch model come from one description of the model and cannot drift apart in structure.
 
@@ -109,15 +109,26 @@ class OpEmitter:
         silu = self._cast(g.op1("Mul", [gf, g.op1("Sigmoid", [gf])]), self.act_onnx)
         return g.op1("Mul", [silu, up], name=name)
 
-    # -- RoPE ----------------------------------------------------------------------------------------------------------
-    def rope(self, q: str, k: str, positions: str, cos_sin_cache: str, rotary_dim: int, head_dim: int,
-             name: str) -> tuple[str, str]:
-        """Rotate the first ``rotary_dim`` dims of each head of q [T, Hq, D] and k [T, Hk, D] (HF rotate_half
-        layout)."""
+    # -- RoPE and the paged KV cache -----------------------------------------------------------------------------------
+    def rope_write_kv_cache(self, q: str, k: str, v: str, positions: str, cos_sin_cache: str, k_cache: str,
+                            v_cache: str, slot_mapping: str, out_names: tuple[str, str], rotary_dim: int,
+                            head_dim: int, kv_heads: int, name: str) -> tuple[str, str, str]:
+        """Rotate q and k (``_rope``), write the rotated k and v to the caches (``_write_kv_cache``): (rotated q, the
+        new caches). One RopeWriteKvCache node in the plugin flavour, the two decompositions in the reference one."""
         if self.plugin:
-            q2, k2 = self.plugin_node("Rope", {"q": q, "k": k, "positions": positions, "cos_sin_cache": cos_sin_cache},
-                                      {"interleaved": 0}, name)
-            return q2, k2
+            q2, kc, vc = self.plugin_node(
+                "RopeWriteKvCache", {"q": q, "k": k, "v": v, "positions": positions, "cos_sin_cache": cos_sin_cache,
+                                     "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping},
+                {"interleaved": 0}, name, outputs=[self.g.fresh(f"{name}_out0"), *out_names])
+            return q2, kc, vc
+        q2, k2 = self._rope(q, k, positions, cos_sin_cache, rotary_dim, head_dim)
+        kc, vc = self._write_kv_cache(k2, v, k_cache, v_cache, slot_mapping, out_names, kv_heads, head_dim)
+        return q2, kc, vc
+
+    def _rope(self, q: str, k: str, positions: str, cos_sin_cache: str, rotary_dim: int,
+              head_dim: int) -> tuple[str, str]:
+        """Rotate the first ``rotary_dim`` dims of each head of q [T, Hq, D] and k [T, Hk, D] (HF rotate_half
+        layout), in standard ops."""
         g = self.g
         half = rotary_dim // 2
         cs = g.op1("Gather", [cos_sin_cache, positions], axis=0)  # [T, R] fp32
@@ -134,14 +145,10 @@ class OpEmitter:
 
         return rotate(q), rotate(k)
 
-    # -- paged KV cache ------------------------------------------------------------------------------------------------
-    def write_kv_cache(self, k: str, v: str, k_cache: str, v_cache: str, slot_mapping: str,
-                       out_names: tuple[str, str], kv_heads: int, head_dim: int, name: str) -> tuple[str, str]:
-        """Write each new token's K/V to cache slot ``slot_mapping[t]`` (slot < 0: skipped); returns the new caches."""
-        if self.plugin:
-            kc, vc = self.plugin_node("WriteKvCache", {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
-                                                       "slot_mapping": slot_mapping}, {}, name, outputs=list(out_names))
-            return kc, vc
+    def _write_kv_cache(self, k: str, v: str, k_cache: str, v_cache: str, slot_mapping: str,
+                        out_names: tuple[str, str], kv_heads: int, head_dim: int) -> tuple[str, str]:
+        """Write each new token's K/V to cache slot ``slot_mapping[t]`` (slot < 0: skipped), in standard ops; returns
+        the new caches."""
         g = self.g
         row = g.const([-1, kv_heads, head_dim])
         slots = g.op1("Cast", [slot_mapping], to=TensorProto.INT64)
@@ -163,22 +170,6 @@ class OpEmitter:
             kept = g.op1("Slice", [written, g.const([0]), g.op1("Unsqueeze", [num_slots, g.const([0])]), g.const([0])])
             outs.append(g.op1("Reshape", [kept, shape], outputs=[out]))
         return outs[0], outs[1]
-
-    def rope_write_kv_cache(self, q: str, k: str, v: str, positions: str, cos_sin_cache: str, k_cache: str,
-                            v_cache: str, slot_mapping: str, out_names: tuple[str, str], rotary_dim: int,
-                            head_dim: int, kv_heads: int, name: str) -> tuple[str, str, str]:
-        """``rope`` then ``write_kv_cache`` of the rotated k: (rotated q, the new caches). One RopeWriteKvCache node
-        in the plugin flavour; the two decompositions in the reference flavour."""
-        if self.plugin:
-            q2, kc, vc = self.plugin_node(
-                "RopeWriteKvCache", {"q": q, "k": k, "v": v, "positions": positions, "cos_sin_cache": cos_sin_cache,
-                                     "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping},
-                {"interleaved": 0}, name, outputs=[self.g.fresh(f"{name}_out0"), *out_names])
-            return q2, kc, vc
-        q2, k2 = self.rope(q, k, positions, cos_sin_cache, rotary_dim, head_dim, name + "/rope")
-        kc, vc = self.write_kv_cache(k2, v, k_cache, v_cache, slot_mapping, out_names, kv_heads, head_dim,
-                                     name + "/write_kv")
-        return q2, kc, vc
 
     def paged_attention(self, q: str, k_cache: str, v_cache: str, block_table: str, seq_lens: str,
                         cu_seqlens_q: str, scratch: tuple, num_heads: int, kv_heads: int, head_dim: int,
