@@ -139,3 +139,9 @@ def test_every_case_runs_through_its_jit_launcher_interpreter(case):
         # 1e-2 is 10x what fp16 rounding (attention's P in fp16: <= 1e-3 here) leaves, and far below the distance
         # between two different outputs of unit-normal data.
         torch.testing.assert_close(o.float(), w.float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{op}.{name}: {m}")
+
+
+def test_every_spec_has_a_case():
+    """``CASES`` drives the GPU tests (AOT == JIT == reference, random index inputs, the memcheck run): a spec left
+    out of it would never run on a GPU."""
+    assert {c.split(":")[0] for c in CASES} == set(SPECS)
