@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device, pdl_enter
+from .kv_cache import check_kv_cache
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
@@ -289,8 +290,6 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     k and v ``[T, Hk, D]`` into the paged caches at ``slot_mapping [T]`` (int32; < 0 skipped), as
     ``rotary_embedding`` then ``kernels.kv_cache.write_kv_cache`` would. q, k, v inputs are untouched; their token
     and head strides are free (views of a fused qkv output)."""
-    from .kv_cache import check_kv_cache
-
     rotary_dim = _check_rope_args(q, k, positions, cos_sin_cache)
     check_kv_cache(k_cache, v_cache)
     T, Hq, D = q.shape

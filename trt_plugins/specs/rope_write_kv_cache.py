@@ -3,7 +3,7 @@ torch model runs): q rotated into q_out, the rotated k and v written into the ca
 
 from __future__ import annotations
 
-from ._base import FLOATS, Attr, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
+from ._base import PluginSpec, Sample, require
 from .rope import ROPE
 from .write_kv_cache import WRITE_KV_CACHE
 
@@ -24,11 +24,6 @@ def _launch(shapes, dtypes, attrs):
                                        bool(attrs["interleaved"]))
 
 
-def _grid(s, a, c):
-    bh = c["BLOCK_H"]
-    return (s["q"][0], cdiv(s["q"][1], bh) + cdiv(s["k"][1], bh))
-
-
 def _check(shapes, dtypes, attrs):
     ROPE.check(shapes, dtypes, attrs)
     WRITE_KV_CACHE.check(shapes, dtypes, attrs)
@@ -36,34 +31,27 @@ def _check(shapes, dtypes, attrs):
 
 
 def _ref(inputs, attrs):
-    from kernels.attention_ref import write_kv_cache_ref
-    from kernels.rope import rotary_embedding_ref
-
     q, k, v, pos, cache, k_cache, v_cache, slots = inputs
-    q_out, k_out = rotary_embedding_ref(q, k, pos, cache, bool(attrs["interleaved"]))
-    write_kv_cache_ref(k_out, v, k_cache, v_cache, slots)
-    return [q_out, k_cache, v_cache]
+    q_out, k_out = ROPE.reference([q, k, pos, cache], attrs)
+    return [q_out, *WRITE_KV_CACHE.reference([k_out, v, k_cache, v_cache, slots], {})]
 
 
 def _dim(name, i):
     return lambda s, a: s[name][i]
 
 
-_CACHE = lambda name: (lambda s, a: tuple(s[name]))  # noqa: E731
+_IN = {t.name: t for t in ROPE.input_specs + WRITE_KV_CACHE.input_specs}
 
 ROPE_WRITE_KV_CACHE = PluginSpec(
     op_type=OP,
     doc="Rope of q [T, Hq, D] and k [T, Hk, D] at positions [T] from cos_sin_cache [max_pos, R] fp32, then "
         "k_cache[slot] = rotated k, v_cache[slot] = v for each token (slot_mapping[t] < 0: skipped): the caches "
         "[num_blocks, block_size, Hk, D] are written in place and returned as the aliased outputs.",
-    input_specs=(TensorSpec("q", FLOATS, 3), TensorSpec("k", FLOATS, 3), TensorSpec("v", FLOATS, 3),
-                 TensorSpec("positions", ("int32", "int64"), 1), TensorSpec("cos_sin_cache", ("fp32",), 2),
-                 TensorSpec("k_cache", FLOATS, 4), TensorSpec("v_cache", FLOATS, 4),
-                 TensorSpec("slot_mapping", ("int32",), 1)),
-    output_specs=(OutputSpec("q_out", lambda s, a: tuple(s["q"]), lambda d, a: d["q"]),
-                  OutputSpec("k_cache_out", _CACHE("k_cache"), lambda d, a: d["k_cache"], alias="k_cache"),
-                  OutputSpec("v_cache_out", _CACHE("v_cache"), lambda d, a: d["v_cache"], alias="v_cache")),
-    attrs={"interleaved": Attr(int, 0, "1: GPT-J pairs (2i, 2i+1); 0: NeoX halves (i, i + R/2), LLaMA's layout")},
+    # Rope's inputs and WriteKvCache's, in one order; Rope's q_out and WriteKvCache's aliased caches out.
+    input_specs=tuple(_IN[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache", "v_cache",
+                                       "slot_mapping")),
+    output_specs=(ROPE.output_specs[0], *WRITE_KV_CACHE.output_specs),
+    attrs=ROPE.attrs,
     kernel=_kernel,
     launch=_launch,
     # The caches are written through the output pointers (TensorRT gives an aliased output the input's address).
@@ -77,7 +65,7 @@ ROPE_WRITE_KV_CACHE = PluginSpec(
              "num_slots": lambda s, a: s["k_cache"][0] * s["k_cache"][1],
              "q_stride": lambda s, a: s["q"][1] * s["q"][2], "k_stride": lambda s, a: s["k"][1] * s["k"][2],
              "head_dim": _dim("q", 2)},
-    grid=_grid,
+    grid=ROPE.grid,  # the same head blocks as Rope's
     static_dims=(("q", 1), ("q", 2), ("k", 1), ("k", 2), ("v", 1), ("v", 2), ("cos_sin_cache", 1), ("k_cache", 1),
                  ("k_cache", 2), ("k_cache", 3), ("v_cache", 1), ("v_cache", 2), ("v_cache", 3)),
     reference=_ref,
