@@ -1,11 +1,48 @@
 """Inputs for each plugin op, at small (interpreter / CPU) or model (GPU) sizes, shared by the reference, AOT and
-TensorRT tests. Fresh random values on each call; odd token counts; a KV length that is not a block multiple."""
+TensorRT tests. Fresh random values on each call; odd token counts; a KV length that is not a block multiple.
+
+One registered class per op (``@_case("Op")``): ``make`` builds its inputs and attrs, ``reference`` runs the kernels'
+own fp32 reference (or plain torch math: what every run is judged against), ``jit`` runs the same kernels through
+their torch launchers (Triton JIT, as the torch model runs them). ``CASES`` and ``INDEXING_OPS`` are read off the
+registry, so adding a plugin op here is one class; ``test_every_spec_has_a_case`` fails until it exists."""
 
 from __future__ import annotations
 
 import torch
 
 SMALL, LARGE = "small", "large"
+
+# Outputs whose contents are unspecified (PagedAttention's decode partials): compared nowhere. Its counter_out is
+# compared: zeros in, zeros out.
+SCRATCH_OUTPUTS = ("part_o_out", "part_lse_out")
+
+
+class _Case:
+    """A plugin op's test case; subclasses override the three static methods."""
+    variants = ("",)  # "" is the plain case; others are named "Op:variant" in CASES
+    indexing = False  # the kernels index memory with values read from the inputs (tables, offsets, slots, positions)
+
+    @staticmethod
+    def make(variant: str, big: bool, dtype, device) -> tuple[list, dict]:
+        raise NotImplementedError
+
+    @staticmethod
+    def reference(ins: list, attrs: dict) -> list:
+        raise NotImplementedError
+
+    @staticmethod
+    def jit(ins: list, attrs: dict) -> list:
+        raise NotImplementedError
+
+
+_OPS: dict[str, type[_Case]] = {}
+
+
+def _case(op: str):
+    def register(cls: type[_Case]) -> type[_Case]:
+        _OPS[op] = cls
+        return cls
+    return register
 
 
 def _t(shape, dtype, device, scale=1.0):
@@ -23,53 +60,165 @@ def _paged_batch(q_lens, ctx_lens, page, num_blocks, device, width=0):
             cu.to(device))
 
 
-# (op, variant) of every case: one per op, PagedAttention's decode steps and the GEMMs with SwiGLU (swiglu=1) as
-# second cases.
-CASES = ("FusedAddRmsNorm", "PagedAttention", "PagedAttention:decode", "RmsNorm", "Rope", "RopeWriteKvCache", "SwiGLU",
-         "W4A16Linear", "W4A16Linear:swiglu", "W8A16Linear", "W8A16Linear:swiglu", "WriteKvCache")
+def _norm_inputs(big, dtype, device, residual: bool):
+    t, h = (123, 4096) if big else (7, 123)
+    x, w = _t((t, h), dtype, device), _t((h,), dtype, device, 0.5) + 1
+    return ([x, _t((t, h), dtype, device), w] if residual else [x, w]), {"eps": 1e-5}
 
 
-# Outputs whose contents are unspecified (PagedAttention's decode partials): compared nowhere. Its counter_out is
-# compared: zeros in, zeros out.
-SCRATCH_OUTPUTS = ("part_o_out", "part_lse_out")
+@_case("RmsNorm")
+class _RmsNorm(_Case):
+    @staticmethod
+    def make(variant, big, dtype, device):
+        return _norm_inputs(big, dtype, device, residual=False)
+
+    @staticmethod
+    def reference(ins, attrs):
+        from kernels.rms_norm import rms_norm_ref
+
+        return [rms_norm_ref(ins[0], ins[1], attrs["eps"])]
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.rms_norm import rms_norm
+
+        return [rms_norm(ins[0], ins[1], attrs["eps"])]
 
 
-def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
-    """(inputs, attrs) for plugin ``op``, or for a case of ``CASES`` (``"PagedAttention:decode"``)."""
-    op, _, variant = op.partition(":")
-    big = size == LARGE
-    if op in ("RmsNorm", "FusedAddRmsNorm"):
-        t, h = (123, 4096) if big else (7, 123)
-        x, w = _t((t, h), dtype, device), _t((h,), dtype, device, 0.5) + 1
-        ins = [x, _t((t, h), dtype, device), w] if op == "FusedAddRmsNorm" else [x, w]
-        return ins, {"eps": 1e-5}
-    if op == "SwiGLU":
+@_case("FusedAddRmsNorm")
+class _FusedAddRmsNorm(_Case):
+    @staticmethod
+    def make(variant, big, dtype, device):
+        return _norm_inputs(big, dtype, device, residual=True)
+
+    @staticmethod
+    def reference(ins, attrs):
+        from kernels.rms_norm import fused_add_rms_norm_ref
+
+        return list(fused_add_rms_norm_ref(*ins, attrs["eps"]))
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.rms_norm import fused_add_rms_norm
+
+        return list(fused_add_rms_norm(*ins, attrs["eps"]))
+
+
+@_case("SwiGLU")
+class _SwiGLU(_Case):
+    @staticmethod
+    def make(variant, big, dtype, device):
         t, i = (123, 11008) if big else (7, 88)
         return [_t((t, 2 * i), dtype, device, 2.0)], {}
-    if op == "Rope":
+
+    @staticmethod
+    def reference(ins, attrs):
+        x = ins[0].float()
+        i = x.shape[1] // 2
+        return [torch.nn.functional.silu(x[:, :i]) * x[:, i:]]
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.activation import swiglu
+
+        return [swiglu(ins[0])]
+
+
+@_case("Rope")
+class _Rope(_Case):
+    indexing = True
+
+    @staticmethod
+    def make(variant, big, dtype, device):
         from kernels.rope import rope_cos_sin_cache
 
         t, hq, hk, d, r = (123, 32, 8, 128, 128) if big else (7, 4, 2, 16, 16)
         pos = torch.randint(0, 4096, (t,), device=device)
         cache = rope_cos_sin_cache(r, 4096, 500000.0, device=device)
         return [_t((t, hq, d), dtype, device), _t((t, hk, d), dtype, device), pos, cache], {"interleaved": 0}
-    if op == "WriteKvCache":
+
+    @staticmethod
+    def reference(ins, attrs):
+        from kernels.rope import rotary_embedding_ref
+
+        return list(rotary_embedding_ref(*ins, interleaved=bool(attrs["interleaved"])))
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.rope import rotary_embedding
+
+        return list(rotary_embedding(*ins, interleaved=bool(attrs["interleaved"])))
+
+
+def _write_kv_cache_ref(k, v, kc, vc, slots):
+    from kernels.attention_ref import write_kv_cache_ref
+
+    kc, vc = kc.clone(), vc.clone()
+    write_kv_cache_ref(k, v, kc, vc, slots)
+    return [kc, vc]
+
+
+@_case("WriteKvCache")
+class _WriteKvCache(_Case):
+    indexing = True
+
+    @staticmethod
+    def make(variant, big, dtype, device):
         t, hk, d, page, nb = (123, 8, 128, 16, 64) if big else (7, 2, 16, 4, 8)
         slots = torch.randperm(nb * page)[:t].to(torch.int32)
         slots[1] = -1  # a padded token: skipped
         kc, vc = _t((nb, page, hk, d), dtype, device), _t((nb, page, hk, d), dtype, device)
         return [_t((t, hk, d), dtype, device), _t((t, hk, d), dtype, device), kc, vc, slots.to(device)], {}
-    if op == "RopeWriteKvCache":  # Rope's q, k, positions and table, then WriteKvCache's v, caches and slots
-        (q, k, pos, cache), attrs = make_case("Rope", size, dtype, device)
-        (_, v, kc, vc, slots), _ = make_case("WriteKvCache", size, dtype, device)
+
+    @staticmethod
+    def reference(ins, attrs):
+        return _write_kv_cache_ref(*ins)
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.kv_cache import write_kv_cache
+
+        write_kv_cache(*ins)
+        return [ins[2], ins[3]]
+
+
+@_case("RopeWriteKvCache")
+class _RopeWriteKvCache(_Case):
+    indexing = True
+
+    @staticmethod
+    def make(variant, big, dtype, device):  # Rope's q, k, positions and table, then WriteKvCache's v, caches, slots
+        (q, k, pos, cache), attrs = _Rope.make("", big, dtype, device)
+        (_, v, kc, vc, slots), _ = _WriteKvCache.make("", big, dtype, device)
         return [q, k, v, pos, cache, kc, vc, slots], attrs
-    if op == "PagedAttention":
+
+    @staticmethod
+    def reference(ins, attrs):
+        q, k, v, pos, cache, kc, vc, slots = ins
+        q_out, k_out = _Rope.reference([q, k, pos, cache], attrs)
+        return [q_out, *_write_kv_cache_ref(k_out, v, kc, vc, slots)]
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.rope import rope_write_kv_cache
+
+        q, k, v, pos, cache, kc, vc, slots = ins
+        return [rope_write_kv_cache(q, k, v, pos, cache, kc, vc, slots, bool(attrs["interleaved"])), kc, vc]
+
+
+@_case("PagedAttention")
+class _PagedAttention(_Case):
+    variants = ("", "decode")  # decode: the kernel's split-KV decode program; "": the flash-prefill program
+    indexing = True
+
+    @staticmethod
+    def make(variant, big, dtype, device):
         from trt_plugins.specs.paged_attention import MAX_SPLITS, scratch_shapes
 
         hq, hk, d, page, nb = (32, 8, 128, 16, 256) if big else (4, 2, 16, 4, 32)
-        if variant == "decode":  # one new token per sequence (one with none): the kernel's split-KV decode program
+        if variant == "decode":  # one new token per sequence (one with none)
             q_lens, ctx = ([1, 1, 0, 1, 1], [1000, 17, 40, 2500, 333]) if big else ([1, 0, 1], [9, 3, 22])
-        else:  # a prefill, a decode token and a chunk in one step: the flash-prefill program
+        else:  # a prefill, a decode token and a chunk in one step
             q_lens, ctx = ([123, 1, 300], [0, 517, 77]) if big else ([7, 1, 3], [0, 9, 5])
         # Small: a table wide enough (64 blocks of 4 tokens) that decode splits (>= 128 tokens of width each).
         width = max(max(-(-(q + c) // page) for q, c in zip(q_lens, ctx)), 0 if big else 64)
@@ -83,66 +232,69 @@ def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
         # Each step kind with the launch tuned for the other (the tactic TensorRT may keep on a profile); the
         # tuned pairs run in tests/kernels/test_paged_attention.py and the benchmarks.
         return ins, {"scale": 0.0, "max_splits": MAX_SPLITS, "q_hint": 128 if variant == "decode" else 1}
-    if op in ("W8A16Linear", "W4A16Linear"):
-        from kernels.quant import quantize_int4, quantize_int8
 
-        m, k, n = (7, 4096, 4096) if big else (3, 256, 96)
-        w = _t((n, k), torch.float32, device, 0.05)
-        x = _t((m, k), dtype, device)
-        sw = int(variant == "swiglu")  # the weight's columns taken as (gate, up) pairs: y [m, n / 2]
-        if op == "W8A16Linear":
-            qw = quantize_int8(w, scale_dtype=dtype)
-            return [x, qw.qweight, qw.scales], {"m_hint": 16, "swiglu": sw}
-        qw = quantize_int4(w, 128, scale_dtype=dtype)
-        return [x, qw.qweight, qw.scales, qw.zeros], {"group_size": 128, "m_hint": 16, "swiglu": sw}
-    raise KeyError(op)
-
-
-def fp32_reference(op, ins, attrs):
-    """The kernels' own fp32 references (or plain torch math), called directly: what every run is judged against."""
-    if op == "RmsNorm":
-        from kernels.rms_norm import rms_norm_ref
-
-        return [rms_norm_ref(ins[0], ins[1], attrs["eps"])]
-    if op == "FusedAddRmsNorm":
-        from kernels.rms_norm import fused_add_rms_norm_ref
-
-        return list(fused_add_rms_norm_ref(*ins, attrs["eps"]))
-    if op == "SwiGLU":
-        x = ins[0].float()
-        i = x.shape[1] // 2
-        return [torch.nn.functional.silu(x[:, :i]) * x[:, i:]]
-    if op == "Rope":
-        from kernels.rope import rotary_embedding_ref
-
-        return list(rotary_embedding_ref(*ins, interleaved=bool(attrs["interleaved"])))
-    if op == "RopeWriteKvCache":
-        from kernels.attention_ref import write_kv_cache_ref
-        from kernels.rope import rotary_embedding_ref
-
-        q, k, v, pos, cache, kc, vc, slots = ins
-        q_out, k_out = rotary_embedding_ref(q, k, pos, cache, interleaved=bool(attrs["interleaved"]))
-        kc, vc = kc.clone(), vc.clone()
-        write_kv_cache_ref(k_out, v, kc, vc, slots)
-        return [q_out, kc, vc]
-    if op == "WriteKvCache":
-        from kernels.attention_ref import write_kv_cache_ref
-
-        k, v, kc, vc, slots = ins
-        kc, vc = kc.clone(), vc.clone()
-        write_kv_cache_ref(k, v, kc, vc, slots)
-        return [kc, vc]
-    if op.startswith("PagedAttention"):
+    @staticmethod
+    def reference(ins, attrs):
         from kernels.attention_ref import paged_attention_ref
 
         q, kc, vc, bt, sl, cu = ins[:6]
         max_q = int((cu[1:] - cu[:-1]).max())
         return [paged_attention_ref(q, kc, vc, bt, sl, cu, max_q, q.shape[2] ** -0.5), *ins[6:]]
-    if op == "W8A16Linear":
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.paged_attention import paged_attention_one_launch
+
+        return [paged_attention_one_launch(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
+                                           max_splits=attrs["max_splits"], q_hint=attrs["q_hint"]), *ins[6:]]
+
+
+class _WeightOnlyLinear(_Case):
+    """The GEMMs, plain and with SwiGLU (``swiglu=1``: the weight's columns taken as (gate, up) pairs, y [m, n / 2])."""
+    variants = ("", "swiglu")
+
+    @classmethod
+    def weights(cls, variant, big, dtype, device):
+        m, k, n = (7, 4096, 4096) if big else (3, 256, 96)
+        w = _t((n, k), torch.float32, device, 0.05)
+        return _t((m, k), dtype, device), w, int(variant == "swiglu")
+
+
+@_case("W8A16Linear")
+class _W8A16Linear(_WeightOnlyLinear):
+    @classmethod
+    def make(cls, variant, big, dtype, device):
+        from kernels.quant import quantize_int8
+
+        x, w, sw = cls.weights(variant, big, dtype, device)
+        qw = quantize_int8(w, scale_dtype=dtype)
+        return [x, qw.qweight, qw.scales], {"m_hint": 16, "swiglu": sw}
+
+    @staticmethod
+    def reference(ins, attrs):
         from kernels.gemm.w8a16.triton_gemm import w8a16_reference
 
         return [w8a16_reference(*ins, swiglu=bool(attrs.get("swiglu")))]
-    if op == "W4A16Linear":
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
+
+        return [w8a16_gemm(*ins, swiglu=bool(attrs.get("swiglu")))]
+
+
+@_case("W4A16Linear")
+class _W4A16Linear(_WeightOnlyLinear):
+    @classmethod
+    def make(cls, variant, big, dtype, device):
+        from kernels.quant import quantize_int4
+
+        x, w, sw = cls.weights(variant, big, dtype, device)
+        qw = quantize_int4(w, 128, scale_dtype=dtype)
+        return [x, qw.qweight, qw.scales, qw.zeros], {"group_size": 128, "m_hint": 16, "swiglu": sw}
+
+    @staticmethod
+    def reference(ins, attrs):
         from kernels.quant import unpack_int4
 
         x, qw, s, z = ins
@@ -150,55 +302,46 @@ def fp32_reference(op, ins, attrs):
         w = (unpack_int4(qw).float() - z.float().repeat_interleave(g, 0)) * s.float().repeat_interleave(g, 0)
         y = x.float() @ w
         return [torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2] if attrs.get("swiglu") else y]
-    raise KeyError(op)
+
+    @staticmethod
+    def jit(ins, attrs):
+        from kernels.gemm.w4a16.triton_gemm import w4a16_gemm
+
+        return [w4a16_gemm(*ins, attrs["group_size"], swiglu=bool(attrs.get("swiglu")))]
+
+
+# Every (op, variant) case, "Op" or "Op:variant": what the GPU tests and the memcheck smoke run iterate.
+CASES = tuple(sorted(f"{op}:{v}" if v else op for op, c in _OPS.items() for v in c.variants))
+# Plugins whose kernels index memory with values read from their inputs.
+INDEXING_OPS = tuple(sorted(op for op, c in _OPS.items() if c.indexing))
+
+
+def _lookup(op: str) -> type[_Case]:
+    try:
+        return _OPS[op.partition(":")[0]]
+    except KeyError:
+        raise KeyError(f"no test case for plugin op {op!r}: register one in tests/trt_plugins/cases.py "
+                       f"(have {sorted(_OPS)})") from None
+
+
+def make_case(op: str, size: str = SMALL, dtype=torch.bfloat16, device="cpu"):
+    """(inputs, attrs) for plugin ``op``, or for a case of ``CASES`` (``"PagedAttention:decode"``)."""
+    cls, variant = _lookup(op), op.partition(":")[2]
+    if variant not in cls.variants:
+        raise KeyError(f"{op!r}: no variant {variant!r} (have {cls.variants})")
+    return cls.make(variant, size == LARGE, dtype, device)
+
+
+def fp32_reference(op, ins, attrs):
+    """The kernels' own fp32 references (or plain torch math), called directly: what every run is judged against."""
+    return _lookup(op).reference(ins, attrs)
 
 
 def jit_run(op, ins, attrs):
     """The same kernels through their torch launchers (Triton JIT), as the torch model runs them."""
-    if op == "RmsNorm":
-        from kernels.rms_norm import rms_norm
-
-        return [rms_norm(ins[0], ins[1], attrs["eps"])]
-    if op == "FusedAddRmsNorm":
-        from kernels.rms_norm import fused_add_rms_norm
-
-        return list(fused_add_rms_norm(*ins, attrs["eps"]))
-    if op == "SwiGLU":
-        from kernels.activation import swiglu
-
-        return [swiglu(ins[0])]
-    if op == "Rope":
-        from kernels.rope import rotary_embedding
-
-        return list(rotary_embedding(*ins, interleaved=bool(attrs["interleaved"])))
-    if op == "WriteKvCache":
-        from kernels.kv_cache import write_kv_cache
-
-        write_kv_cache(*ins)
-        return [ins[2], ins[3]]
-    if op == "RopeWriteKvCache":
-        from kernels.rope import rope_write_kv_cache
-
-        q, k, v, pos, cache, kc, vc, slots = ins
-        return [rope_write_kv_cache(q, k, v, pos, cache, kc, vc, slots, bool(attrs["interleaved"])), kc, vc]
-    if op.startswith("PagedAttention"):
-        from kernels.paged_attention import paged_attention_one_launch
-
-        return [paged_attention_one_launch(*ins[:6], scale=ins[0].shape[2] ** -0.5, scratch=tuple(ins[6:]),
-                                           max_splits=attrs["max_splits"], q_hint=attrs["q_hint"]), *ins[6:]]
-    if op == "W8A16Linear":
-        from kernels.gemm.w8a16.triton_gemm import w8a16_gemm
-
-        return [w8a16_gemm(*ins, swiglu=bool(attrs.get("swiglu")))]
-    if op == "W4A16Linear":
-        from kernels.gemm.w4a16.triton_gemm import w4a16_gemm
-
-        return [w4a16_gemm(*ins, attrs["group_size"], swiglu=bool(attrs.get("swiglu")))]
-    raise KeyError(op)
+    return _lookup(op).jit(ins, attrs)
 
 
-# Plugins whose kernels index memory with values read from their inputs (tables, offsets, slots, positions).
-INDEXING_OPS = ("PagedAttention", "Rope", "RopeWriteKvCache", "WriteKvCache")
 # The random index inputs every index-input check runs (the GPU test and the memcheck smoke run alike).
 GARBAGE_SEEDS = range(4)
 
