@@ -111,6 +111,17 @@ def _rotate_heads(x_ptr, o_ptr, row, head0, n_heads, stride_xt, stride_xh, strid
 
 
 @triton.jit
+def _cos_sin_row(cache_ptr, pos, max_pos, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The ``[BLOCK_HALF]`` cos and sin of position ``pos``; a position outside the table reads no table row
+    (cos = sin = 0): any input is safe."""
+    i = tl.arange(0, BLOCK_HALF)
+    cmask = (i < HALF) & (pos >= 0) & (pos < max_pos)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + i, mask=cmask, other=0.0)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i, mask=cmask, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
     n_q_heads, n_k_heads, max_pos,
@@ -122,11 +133,7 @@ def _rope_kernel(
     row = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    # A position outside the table reads no table row (cos = sin = 0): any input is safe.
-    cmask = (i < HALF) & (pos >= 0) & (pos < max_pos)
-    cos = tl.load(cache_ptr + pos * (2 * HALF) + i, mask=cmask, other=0.0)
-    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i, mask=cmask, other=0.0)
+    cos, sin = _cos_sin_row(cache_ptr, pos, max_pos, HALF, BLOCK_HALF)
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if hb < n_q_blocks:
         _rotate_heads(q_ptr, q_out_ptr, row, hb * BLOCK_H, n_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
@@ -159,10 +166,7 @@ def _rope_write_kv_kernel(
     if hb >= n_q_blocks:
         if (slot < 0) | (slot >= num_slots):
             return
-    i = tl.arange(0, BLOCK_HALF)
-    cmask = (i < HALF) & (pos >= 0) & (pos < max_pos)
-    cos = tl.load(cache_ptr + pos * (2 * HALF) + i, mask=cmask, other=0.0)
-    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i, mask=cmask, other=0.0)
+    cos, sin = _cos_sin_row(cache_ptr, pos, max_pos, HALF, BLOCK_HALF)
     if hb < n_q_blocks:
         _rotate_heads(q_ptr, q_out_ptr, row, hb * BLOCK_H, n_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
                       cos, sin, HALF, D, INTERLEAVED, COPY_PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS)
