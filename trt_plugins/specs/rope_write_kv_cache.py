@@ -25,8 +25,11 @@ def _launch(shapes, dtypes, attrs):
 
 
 def _check(shapes, dtypes, attrs):
-    ROPE.check(shapes, dtypes, attrs)
-    WRITE_KV_CACHE.check(shapes, dtypes, attrs)
+    for part in (ROPE, WRITE_KV_CACHE):
+        try:
+            part.check(shapes, dtypes, attrs)
+        except ValueError as e:  # named as this op: the user built a RopeWriteKvCache, not a Rope
+            raise ValueError(f"{OP} ({e})") from None
     require(dtypes["v"] == dtypes["k"], OP, f"v must be {dtypes['k']} like k, got {dtypes['v']}")
 
 
