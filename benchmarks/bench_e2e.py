@@ -101,12 +101,15 @@ def decode_batch(bs: int, ctx: int, vocab: int):
 
 def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: float, profiles: dict,
              copy_gbs: float):
+    """Our rows of ``quant``: a quant mode, or one with a quantized lm_head (``"int4+lm_head_int8"``: the build's
+    ``--quant int4 --lm-head-quant int8``), which labels its rows."""
     from export.model import LlamaModel, make_batch
     from export.runtime import Generator, SamplingParams
     from export.runtime.backends import TorchBackend
 
     torch.cuda.reset_peak_memory_stats()
-    model = LlamaModel(config, weights, quant=quant, group_size=GROUP_SIZE)
+    mode, _, head = quant.partition("+lm_head_")
+    model = LlamaModel(config, weights, quant=mode, group_size=GROUP_SIZE, lm_head_quant=head or "none")
     tokens_needed = max(BATCHES) * (DECODE_CTX + DECODE_NEW + BLOCK_SIZE)
     backend = TorchBackend(model, num_blocks=tokens_needed // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
                            max_model_len=PREFILL_LEN + DECODE_NEW + BLOCK_SIZE, graph_batch_sizes=BATCHES)
@@ -339,7 +342,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=330, help="skip remaining configurations after this")
     ap.add_argument("--layers", type=int, default=32, help="fewer layers for a quick smoke run")
-    ap.add_argument("--quant", default="none,int8,int4")
+    ap.add_argument("--quant", default="none,int8,int4", help="comma-separated quant modes; MODE+lm_head_Q (e.g. "
+                    "int4+lm_head_int8) quantizes the lm_head to Q as well (export.build --lm-head-quant)")
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -379,8 +383,9 @@ def main():
              "launch cost), back to back for 1.5 s (the GPU at its power limit) and, in the after-idle row, one "
              "replay after each idle second (the full clock), median of 5. pct_ceiling (decode rows): tok/s as a "
              "percentage of batch x copy_GBps / the bytes of weights a step reads (quantized linears' codes, scales "
-             "and zero points, the fp16 lm_head and norms; not the KV cache), the roofline issue 17 states its decode "
-             "targets against.")
+             "and zero points, the lm_head (fp16 unless the quant says +lm_head_...) and norms; not the KV cache), the "
+             "roofline issue 17 states its decode targets against. A +lm_head_Q row quantizes the lm_head as well "
+             "(export.build --lm-head-quant Q; not the default, so not what issue 17's targets are read on).")
     if profiles:
         notes += ("\n\nbs=1 prefill and decode step, top kernels by GPU time, then the rest and the total (eager "
                   "profile; the decode graph replays the same kernels; under PDL a kernel's time includes its wait "

@@ -58,11 +58,12 @@ class LlamaModel(torch.nn.Module):
     """LLaMA-family decoder on ``kernels.ops``; ``weights`` is the internal-name state dict it runs on."""
 
     def __init__(self, config: LlamaConfig, weights: dict, quant: str = "none", group_size: int = 128,
-                 quantized: bool = False):
+                 quantized: bool = False, lm_head_quant: str = "none"):
         """``quant`` != "none" quantizes the linear weights of ``weights`` unless ``quantized`` says they already are
         (``kernels.quant.QuantizedWeight``), as when loading a build output or a GPTQ/AWQ import. ``group_size`` is
         the largest int4 group size: each weight gets the largest one that divides its in_features
-        (``export.quantize.choose_group_size``) and carries it; ``group_sizes`` says which."""
+        (``export.quantize.choose_group_size``) and carries it; ``group_sizes`` says which. ``lm_head_quant`` !=
+        "none" quantizes the (float) lm_head too (``export.quantize.quantize_lm_head``); a loaded one keeps its own."""
         super().__init__()
         if quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -74,6 +75,10 @@ class LlamaModel(torch.nn.Module):
             from .quantize import quantize_state_dict
 
             weights = quantize_state_dict(weights, quant, group_size=group_size)
+        if lm_head_quant != "none":
+            from .quantize import quantize_lm_head
+
+            weights = quantize_lm_head(weights, lm_head_quant, group_size)
         self.config, self.quant, self.group_size = config, quant, group_size
         self.weights = dict(weights)
         embed = self.weights["embed"]
@@ -87,6 +92,12 @@ class LlamaModel(torch.nn.Module):
         from .quantize import group_size_map
 
         return group_size_map(self.weights)
+
+    @property
+    def lm_head_quant(self) -> str:
+        """"int8" / "int4" where the lm_head is quantized, else "none"."""
+        w = self.weights.get("lm_head")
+        return "none" if w is None or isinstance(w, torch.Tensor) else f"int{w.bits}"
 
     def fuse_swiglu_(self) -> "LlamaModel":
         """Re-lay each quantized gate/up weight (``layers.{i}.w13``, ``[gate | up]`` columns) out as (gate, up) column
@@ -116,9 +127,10 @@ class LlamaModel(torch.nn.Module):
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, path, quant: str = "none", dtype: Optional[torch.dtype] = None, device="cpu",
-                        group_size: int = 128) -> "LlamaModel":
+                        group_size: int = 128, lm_head_quant: str = "none") -> "LlamaModel":
         """Load an HF checkpoint directory; ``dtype`` None keeps the checkpoint's dtype. A GPTQ/AWQ checkpoint is
-        repacked with ``kernels.quant``'s importers (its own quant mode and group size win over ``quant``)."""
+        repacked with ``kernels.quant``'s importers (its own quant mode and group size win over ``quant``; its float
+        lm_head is quantized as ``lm_head_quant`` says, like any other's)."""
         ckpt = load_checkpoint(path, dtype=dtype)
         weights = {k: v.to(device) for k, v in ckpt.state_dict.items()}
         if ckpt.state_dict["lm_head"] is ckpt.state_dict["embed"]:
@@ -128,8 +140,9 @@ class LlamaModel(torch.nn.Module):
 
             imported, quant, group_size = import_quantized(ckpt, device=device)
             weights.update(imported)
-            return cls(ckpt.config, weights, quant=quant, group_size=group_size, quantized=True)
-        return cls(ckpt.config, weights, quant=quant, group_size=group_size)
+            return cls(ckpt.config, weights, quant=quant, group_size=group_size, quantized=True,
+                       lm_head_quant=lm_head_quant)
+        return cls(ckpt.config, weights, quant=quant, group_size=group_size, lm_head_quant=lm_head_quant)
 
     @classmethod
     def from_output_dir(cls, out, device="cpu") -> "LlamaModel":
@@ -247,7 +260,12 @@ class TorchOps:
         return h[(cu_seqlens_q[1:] - 1).long()]
 
     def lm_head(self, h, weight):
-        return F.linear(h, self.w[weight])
+        w = self.w[weight]
+        if isinstance(w, torch.Tensor):
+            return F.linear(h, w)
+        from kernels.quant import linear as qlinear
+
+        return qlinear(h, w, ops=self.ops)  # a quantized head (export.quantize.quantize_lm_head)
 
 
 class CpuOps(TorchOps):

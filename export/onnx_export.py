@@ -288,8 +288,10 @@ def export_onnx(model_or_weights, config=None, path=None, flavour: str = "plugin
         g = build_graph(weights, config, flavour, block_size=block_size, dtype=dtype, data=files.data)
         model = g.model(doc=f"tritrt LLaMA, {flavour} flavour")
         config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        head = weights.get("lm_head")
         meta = {"tritrt.flavour": flavour, "tritrt.block_size": str(block_size), "tritrt.quant": quant or "none",
                 "tritrt.group_size": str(group_size or 0), "tritrt.group_sizes": json.dumps(group_size_map(weights)),
+                "tritrt.lm_head_quant": f"int{head.bits}" if hasattr(head, "bits") else "none",
                 "tritrt.config": json.dumps(config_dict)}
         for k, v in meta.items():
             entry = model.metadata_props.add()
@@ -301,7 +303,9 @@ def export_onnx(model_or_weights, config=None, path=None, flavour: str = "plugin
 def _check_quant(weights: Mapping[str, Any], quant: Optional[str], group_size: Optional[int]) -> None:
     if quant not in (None, "none", "int8", "int4"):
         raise ValueError(f"quant must be 'none', 'int8' or 'int4', got {quant!r}")
-    bits = {int(w.bits) for w in weights.values() if not isinstance(w, torch.Tensor) and hasattr(w, "bits")}
+    # the decoder's linears; a quantized lm_head (export.quantize.quantize_lm_head) has its own mode
+    bits = {int(w.bits) for n, w in weights.items()
+            if n != "lm_head" and not isinstance(w, torch.Tensor) and hasattr(w, "bits")}
     want = {None: None, "none": set(), "int8": {8}, "int4": {4}}[quant]
     if want is not None and bits != want:
         raise ValueError(f"quant={quant!r} but the weights hold {sorted(bits) or 'no'}-bit quantized linears; "

@@ -5,10 +5,13 @@
 every layer. The int4 group size is chosen per weight (``choose_group_size``): the largest of 128, 64, 32 that is at
 most the requested one and divides the weight's in_features, so that models whose hidden or intermediate size is not
 a multiple of 128 (SmolLM2's 576, 1536) build with the defaults; ``group_size_map`` says what was chosen.
-Embeddings, ``lm_head`` and norms stay in floating point (the embedding is a gather, and ``lm_head`` is often tied to
-it). GPTQ/AWQ checkpoints are not re-quantized: ``import_quantized`` repacks their tensors
-with ``kernels.quant``'s importers. ``save_weights`` / ``load_weights`` write the result as one safetensors file so the
-runtime can load a build output without the original checkpoint.
+Embeddings and norms stay in floating point (the embedding is a gather); so does ``lm_head`` unless asked
+(``quantize_lm_head``: round-to-nearest int8 per channel or int4 group-wise, as AutoRound's ``--quant_lm_head`` and
+vLLM's GPTQ ``lm_head`` option offer: the fp16 head is 1 GB of a Llama-3-8B decode step's reads, 11% of the int4 step
+on the H200; a head tied to the embedding is quantized as a copy and the embedding kept).
+GPTQ/AWQ checkpoints are not re-quantized: ``import_quantized`` repacks their tensors with ``kernels.quant``'s
+importers. ``save_weights`` / ``load_weights`` write the result as one safetensors file so the runtime can load a
+build output without the original checkpoint.
 """
 
 from __future__ import annotations
@@ -65,6 +68,31 @@ def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
                 out[name] = kq.quantize_int4(w, group_size=g, symmetric=False, scale_dtype=w.dtype)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
+    return out
+
+
+LM_HEAD_QUANTS = ("none", "int8", "int4")
+
+
+def quantize_lm_head(state: dict, quant: str, group_size: int = 128) -> dict:
+    """A copy of ``state`` whose ``lm_head`` (or, tied, a copy of ``embed``) is quantized to ``quant`` ("int8" per
+    output channel, "int4" group-wise with the largest group of at most ``group_size`` dividing the hidden size,
+    asymmetric, round to nearest: the head sees no calibration); "none" returns ``state`` unchanged."""
+    from kernels import quant as kq
+
+    if quant not in LM_HEAD_QUANTS:
+        raise ValueError(f"lm_head quant must be one of {LM_HEAD_QUANTS}, got {quant!r}")
+    if quant == "none":
+        return state
+    w = state.get("lm_head", state.get("embed"))
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"lm_head is already quantized ({type(w).__name__}); quantize it once")
+    out = dict(state)
+    if quant == "int8":
+        out["lm_head"] = kq.quantize_int8(w, scale_dtype=w.dtype)
+    else:
+        g = choose_group_size(w.shape[-1], group_size, "lm_head")
+        out["lm_head"] = kq.quantize_int4(w, group_size=g, symmetric=False, scale_dtype=w.dtype)
     return out
 
 

@@ -30,6 +30,7 @@ def test_step_weight_bytes_counts_what_a_decode_step_reads():
     embed, head = torch.zeros(10, 4, dtype=torch.float16), torch.zeros(10, 4, dtype=torch.float16)
     assert step_weight_bytes({"embed": embed, "lm_head": head, "wqkv": q}) == 80 + lin  # embedding rows only gathered
     assert step_weight_bytes({"embed": embed, "wqkv": q}) == 80 + lin  # tied: the embedding is the head, read whole
+    assert step_weight_bytes({"embed": embed, "lm_head": q, "wqkv": q}) == 2 * lin  # a quantized head: its codes
 
 
 def test_ceiling_is_batch_times_bandwidth_over_weight_bytes_on_our_decode_rows_only():

@@ -97,7 +97,7 @@ def test_build_group_size_is_not_an_error_for_int8(tiny_llama_dir, tmp_path):
     r = cli("build", "--checkpoint", tiny_llama_dir, "--out", tmp_path / "out", "--quant", "int8", "--group-size",
             "48", "--dtype", "float32", "--no-engine")
     assert r.returncode == 0, r.stderr
-    assert r.stderr == "" and "--group-size 48 ignored: only --quant int4 uses it" in r.stdout
+    assert r.stderr == "" and "--group-size 48 ignored: only --quant int4 and --lm-head-quant int4 use it" in r.stdout
     assert "total time:" in r.stdout
     assert json.loads((tmp_path / "out" / "build.json").read_text())["quant"] == "int8"
 

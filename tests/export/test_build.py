@@ -77,6 +77,39 @@ def test_out_weights_reproduce_model(built, tiny_dirs, quant):
 
 
 @needs_exporter
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_lm_head_quant_of_a_tied_checkpoint(tmp_path, tiny_dirs, capsys, head):
+    """``--lm-head-quant``: OUT's head is its own quantized copy of the tied embedding (config.json and build.json say
+    untied, the notes say why); OUT reproduces the checkpoint's model with that head exactly, and passes
+    export.verify (whose HF model must then not re-tie the head to the embedding: it would miss the rounding)."""
+    from export.quantize import quantize_lm_head
+    from export.verify import main as verify_main
+
+    out = tmp_path / "out"
+    rc, stdout, _ = _build(capsys, "--quant", "int8", "--lm-head-quant", head, "--checkpoint", str(tiny_dirs("tied")),
+                           "--out", str(out), "--group-size", "32", "--block-size", "4", "--max-num-seqs", "8",
+                           "--max-num-tokens", "64", "--dtype", "float32")
+    assert rc == 0 and f"lm_head {head}" in stdout
+    build = json.loads((out / "build.json").read_text())
+    assert build["lm_head_quant"] == head and build["quant"] == "int8"
+    assert build["config"]["tie_word_embeddings"] is False
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert any("quantized as its own copy of the tied embedding" in n for n in build["notes"])
+    got = LlamaModel.from_output_dir(out)
+    assert got.lm_head_quant == head and got.weights["lm_head"] is not got.weights["embed"]
+    ref = LlamaModel.from_checkpoint(tiny_dirs("tied"), quant="int8")
+    want_head = quantize_lm_head({"embed": ref.weights["embed"]}, head, 32)["lm_head"]
+    assert torch.equal(got.weights["lm_head"].qweight, want_head.qweight)
+    ids = torch.randint(0, ref.config.vocab_size, (12,))
+    batch = make_batch([5, 7], block_size=4, input_ids=ids)
+    ref.weights["lm_head"] = want_head
+    torch.testing.assert_close(got(batch, got.allocate_kv_cache(8, 4)), ref(batch, ref.allocate_kv_cache(8, 4)),
+                               rtol=1e-5, atol=1e-6)
+    assert verify_main([str(out)]) == 0
+    assert "PASSED" in capsys.readouterr().out
+
+
+@needs_exporter
 def test_profiles_cover_decode_and_prefill(built):
     from export.engine import profile_shapes
 
@@ -129,6 +162,7 @@ def test_engine_without_tensorrt_says_what_to_do(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--quant", "int3"], ["--model", "gpt2"], ["--quant", "int4", "--group-size", "100"],
+                                  ["--lm-head-quant", "int4", "--group-size", "48"], ["--lm-head-quant", "fp8"],
                                   ["--block-size", "12"], ["--max-num-seqs", "0"], ["--sm", "7"]])
 def test_bad_arguments_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -253,3 +253,48 @@ def test_gptq_8bit_is_refused(tiny_dirs, tmp_path):
     _make_quantized_checkpoint(tiny_dirs("llama"), tmp_path / "q", "gptq", bits=8)
     with pytest.raises(ValueError, match="only 4-bit GPTQ/AWQ"):
         LlamaModel.from_checkpoint(tmp_path / "q")
+
+
+@pytest.mark.parametrize("quant, bits", [("int8", 8), ("int4", 4)])
+def test_lm_head_quantized_on_request(state, quant, bits):
+    """``quantize_lm_head``: the (tied) head becomes its own quantized copy of the embedding, within one step of it;
+    the embedding and every other weight are the same objects; "none" changes nothing."""
+    from export.quantize import quantize_lm_head
+
+    assert quantize_lm_head(state, "none") is state
+    q = quantize_lm_head(state, quant, group_size=32)
+    head = q["lm_head"]
+    assert isinstance(head, kq.QuantizedWeight) and head.bits == bits
+    assert (head.out_features, head.in_features) == tuple(state["embed"].shape)
+    assert all(q[n] is state[n] for n in state if n != "lm_head")
+    w, d = state["embed"].float(), kq.dequantize(head, torch.float32)
+    if bits == 8:
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        assert head.group_size == 32
+        wg = w.reshape(w.shape[0], -1, 32)
+        step = ((wg.amax(-1) - wg.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    assert bool(((d - w).abs() <= step / 2 * (1 + 1e-3) + 1e-7).all())
+    assert not torch.equal(d, w)  # rounded: not the embedding itself
+
+
+def test_lm_head_quant_bad_input(state):
+    from export.quantize import quantize_lm_head
+
+    with pytest.raises(ValueError, match="lm_head quant must be one of"):
+        quantize_lm_head(state, "fp8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_lm_head(quantize_lm_head(state, "int8"), "int4")
+
+
+def test_quantized_lm_head_file_round_trip(state, tmp_path):
+    """A quantized head of a tied checkpoint is saved as its own weight: it loads back quantized, not tied."""
+    from export.quantize import quantize_lm_head
+
+    q = quantize_lm_head(quantize_state_dict(state, "int4", group_size=32), "int8")
+    save_weights(q, tmp_path / "w.safetensors")
+    back = load_weights(tmp_path / "w.safetensors")
+    assert back["lm_head"] is not back["embed"] and torch.equal(back["embed"], state["embed"])
+    assert isinstance(back["lm_head"], kq.QuantizedWeight) and back["lm_head"].bits == 8
+    assert torch.equal(back["lm_head"].qweight, q["lm_head"].qweight)
+    assert torch.equal(back["lm_head"].scales, q["lm_head"].scales)

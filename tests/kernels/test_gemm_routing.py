@@ -749,3 +749,22 @@ def test_w4_gemv_takes_m33_to_64_where_the_wgmma_plan_keeps_few_warps():
             assert routing.wgmma_plan(M, N, K, 128, torch.float16, routing.H200)["warps_per_sm"] >= \
                 routing.WGMMA_FEW_WARPS
             assert w4(M, N, K).backend == WGMMA, (N, K, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M", [1, 4, 17, 64])
+@pytest.mark.parametrize("K, N", [(4096, 128256), (576, 49152)], ids=["llama3_head", "smollm2_head"])
+def test_ops_on_vocab_sized_heads(bits, M, K, N):
+    """A quantized lm_head (``export.quantize.quantize_lm_head``): N of a vocabulary, far wider than any projection
+    the routes were measured on (Llama-3's 128256; SmolLM2's 49152 over K = 576, int4 groups of 64), at the M of a
+    decode batch and of a prefill's last tokens, against the fp32 reference on the dequantized weight."""
+    from kernels.quant import linear
+
+    g = torch.Generator().manual_seed(M * 7 + bits)
+    w = (torch.randn(N, K, generator=g) * 0.02).half()
+    qw = (quantize_int8(w) if bits == 8 else quantize_int4(w, 128 if K % 128 == 0 else 64)).to("cuda")
+    x = torch.randn(M, K, generator=g).half().cuda()
+    y = linear(x, qw)
+    ref = x.float() @ dequantize(qw, torch.float32).t()
+    assert_gemm_close(y, ref, dequant_baseline(x, qw))

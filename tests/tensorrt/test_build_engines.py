@@ -52,7 +52,7 @@ def test_a_spec_advertising_a_dtype_the_builder_rejects_fails_the_tier(trt_build
     assert "UInt8 datatype formats are not supported" in result["error"]  # TensorRT's own reason
 
 
-def _export(tmp_path, quant, dtype, **model):
+def _export(tmp_path, quant, dtype, lm_head_quant="none", **model):
     """The plugin-flavour ONNX of the built-in tiny model (as export.build makes it; ``model``: make_tiny_llama
     overrides, e.g. another model_type) and its build.json limits."""
     from export.build import TINY_BUILD
@@ -61,7 +61,8 @@ def _export(tmp_path, quant, dtype, **model):
     from export.onnx_export import export_onnx
 
     ckpt = make_tiny_llama(tmp_path / "ckpt", seed=0, **{**TINY_BUILD, **model})
-    model = LlamaModel.from_checkpoint(ckpt, quant=quant, dtype=getattr(torch, dtype), group_size=128)
+    model = LlamaModel.from_checkpoint(ckpt, quant=quant, dtype=getattr(torch, dtype), group_size=128,
+                                       lm_head_quant=lm_head_quant)
     path = tmp_path / "model.plugin.onnx"
     export_onnx(model, model.config, path, "plugin", block_size=16, dtype=model.dtype, quant=model.quant,
                 group_size=128 if quant == "int4" else None)
@@ -80,6 +81,18 @@ def test_the_model_builds(quant, dtype, trt_builder, tmp_path, record_engines):
                           progress=False, log=lambda m: None)
     record_engines(f"model {quant} {dtype}", [engine.stat().st_size])
     assert not list(tmp_path.glob(".model.engine.*"))  # written under a temp name, then renamed
+
+
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_the_model_builds_with_a_quantized_lm_head(head, trt_builder, tmp_path, record_engines):
+    """``--lm-head-quant``: the head is one more W8A16Linear / W4A16Linear node, vocabulary-wide."""
+    from export.engine import build_engine
+
+    builder, cc = trt_builder
+    onnx_path = _export(tmp_path, "int4", "float16", lm_head_quant=head)
+    engine = build_engine(onnx_path, tmp_path / "model.engine", LIMITS, builder=builder, compute_capability=cc,
+                          progress=False, log=lambda m: None)
+    record_engines(f"model int4 + {head} lm_head float16", [engine.stat().st_size])
 
 
 @pytest.mark.parametrize("quant", ["none", "int4"])
