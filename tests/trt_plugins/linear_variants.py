@@ -26,6 +26,8 @@ SHAPES = [(4096, 6144, "8B qkv"), (4096, 4096, "8B o"), (4096, 28672, "8B gate_u
 ODD_SHAPES = [(256, 100, "odd 256x100"), (320, 100, "odd 320x100"), (320, 192, "odd 320x192"), (512, 36, "odd 512x36")]
 # Where the W4A16 GEMV's plan splits K over a cluster of 3 (``gemv_mma.fill_ksplit``: 160 column blocks, a long K).
 FILL_SHAPES = [(13824, 5120, "13B down")]
+# Vocabulary-wide quantized heads (``export.build --lm-head-quant``): Llama-3's and SmolLM2's; never with SwiGLU.
+HEAD_SHAPES = [(4096, 128256, "8B lm_head"), (576, 49152, "SmolLM2 lm_head")]
 GROUPS = (32, 64, 128)
 
 
@@ -69,13 +71,13 @@ class Case:
         return SPECS[self.op].specialise(self.shapes(m), self.dtypes, self.attrs, card=card)
 
 
-def plugin_cases(card, shapes=SHAPES) -> list[Case]:
-    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic, without
-    and with SwiGLU)."""
+def plugin_cases(card, shapes=SHAPES, swiglu=(0, 1)) -> list[Case]:
+    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic, each
+    of ``swiglu``: without and with SwiGLU)."""
     seen, cases = set(), []
     for K, N, what in shapes:
         for op, groups in (("W4A16Linear", [g for g in GROUPS if K % g == 0]), ("W8A16Linear", [0])):
-            for g, m, sw in ((g, m, sw) for g in groups for m in TACTICS for sw in (0, 1)):
+            for g, m, sw in ((g, m, sw) for g in groups for m in TACTICS for sw in swiglu):
                 case = Case(op, K, N, g, m, what, sw)
                 sp = case.specialise(m, card)
                 if sp.cuda is not None and sp.cuda.build not in seen:

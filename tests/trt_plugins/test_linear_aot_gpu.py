@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_close_to_ref, poisoned
-from tests.trt_plugins.linear_variants import (FILL_SHAPES, ODD_SHAPES, SHAPES, make_inputs, plugin_cases,
+from tests.trt_plugins.linear_variants import (FILL_SHAPES, HEAD_SHAPES, ODD_SHAPES, SHAPES, make_inputs, plugin_cases,
                                               reference, routed_op, same_variant)
 from trt_plugins.aot import run_aot, target_card
 
@@ -35,7 +35,11 @@ def _cases():
     routes = [(c, c.specialise(c.m_hint, card).cuda.route) for c in plugin_cases(card, FILL_SHAPES)]
     fill = [c for c, (kind, plan) in routes  # only the fill split's GEMV builds of that shape
             if kind == "w4_gemv_mma" and dict(plan).get("ksplit", 1) not in SPLITS]
-    return plugin_cases(card, ODD_SHAPES + SHAPES) + fill
+    base = plugin_cases(card, ODD_SHAPES + SHAPES)
+    builds = {c.specialise(c.m_hint, card).cuda.build for c in base}
+    heads = [c for c in plugin_cases(card, HEAD_SHAPES, swiglu=(0,))  # the builds only a vocabulary-wide head picks
+             if c.specialise(c.m_hint, card).cuda.build not in builds]
+    return base + fill + heads
 
 
 CASES = _cases()
