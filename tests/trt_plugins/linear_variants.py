@@ -169,7 +169,7 @@ def warm(sm: int = 90) -> int:
                      "w8_gemv_mma": (w8_gemv_mma, w8_gemv_mma.KERNEL)}
     card = target_card(sm)
     jobs = []
-    for case in plugin_cases(card, ODD_SHAPES + SHAPES):
+    for case in plugin_cases(card, ODD_SHAPES + SHAPES) + plugin_cases(card, HEAD_SHAPES, swiglu=(0,)):
         sp = case.specialise(case.m_hint, card)
         b, (mod, kernel) = sp.cuda.build, torch_kernels[sp.cuda.route[0]]
         flags = tuple(f for f in b.flags
