@@ -80,6 +80,7 @@ class Scores:
     name: str
     quant: str = "none"
     group_size: int | None = None
+    lm_head_quant: str = "none"
     dtype: str = "float32"
     swiglu_fused: bool = False
     tokens: int = 0
@@ -102,7 +103,8 @@ class Scores:
 
     def summary(self, ref: Scores | None = None) -> dict:
         ppl = math.exp(self.nll / max(self.tokens, 1))
-        d = {"name": self.name, "quant": self.quant, "group_size": self.group_size, "dtype": self.dtype,
+        d = {"name": self.name, "quant": self.quant, "group_size": self.group_size,
+             "lm_head_quant": self.lm_head_quant, "dtype": self.dtype,
              "swiglu_fused": self.swiglu_fused, "tokens": self.tokens, "perplexity": ppl, "seconds": self.seconds}
         if ref is not None:
             ref_ppl = math.exp(ref.nll / max(ref.tokens, 1))
@@ -264,6 +266,7 @@ def run(args, log=print) -> dict:
                             f"build was not made from this checkpoint")
         builds.append(OurModel(model, str(out)))
         infos.append({"quant": build.get("quant", "none"), "group_size": build.get("group_size"),
+                      "lm_head_quant": build.get("lm_head_quant", "none"),
                       "dtype": build.get("dtype", str(model.dtype).removeprefix("torch.")),
                       "swiglu_fused": model.swiglu_fused})
     scored = sum(len(w) - 1 for w in windows)
@@ -282,7 +285,9 @@ def format_table(result: dict) -> str:
             ("(reference)", "none", "-", "float32", f"{ref['perplexity']:.3f}", "-", "-", "-", "-",
              f"{ref['seconds']:.0f}")]
     for b in result["builds"]:
-        rows.append((b["name"], b["quant"], str(b["group_size"] or "-"), b["dtype"], f"{b['perplexity']:.3f}",
+        head = b.get("lm_head_quant", "none")
+        quant = b["quant"] if head == "none" else f"{b['quant']}, head {head}"
+        rows.append((b["name"], quant, str(b["group_size"] or "-"), b["dtype"], f"{b['perplexity']:.3f}",
                      f"{100 * b['perplexity_change']:+.2f}%", f"{b['top1_agreement']:.4f}", f"{b['kl_mean']:.3g}",
                      f"{b['kl_max']:.3g}", f"{b['seconds']:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

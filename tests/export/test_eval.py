@@ -63,6 +63,20 @@ def test_int4_build_costs_quality(builds, capsys, tmp_path):
     assert q["tokens"] == ident["tokens"]
 
 
+def test_quantized_head_is_scored_and_labelled(builds, capsys, tmp_path):
+    """A build with ``--lm-head-quant``: its head's rounding costs quality on top of the layers' (same layers, so the
+    difference is the head's), and the table and the JSON say which head was scored."""
+    ckpt, _, int4 = builds
+    head = _build(ckpt, tmp_path / "int4_head", "int4", "--group-size", "32", "--int4-method", "rtn",
+                  "--lm-head-quant", "int4")
+    rc, out, err = _eval(capsys, int4, head, "--against", ckpt, *FAST, "--json", tmp_path / "r.json")
+    assert rc == 0, err
+    plain, q = json.loads((tmp_path / "r.json").read_text())["builds"]
+    assert (plain["lm_head_quant"], q["lm_head_quant"]) == ("none", "int4")
+    assert q["kl_mean"] > plain["kl_mean"] and q["tokens"] == plain["tokens"]
+    assert "int4, head int4" in out
+
+
 def test_build_is_scored_as_the_runtime_runs_it(builds, capsys, tmp_path, monkeypatch):
     """Where the runtime fuses SwiGLU into the quantized gate/up GEMMs (CUDA; forced here on the CPU for a float16
     build, which the CPU runs as it is), eval scores the fused model and says so; elsewhere the model as loaded."""
