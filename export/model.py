@@ -11,6 +11,7 @@ are ``kernels.quant.QuantizedWeight`` and go through ``kernels.quant.linear``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -79,6 +80,8 @@ class LlamaModel(torch.nn.Module):
             from .quantize import quantize_lm_head
 
             weights = quantize_lm_head(weights, lm_head_quant, group_size)
+            if config.tie_word_embeddings:  # the head is its own weight now, as the build's config.json says
+                config = dataclasses.replace(config, tie_word_embeddings=False)
         self.config, self.quant, self.group_size = config, quant, group_size
         self.weights = dict(weights)
         embed = self.weights["embed"]

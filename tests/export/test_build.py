@@ -95,6 +95,10 @@ def test_lm_head_quant_of_a_tied_checkpoint(tmp_path, tiny_dirs, capsys, head):
     assert build["config"]["tie_word_embeddings"] is False
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     assert any("quantized as its own copy of the tied embedding" in n for n in build["notes"])
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(out / "model.plugin.onnx"), load_external_data=False).metadata_props}
+    assert meta["tritrt.lm_head_quant"] == head and json.loads(meta["tritrt.config"])["tie_word_embeddings"] is False
     got = LlamaModel.from_output_dir(out)
     assert got.lm_head_quant == head and got.weights["lm_head"] is not got.weights["embed"]
     ref = LlamaModel.from_checkpoint(tiny_dirs("tied"), quant="int8")
