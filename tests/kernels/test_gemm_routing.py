@@ -759,11 +759,12 @@ def test_ops_on_vocab_sized_heads(bits, M, K, N):
     """A quantized lm_head (``export.quantize.quantize_lm_head``): N of a vocabulary, far wider than any projection
     the routes were measured on (Llama-3's 128256; SmolLM2's 49152 over K = 576, int4 groups of 64), at the M of a
     decode batch and of a prefill's last tokens, against the fp32 reference on the dequantized weight."""
+    from export.quantize import choose_group_size
     from kernels.quant import linear
 
     g = torch.Generator().manual_seed(M * 7 + bits)
     w = (torch.randn(N, K, generator=g) * 0.02).half()
-    qw = (quantize_int8(w) if bits == 8 else quantize_int4(w, 128 if K % 128 == 0 else 64)).to("cuda")
+    qw = (quantize_int8(w) if bits == 8 else quantize_int4(w, choose_group_size(K))).to("cuda")  # the build's group
     x = torch.randn(M, K, generator=g).half().cuda()
     y = linear(x, qw)
     ref = x.float() @ dequantize(qw, torch.float32).t()

@@ -71,11 +71,13 @@ class Case:
         return SPECS[self.op].specialise(self.shapes(m), self.dtypes, self.attrs, card=card)
 
 
-def plugin_cases(card, shapes=SHAPES, swiglu=(0, 1)) -> list[Case]:
-    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic, each
-    of ``swiglu``: without and with SwiGLU)."""
+def plugin_cases(card, shapes=SHAPES) -> list[Case]:
+    """One case per distinct CUDA build the plugins select on ``card`` (fp16; every group size, every tactic, without
+    and with SwiGLU, a head of ``HEAD_SHAPES`` without only), in the order of ``shapes``: a build an earlier shape
+    selected is not repeated."""
     seen, cases = set(), []
     for K, N, what in shapes:
+        swiglu = (0,) if (K, N, what) in HEAD_SHAPES else (0, 1)
         for op, groups in (("W4A16Linear", [g for g in GROUPS if K % g == 0]), ("W8A16Linear", [0])):
             for g, m, sw in ((g, m, sw) for g in groups for m in TACTICS for sw in swiglu):
                 case = Case(op, K, N, g, m, what, sw)
@@ -179,7 +181,7 @@ def warm(sm: int = 90) -> int:
                      "w8_gemv_mma": (w8_gemv_mma, w8_gemv_mma.KERNEL)}
     card = target_card(sm)
     jobs = []
-    for case in plugin_cases(card, ODD_SHAPES + SHAPES) + plugin_cases(card, HEAD_SHAPES, swiglu=(0,)):
+    for case in plugin_cases(card, ODD_SHAPES + SHAPES + HEAD_SHAPES):
         sp = case.specialise(case.m_hint, card)
         b, (mod, kernel) = sp.cuda.build, torch_kernels[sp.cuda.route[0]]
         flags = tuple(f for f in b.flags

@@ -38,9 +38,7 @@ def main(args: list[str]):
         raise SystemExit(f"unknown projections {sorted(unknown)}; --list prints them")
     torch.manual_seed(0)
     card = target_card(device_sm())
-    chosen = [s for s in shapes if not args or s[2] in args]
-    cases = (plugin_cases(card, [s for s in chosen if s not in HEAD_SHAPES])
-             + plugin_cases(card, [s for s in chosen if s in HEAD_SHAPES], swiglu=(0,)))  # a head has no SwiGLU
+    cases = plugin_cases(card, [s for s in shapes if not args or s[2] in args])
     for case in cases:
         for m in sorted({1, 2 * case.m_hint + 3}):
             ins, w = make_inputs(case, m)

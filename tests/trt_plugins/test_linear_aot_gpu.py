@@ -35,11 +35,7 @@ def _cases():
     routes = [(c, c.specialise(c.m_hint, card).cuda.route) for c in plugin_cases(card, FILL_SHAPES)]
     fill = [c for c, (kind, plan) in routes  # only the fill split's GEMV builds of that shape
             if kind == "w4_gemv_mma" and dict(plan).get("ksplit", 1) not in SPLITS]
-    base = plugin_cases(card, ODD_SHAPES + SHAPES)
-    builds = {c.specialise(c.m_hint, card).cuda.build for c in base}
-    heads = [c for c in plugin_cases(card, HEAD_SHAPES, swiglu=(0,))  # the builds only a vocabulary-wide head picks
-             if c.specialise(c.m_hint, card).cuda.build not in builds]
-    return base + fill + heads
+    return plugin_cases(card, ODD_SHAPES + SHAPES + HEAD_SHAPES) + fill  # heads last: the builds only they pick
 
 
 CASES = _cases()
