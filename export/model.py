@@ -19,12 +19,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import QUANT_MODES
 from .batch import Batch
 from .checkpoint import LlamaConfig, load_checkpoint
 # required_names: public here too
 from .decoder import GATE_UP_PAIRS, decoder_forward, gate_up_pairs, missing_weights, required_names  # noqa: F401
-
-QUANT_MODES = ("none", "int8", "int4")
 
 
 def _ops():

@@ -21,6 +21,8 @@ import json
 
 import torch
 
+from . import QUANT_MODES
+
 LINEAR_SUFFIXES = (".wqkv", ".wo", ".w13", ".w2")
 
 
@@ -71,7 +73,6 @@ def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
     return out
 
 
-LM_HEAD_QUANTS = ("none", "int8", "int4")
 
 
 def quantize_lm_head(state: dict, quant: str, group_size: int = 128) -> dict:
@@ -80,8 +81,8 @@ def quantize_lm_head(state: dict, quant: str, group_size: int = 128) -> dict:
     asymmetric, round to nearest: the head sees no calibration); "none" returns ``state`` unchanged."""
     from kernels import quant as kq
 
-    if quant not in LM_HEAD_QUANTS:
-        raise ValueError(f"lm_head quant must be one of {LM_HEAD_QUANTS}, got {quant!r}")
+    if quant not in QUANT_MODES:
+        raise ValueError(f"lm_head quant must be one of {QUANT_MODES}, got {quant!r}")
     if quant == "none":
         return state
     w = state.get("lm_head", state.get("embed"))
