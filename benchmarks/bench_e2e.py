@@ -1,5 +1,8 @@
 """End-to-end LLaMA-3-8B-shaped generation: our runtime (torch backend, CUDA-graph decode) vs plain PyTorch (HF).
 
+``--model smollm2-135m`` runs the default model's shape instead (SmolLM2-135M-Instruct: hidden 576, 30 layers, the
+lm_head tied to the embedding), written to ``bench_e2e_smollm2_135m.{json,md}``.
+
 Random fp16 weights are made directly on the GPU in our internal layout (no checkpoint, no download); the HF
 baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors. Measured in one run on one card:
 
@@ -16,8 +19,8 @@ baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors
 - peak GPU memory of each configuration (weights included).
 
 Quantized modes have no HF counterpart: their ratios are against HF fp16, the plain-PyTorch way to run the model.
-Usage: ``python benchmarks/bench_e2e.py [--budget-s 330] [--layers 32]``; writes
-``benchmarks/results/<card>/bench_e2e.{json,md}``.
+Usage: ``python benchmarks/bench_e2e.py [--model llama3-8b] [--budget-s 330] [--layers N]``; writes
+``benchmarks/results/<card>/bench_e2e.{json,md}`` (``bench_e2e_<model>`` for another model).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import gc
 import json
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -51,6 +55,8 @@ TTFT_SAMPLES = 5
 LONG_REP_MS = 1500
 IDLE_S = 1.0  # the idle time before each "after idle" prefill replay: enough for the clock to return to its maximum
 DEVICE = "cuda"
+# --model: (name in the results, the harness's HF config dict)
+MODELS = {"llama3-8b": ("Llama-3-8B", "LLAMA3_8B"), "smollm2-135m": ("SmolLM2-135M-Instruct", "SMOLLM2_135M")}
 
 
 def ratio(ref_ms, ms):
@@ -58,11 +64,13 @@ def ratio(ref_ms, ms):
     return ref_ms / ms if ref_ms and ms else ""
 
 
-def llama3_8b_config(num_layers: int = 32):
-    from benchmarks.harness import LLAMA3_8B
+def model_config(model: str = "llama3-8b", num_layers: Optional[int] = None):
+    """The ``LlamaConfig`` of ``model`` (a key of ``MODELS``), with ``num_layers`` layers if given."""
+    from benchmarks import harness
     from export.checkpoint import LlamaConfig
 
-    return LlamaConfig.from_hf(dict(LLAMA3_8B, num_hidden_layers=num_layers))
+    hf = getattr(harness, MODELS[model][1])
+    return LlamaConfig.from_hf(dict(hf, num_hidden_layers=num_layers or hf["num_hidden_layers"]))
 
 
 def random_weights(config, device=DEVICE, dtype=torch.float16, seed=0) -> dict:
@@ -341,7 +349,8 @@ def add_vs_fp16(rows: list[dict]) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=330, help="skip remaining configurations after this")
-    ap.add_argument("--layers", type=int, default=32, help="fewer layers for a quick smoke run")
+    ap.add_argument("--model", choices=MODELS, default="llama3-8b", help="the shape benchmarked (random weights)")
+    ap.add_argument("--layers", type=int, help="fewer layers for a quick smoke run (default: the model's)")
     ap.add_argument("--quant", default="none,int8,int4", help="comma-separated quant modes; MODE+lm_head_Q (e.g. "
                     "int4+lm_head_int8) quantizes the lm_head to Q as well (export.build --lm-head-quant)")
     ap.add_argument("--no-compile", action="store_true")
@@ -351,7 +360,7 @@ def main():
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s
     torch.manual_seed(0)
-    config = llama3_8b_config(args.layers)
+    config = model_config(args.model, args.layers)
     weights = random_weights(config)
     rows: list[dict] = []
     profiles: dict = {}
@@ -372,10 +381,12 @@ def main():
     if not args.no_compile:
         run_hf_compiled(config, weights, rows, deadline)
     add_vs_fp16(rows)
-    meta = dict(model=f"Llama-3-8B shape ({args.layers} layers), random fp16 weights", block_size=BLOCK_SIZE,
-                targets="issue 17, H100: decode step bs 1 fp16 >= 175, int8 >= 300, int4 >= 500 tok/s; 2k prefill "
-                "int8 / int4 vs_fp16 >= 1.0", copy_GBps=round(copy_gbs),
-                wall_s=round(time.perf_counter() - t0))
+    meta = dict(model=f"{MODELS[args.model][0]} shape ({config.num_layers} layers), random fp16 weights",
+                block_size=BLOCK_SIZE)
+    if args.model == "llama3-8b":
+        meta["targets"] = ("issue 17, H100: decode step bs 1 fp16 >= 175, int8 >= 300, int4 >= 500 tok/s; 2k prefill "
+                           "int8 / int4 vs_fp16 >= 1.0")
+    meta.update(copy_GBps=round(copy_gbs), wall_s=round(time.perf_counter() - t0))
     notes = ("vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). vs_fp16 = our fp16 time / "
              "this quant's (same impl, phase and batch: issue 17's prefill target is int8 / int4 >= 1.0). decode step: "
              "one step, device-event median; decode loop: whole generation loop, wall clock. tritrt torch (graph) "
@@ -393,7 +404,8 @@ def main():
         notes += "| quant, phase | ms/step | calls | kernel |\n|---|---|---|---|\n"
         notes += "\n".join(f"| {q} | {p['ms_per_step']:.3f} | {p['calls_per_step']} | {p['kernel'][:70]} |"
                             for q, ps in profiles.items() for p in ps)
-    md = write_results("bench_e2e", rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf",
+    name = "bench_e2e" if args.model == "llama3-8b" else "bench_e2e_" + args.model.replace("-", "_")
+    md = write_results(name, rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf",
                                            "vs_fp16", "pct_ceiling", "peak_gib", "note"], meta, notes=notes)
     payload = json.loads(md.with_suffix(".json").read_text())
     payload["bs1_top_kernels"] = profiles

@@ -253,10 +253,14 @@ def test_mma_gemv_rejects_unsupported_input():
     qw = quantize_int4(torch.randn(16, 128, dtype=torch.bfloat16), 64)
     with pytest.raises(ValueError, match="fp16 only"):
         mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, 64)
-    x = torch.randn(1, 192, dtype=torch.float16)
+    x = torch.randn(1, 160, dtype=torch.float16)  # K = 160: neither u = 4 (128) nor u = 2 (64) divides it
+    qw = quantize_int4(torch.randn(16, 160, dtype=torch.float16), 32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, 32)
+    x = torch.randn(1, 192, dtype=torch.float16)  # u = 4 asked for, K = 192
     qw = quantize_int4(torch.randn(16, 192, dtype=torch.float16), 64)
     with pytest.raises(ValueError, match="multiple of 128"):
-        mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, 64)
+        mma.w4a16_gemv_mma(x, qw.qweight, qw.scales, qw.zeros, 64, u=4)
     x = torch.randn(1, 128, dtype=torch.float16)
     qw = quantize_int4(torch.randn(16, 128, dtype=torch.float16), 64)
     with pytest.raises(ValueError, match="CUDA tensors"):

@@ -769,3 +769,38 @@ def test_ops_on_vocab_sized_heads(bits, M, K, N):
     y = linear(x, qw)
     ref = x.float() @ dequantize(qw, torch.float32).t()
     assert_gemm_close(y, ref, dequant_baseline(x, qw))
+
+
+# SmolLM2-135M (the default model: K = 576) and SmolLM2-360M (K = 960): K a multiple of 64, not of 128
+SHORT_K_SHAPES = [(576, 960, False), (576, 576, False), (576, 3072, True), (960, 1600, False), (960, 5120, True)]
+SHORT_K_IDS = ["135m_qkv", "135m_o", "135m_gate_up", "360m_qkv", "360m_gate_up"]
+
+
+@pytest.mark.parametrize("K, N, swiglu", SHORT_K_SHAPES, ids=SHORT_K_IDS)
+def test_short_k_routes_to_tensor_core_gemv_with_two_row_chunks(K, N, swiglu):
+    """K % 128 != 0 but K % 64 == 0: the tensor-core GEMV takes it with u = 2 (``gemv_mma.chunk_u``) at decode M,
+    instead of the scalar GEMV (M = 1) or Triton (M = 2..16, and gate/up with SwiGLU)."""
+    assert mma.chunk_u(K) == mma.U_SHORT == 2 and mma.chunk_u(4096) == mma.U_DEFAULT
+    for M in (1, 2, 4, 8, 16):
+        r = route_w4a16(M, N, K, torch.float16, H200, group_size=64, swiglu=swiglu)
+        assert r.backend == "w4_gemv_mma" and dict(r.plan)["u"] == 2, (M, r)
+    assert mma.unsupported_reason(1, N, 160, 32, torch.float16) == \
+        "K=160 is not a multiple of 64 (a warp step is 8 packed rows)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 33, 64])
+@pytest.mark.parametrize("K, N, swiglu", SHORT_K_SHAPES, ids=SHORT_K_IDS)
+def test_ops_on_short_k_shapes(M, K, N, swiglu):
+    """The routed W4A16 op on the default model's projections (groups of 64, as the build chooses for K = 576 / 960;
+    gate/up with SwiGLU as the model runs it), whatever kernel the route picks at M, against the fp32 reference."""
+    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt)
+
+    g = torch.Generator().manual_seed(M * 11 + K + N)
+    qw = quantize_int4((torch.randn(N, K, generator=g) * 0.02).half(), 64).to("cuda")
+    x = torch.randn(M, K, generator=g).half().cuda()
+    y = torch.ops.tritrt.w4a16_linear(x, qw.qweight, qw.scales, qw.zeros, 64, None, None, swiglu)
+    ref = x.float() @ dequantize(qw, torch.float32).t()
+    if swiglu:
+        ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
+    assert_gemm_close(y, ref, dequant_baseline(x, qw, swiglu=swiglu))

@@ -28,6 +28,10 @@ KERNEL = "w4a16_gemv_mma"
 MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
 # H200 runs 1-2 (benchmarks/results/dev-logs/h200/bench_gemm_gemv_run{1,2}.md; 5 Llama shapes x M = 1, 4, 8):
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
+# ... except where K is a multiple of 64 but not of 128 (hidden sizes 576 and 960: SmolLM2-135M, the default model, and
+# SmolLM2-360M): there u = 2, which divides K, so that those shapes take this GEMV rather than the scalar GEMV (M = 1)
+# or Triton (M = 2..32, and gate/up with SwiGLU at any M).
+U_SHORT = 2
 # More weight bytes in flight per warp did not help either: a per-warp cp.async ring of 2-6 chunks in shared memory
 # (instead of the two register buffers) ran at 0.54-0.95x of this build on every shape, slower the deeper it was
 # (H200, benchmarks/results/dev-logs/h100/decode_overlap_probes.md, table 2).
@@ -58,17 +62,25 @@ PARAMS = [("x", "*fp16"), ("qweight", "*i32"), ("scales", "*fp16"), ("zeros", "*
 _KERNELS: dict = {}
 
 
-def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: int = U_DEFAULT,
+def chunk_u(K: int) -> int:
+    """Packed rows per lane per chunk the plan takes for K: ``U_DEFAULT``, or ``U_SHORT`` where only that divides K."""
+    return U_SHORT if K % (32 * U_DEFAULT) and K % (32 * U_SHORT) == 0 else U_DEFAULT
+
+
+def unsupported_reason(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, u: Optional[int] = None,
                        ksplit: int = 1) -> Optional[str]:
-    """None if this GEMV handles the shape, else why not (the op then uses the scalar GEMV or Triton)."""
+    """None if this GEMV handles the shape (with ``u``, default ``chunk_u(K)``), else why not (the op then uses the
+    scalar GEMV or Triton)."""
     if dtype != torch.float16:
         return f"activations are {dtype}; the tensor-core GEMV is fp16 only"
     if M < 1:
         return f"M={M} is outside 1.."
     if N % 4:
         return f"N={N} is not a multiple of 4 (16-byte weight loads)"
-    if K % (32 * u):
-        return f"K={K} is not a multiple of {32 * u} (a warp step is {4 * u} packed rows)"
+    step = 32 * (u or U_SHORT)  # K per chunk: the given u's, else the shortest the plan takes
+    if K % step:
+        return f"K={K} is not a multiple of {step} (a warp step is {step // 8} packed rows)"
+    u = u or chunk_u(K)
     if ksplit not in KSPLITS or K % (32 * u * ksplit):
         return f"ksplit={ksplit}: must be one of {KSPLITS} and divide K / {32 * u} = {K // (32 * u)} chunks"
     if group_size < 32 or group_size & (group_size - 1):
@@ -163,7 +175,7 @@ def fill_ksplit(col_blocks: int, chunks: int, warps: int, ksplit: int, mt: int, 
     return best and best[1:]
 
 
-def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps: Optional[int] = None,
+def gemv_plan(M: int, N: int, K: int, group_size: int, u: Optional[int] = None, warps: Optional[int] = None,
               sm_count: int = 132, mt: Optional[int] = None, wscale: Optional[bool] = None,
               ksplit: Optional[int] = None, clusters: bool = True) -> dict:
     """Variant and grid: 32 columns (times the row tiles for M > 8) per block, and the most warps per block
@@ -174,6 +186,7 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: int = U_DEFAULT, warps
     (``TILE_SPLIT_MAX_M``); K splits over a cluster where columns leave SMs idle (``default_ksplit``) or warp slots
     empty (``fill_ksplit``)."""
     planned_warps = warps is None  # an explicit ``warps`` (tests, benchmarks) is kept as given
+    u = u or chunk_u(K)
     if mt is None:
         mt = 1 if M <= MAX_M or (M <= TILE_SPLIT_MAX_M and -(-N // 32) <= sm_count // 2) else MT_DEFAULT
     if wscale is None:
@@ -254,7 +267,7 @@ def plugin_build(plan: dict, group_size: int, swiglu: bool = False):
 
 def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    group_size: int, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                   u: int = U_DEFAULT, warps: Optional[int] = None, mmax: Optional[int] = None,
+                   u: Optional[int] = None, warps: Optional[int] = None, mmax: Optional[int] = None,
                    chains: Optional[int] = None, l2_256: bool = L2_256, mt: Optional[int] = None,
                    wscale: Optional[bool] = None, sz_ahead: Optional[bool] = None, x_ahead: Optional[bool] = None,
                    minb: Optional[int] = None, ksplit: Optional[int] = None, swiglu: bool = False) -> torch.Tensor:
@@ -270,6 +283,7 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if reason:
         raise ValueError(f"tensor-core W4A16 GEMV: {reason}; use kernels.gemm.w4a16.gemv or "
                          f"kernels.gemm.w4a16.triton_gemm.w4a16_gemm")
+    u = u or chunk_u(K)
     # Vector loads: 16 B of x and qweight, 8 B of scales, 4 B of zeros per lane (N % 4 == 0 keeps every row aligned).
     check_operands("tensor-core W4A16 GEMV", x, 16,
                    (("qweight", qweight, 16), ("scales", scales, 8), ("zeros", zeros, 4), ("bias", bias, 2)),
