@@ -141,7 +141,10 @@ def test_mma_gemv_plan_and_support():
     assert "outside" in mma.unsupported_reason(0, 4096, 4096, 128, torch.float16)
     assert mma.unsupported_reason(100, 4096, 4096, 128, torch.float16) is None  # M > 8: tiles of 8 rows
     assert "multiple of 4" in mma.unsupported_reason(1, 4098, 4096, 128, torch.float16)
-    assert "multiple of 128" in mma.unsupported_reason(1, 4096, 4032, 64, torch.float16)
+    assert "multiple of 64" in mma.unsupported_reason(1, 4096, 4000, 32, torch.float16)
+    assert "multiple of 128" in mma.unsupported_reason(1, 4096, 4032, 64, torch.float16, u=4)
+    assert mma.unsupported_reason(1, 4096, 4032, 64, torch.float16) is None  # u = 2 (chunk_u)
+    assert mma.gemv_plan(1, 4096, 4032, 64)["u"] == 2 and mma.gemv_plan(1, 4096, 4096, 64)["u"] == 4
     assert "power of two" in mma.unsupported_reason(1, 4096, 4608, 96, torch.float16)
     # One wave of blocks with the most warps per block (H200 run 1: the best measured choice on the five shapes).
     assert [mma.gemv_plan(1, N, K, 128)["warps"] for N, K in [(6144, 4096), (4096, 4096), (28672, 4096),

@@ -390,7 +390,9 @@ W4_H100 = {
     "l3-8b down": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG_FULL,
     "8k": [(1, 16, GEMV), (17, 512, WGMMA)] + _BIG_FULL,
     "l3-70b/8 o": [(1, 32, GEMV), (33, 512, WGMMA)] + _BIG_FULL,
-    "smollm2 qkv": [(1, 1, "w4_gemv"), (2, 16, "triton_w4_gemm"), (17, 511, WGMMA), (512, 1024, DEQUANT)],
+    # K = 576: the tensor-core GEMV with two-row chunks (gemv_mma.U_SHORT), to M = 64 where the wgmma plan keeps
+    # too few warps (GEMV_FEW_WARPS_MAX_M)
+    "smollm2 qkv": [(1, 64, GEMV), (65, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
 # W8A16: the GEMV up to 4 rows, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
@@ -500,7 +502,8 @@ def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
                     r8 = route_w8a16(M, N, K, torch.float16, card)
                     assert r8.backend == "w8_gemv_mma" and r8.params == mma8.gemv_plan(M, N, K,
                                                                                        sm_count=card.sm_count)
-    assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=64).params == cu.gemv_plan(1, 960)
+    assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=96).params == cu.gemv_plan(1, 960)  # not 2^n
+    assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=64).params == mma.gemv_plan(1, 960, 576, 64)
     # The SM count counts: down at M = 24 keeps 15.5 warps per SM resident on 132 SMs, 9.0 (< 10) on 114.
     assert route_w4a16(24, 4096, 14336, torch.float16, H100, group_size=128).backend == WGMMA
     assert route_w4a16(24, 4096, 14336, torch.float16, H100_PCIE, group_size=128).backend == GEMV

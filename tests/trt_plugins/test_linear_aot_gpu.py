@@ -82,5 +82,5 @@ def test_every_cuda_kernel_is_covered():
 
     card = target_card(device_sm())
     kinds = {c.specialise(c.m_hint, card).cuda.route[0] for c in CASES}
-    want = {"w4_gemv_mma", "w4_gemv", "w8_gemv_mma"} | ({"w4_gemm_wgmma", "w8_gemm_wgmma"} if card.sm == 90 else set())
+    want = {"w4_gemv_mma", "w8_gemv_mma"} | ({"w4_gemm_wgmma", "w8_gemm_wgmma"} if card.sm == 90 else set())
     assert want <= kinds, kinds

@@ -129,7 +129,7 @@ def test_the_cuda_kernels_are_selected_where_the_op_uses_them():
     differ from the route's only in ``tma``."""
     seen, substituted, without_tma = set(), [], []
     for K, N, what in SHAPES:
-        for g in GROUPS:
+        for g in GROUPS + (96,):  # 96, no power of two: what still selects the scalar GEMV (SmolLM2's K)
             if K % g:
                 continue
             for m in TACTICS:
@@ -198,7 +198,8 @@ def test_workspace_split_wgmma_has_no_plugin_entry():
 
 
 def _sample_builds():
-    """Each distinct (CUDA build, plugin signature, div16) the documented samples select on the H100."""
+    """Each distinct (CUDA build, plugin signature, div16) the documented samples select on the H100, and the scalar
+    W4 GEMV's, which only a group size that is no power of two selects (SmolLM2's attention out in groups of 96)."""
     seen = {}
     for op in ("W4A16Linear", "W8A16Linear"):
         spec = SPECS[op]
@@ -206,6 +207,9 @@ def _sample_builds():
             sp = spec.specialise(s.shapes, s.dtypes, s.attrs, card=routing.H100)
             if sp.cuda is not None:
                 seen.setdefault((sp.cuda.build, tuple(sp.signature.items())), (op, sp))
+    shapes, dtypes = _w4_case(576, 576, 96, "fp16", 1)
+    sp = SPECS["W4A16Linear"].specialise(shapes, dtypes, {"group_size": 96, "m_hint": 1}, card=routing.H100)
+    seen.setdefault((sp.cuda.build, tuple(sp.signature.items())), ("W4A16Linear", sp))
     return list(seen.values())
 
 
@@ -270,4 +274,5 @@ def test_compile_all_writes_the_cuda_variants(tmp_path):
         assert (tmp_path / e["cubin"]).read_bytes()[:4] == b"\x7fELF"
         assert [n for n, _ in e["signature"]] == SPECS[e["op"]].entry_params
         kinds[e["cuda"]["backend"]] = e["cuda"]["plan"]
-    assert {"w4_gemv_mma", "w4_gemv", "w8_gemv_mma"} <= set(kinds)
+    # (the scalar W4 GEMV: no sample selects it since the tensor-core GEMV takes K = 576 with two-row chunks)
+    assert {"w4_gemv_mma", "w8_gemv_mma"} <= set(kinds)
