@@ -30,7 +30,10 @@ MAX_M = 8  # x rows per tile (the GEMV's M); larger M takes several tiles
 U_DEFAULT = 4  # 16 B loads per lane per chunk; u=8 (128 registers) slower on 14 of 15 rows, u=2 on 13 of 15
 # ... except where K is a multiple of 64 but not of 128 (hidden sizes 576 and 960: SmolLM2-135M, the default model, and
 # SmolLM2-360M): there u = 2, which divides K, so that those shapes take this GEMV rather than the scalar GEMV (M = 1)
-# or Triton (M = 2..32, and gate/up with SwiGLU at any M).
+# or Triton (M = 2..16, gate/up with SwiGLU at any M) or, up to M = 64, the wgmma GEMM. H200, the routed op before vs
+# after (benchmarks/results/dev-logs/h200/short_k_u2.md): read off SmolLM2-135M's projections and head, 32 of 32
+# changed (shape, M) rows faster (1.30-2.21x); judged on SmolLM2-360M's, 31 of 32 (1.31-2.51x; gate/up at M = 64,
+# where GEMV_FEW_WARPS_MAX_M picks this GEMV, 0.79x); the SmolLM2-135M-shaped int4 decode step 1.42x at bs 1.
 U_SHORT = 2
 # More weight bytes in flight per warp did not help either: a per-warp cp.async ring of 2-6 chunks in shared memory
 # (instead of the two register buffers) ran at 0.54-0.95x of this build on every shape, slower the deeper it was
