@@ -58,6 +58,29 @@ def test_w4a16_interpreter_groups_and_splits(M, group_size, symmetric, split_k, 
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("K,group_size", [(576, 96), (576, 576)], ids=["g96", "one_group"])
+def test_w4a16_interpreter_groups_that_are_no_power_of_two(M, K, group_size):
+    """A GPTQ/AWQ import may carry any group size dividing K (96; -1, one group per column: K itself): BLOCK_K is then
+    the largest power of two dividing the group (32, 64), not the group."""
+    from kernels.quant import pack_int4
+
+    cfg = w4a16_launch_config(M, 40, K, group_size, True, False, False)
+    assert cfg.constexprs["BLOCK_K"] == {96: 32, 576: 64}[group_size]
+    g = torch.Generator().manual_seed(M + group_size)  # an imported weight: codes, scales, zero points as given
+    qweight = pack_int4(torch.randint(0, 16, (K, 40), generator=g))
+    scales = (torch.rand(K // group_size, 40, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (K // group_size, 40), generator=g).to(torch.int8)
+    x = torch.randn(M, K, generator=g).half()
+    y = w4a16_gemm(x, qweight, scales, zeros, group_size)
+    ref = w4a16_reference(x, qweight, scales, zeros, group_size)
+    w = ((torch.stack([(qweight >> (4 * i)) & 0xF for i in range(8)], 1).reshape(K, 40).float()
+          - zeros.float().repeat_interleave(group_size, 0)) * scales.float().repeat_interleave(group_size, 0))
+    torch.testing.assert_close(ref, x.float() @ w)  # the reference reads the layout as written here
+    check(y, ref, (x.float() @ w.half().float()).half())
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M,split_k", [(1, 1), (1, 2), (3, 1), (17, 2)])
 def test_w4a16_interpreter_swiglu_epilogue(M, split_k, dtype):
