@@ -12,7 +12,7 @@ import torch
 
 from kernels.gemm.w4a16.triton_gemm import w4a16_gemm, w4a16_launch_config, w4a16_reference
 from kernels.quant import quantize_int4
-from tests.helpers import assert_gemm_close as check, dequant_baseline, poisoned
+from tests.helpers import DEVICES, assert_gemm_close as check, dequant_baseline, poisoned
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,10 +57,10 @@ def test_w4a16_interpreter_groups_and_splits(M, group_size, symmetric, split_k, 
              unroll=unroll, block_k=32)
 
 
-@pytest.mark.interpreter
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("K,group_size", [(576, 96), (576, 576)], ids=["g96", "one_group"])
-def test_w4a16_interpreter_groups_that_are_no_power_of_two(M, K, group_size):
+def test_w4a16_groups_that_are_no_power_of_two(M, K, group_size, device):
     """A GPTQ/AWQ import may carry any group size dividing K (96; -1, one group per column: K itself): BLOCK_K is then
     the largest power of two dividing the group (32, 64), not the group."""
     from kernels.quant import pack_int4
@@ -72,7 +72,7 @@ def test_w4a16_interpreter_groups_that_are_no_power_of_two(M, K, group_size):
     scales = (torch.rand(K // group_size, 40, generator=g) * 0.02 + 0.005).half()
     zeros = torch.randint(0, 16, (K // group_size, 40), generator=g).to(torch.int8)
     x = torch.randn(M, K, generator=g).half()
-    y = w4a16_gemm(x, qweight, scales, zeros, group_size)
+    y = w4a16_gemm(*(t.to(device) for t in (x, qweight, scales, zeros)), group_size).cpu()
     ref = w4a16_reference(x, qweight, scales, zeros, group_size)
     w = ((torch.stack([(qweight >> (4 * i)) & 0xF for i in range(8)], 1).reshape(K, 40).float()
           - zeros.float().repeat_interleave(group_size, 0)) * scales.float().repeat_interleave(group_size, 0))
