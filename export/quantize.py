@@ -73,8 +73,6 @@ def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
     return out
 
 
-
-
 def quantize_lm_head(state: dict, quant: str, group_size: int = 128) -> dict:
     """A copy of ``state`` whose ``lm_head`` (or, tied, a copy of ``embed``) is quantized to ``quant`` ("int8" per
     output channel, "int4" group-wise with the largest group of at most ``group_size`` dividing the hidden size,

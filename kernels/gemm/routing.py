@@ -4,7 +4,8 @@ activation dtype, the GPU (a ``Card``) and the few flags that change the choice.
 ``Card`` constants or ``card_of`` at build time) to select the same kernel and its plan.
 
 W4A16, fp16 activations, no residual: the tensor-core CUDA GEMV up to ``CUDA_GEMV_MMA_MAX_M`` rows (M > 8 tiled in
-M), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M``, and on Hopper (sm_90), from
+M; K a multiple of 64), the scalar CUDA GEMV for shapes it does not take at M <= ``CUDA_GEMV_MAX_M`` (group sizes
+that are no power of two: both need K % 64 == 0 and N % 4 == 0), and on Hopper (sm_90), from
 ``GEMV_ONLY_MAX_M`` + 1 where its plan keeps ``WGMMA_MIN_WARPS`` warps per SM resident and from
 ``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape (but up to ``GEMV_FEW_WARPS_MAX_M`` the GEMV where its plan
 keeps fewer than ``WGMMA_FEW_WARPS`` warps per SM), the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
