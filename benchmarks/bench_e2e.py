@@ -35,13 +35,13 @@ from typing import Optional
 import torch
 
 try:
-    from benchmarks.harness import bench, copy_bandwidth_gbs, write_results
+    from benchmarks.harness import LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
 except ImportError:  # run as a script from the repository root
     import os
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks.harness import bench, copy_bandwidth_gbs, write_results
+    from benchmarks.harness import LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
 
 PREFILL_LEN, DECODE_CTX, DECODE_NEW, BATCHES = 2048, 512, 128, (1, 8, 32)
 BLOCK_SIZE = 16
@@ -55,8 +55,8 @@ TTFT_SAMPLES = 5
 LONG_REP_MS = 1500
 IDLE_S = 1.0  # the idle time before each "after idle" prefill replay: enough for the clock to return to its maximum
 DEVICE = "cuda"
-# --model: (name in the results, the harness's HF config dict)
-MODELS = {"llama3-8b": ("Llama-3-8B", "LLAMA3_8B"), "smollm2-135m": ("SmolLM2-135M-Instruct", "SMOLLM2_135M")}
+# --model: (name in the results, HF config)
+MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B), "smollm2-135m": ("SmolLM2-135M-Instruct", SMOLLM2_135M)}
 
 
 def ratio(ref_ms, ms):
@@ -66,10 +66,9 @@ def ratio(ref_ms, ms):
 
 def model_config(model: str = "llama3-8b", num_layers: Optional[int] = None):
     """The ``LlamaConfig`` of ``model`` (a key of ``MODELS``), with ``num_layers`` layers if given."""
-    from benchmarks import harness
     from export.checkpoint import LlamaConfig
 
-    hf = getattr(harness, MODELS[model][1])
+    hf = MODELS[model][1]
     return LlamaConfig.from_hf(dict(hf, num_hidden_layers=num_layers or hf["num_hidden_layers"]))
 
 

@@ -81,8 +81,10 @@ def plan_tiles(M: int, N: int, K: int, block_k_cap: int, *, use_dot=None, block_
                split_k=None, num_warps=None, num_stages=None, unroll=None) -> dict:
     """Tile sizes, split-K and warps for an ``[M, K] x [K, N]`` weight-only GEMM: a pure function of shapes.
 
-    ``block_k_cap`` bounds BLOCK_K (INT4: the group size, so one K tile never spans two groups). Any keyword that is
-    not None overrides the heuristic (the benchmark uses this to compare configurations).
+    BLOCK_K is the largest power of two up to the heuristic's (or ``block_k``) that divides ``block_k_cap``: INT4 the
+    group size, so one K tile never spans two groups (32 for a GPTQ import's groups of 96, 64 for one group per column
+    over K = 576), INT8 K itself. Any keyword that is not None overrides the heuristic (the benchmark uses this to
+    compare configurations).
     - M == 1: the GEMV path (no tensor cores): ``BLOCK_M = 1``, an fp32 ``[BLOCK_K, BLOCK_N]`` accumulator reduced once.
     - M > 1: ``tl.dot`` tiles; BLOCK_M the next power of two >= M (16..128), so small M wastes MMA work, not bytes.
     - split-K until there are ~TARGET_PROGRAMS programs, keeping >= 2 K tiles per split.
@@ -104,7 +106,8 @@ def plan_tiles(M: int, N: int, K: int, block_k_cap: int, *, use_dot=None, block_
         bk = block_k or 128
         warps = num_warps or 4
         stages = num_stages or 3
-    bk = min(bk, block_k_cap)
+    while bk > block_k_cap or block_k_cap % bk:  # halve to a power of two dividing the cap (tl.arange needs one)
+        bk //= 2
     if K % bk:
         raise ValueError(f"K={K} is not a multiple of BLOCK_K={bk}")
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)

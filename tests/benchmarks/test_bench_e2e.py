@@ -45,25 +45,25 @@ def test_ceiling_is_batch_times_bandwidth_over_weight_bytes_on_our_decode_rows_o
     assert not any("pct_ceiling" in r for r in rows[1:])
 
 
-def test_model_configs_and_the_default_models_shape():
-    """``--model smollm2-135m`` benchmarks the default model's shape: the harness's config is what ``export.gguf``
-    reads off the shipped GGUF (every key both have, the dtype aside)."""
+def test_model_configs_and_the_default_models_shape(tmp_path, monkeypatch):
+    """``--model smollm2-135m`` benchmarks the default model's shape: the harness's config is the config.json
+    ``export.gguf`` writes for the shipped GGUF (every key, the dtype aside)."""
+    import json
+
     import pytest
 
     from benchmarks.bench_e2e import model_config
     from benchmarks.harness import SMOLLM2_135M
-    from export import gguf as eg
+    from export.gguf import GGUFError, checkpoint_dir, default_checkpoint
 
     assert model_config().num_layers == 32 and model_config("llama3-8b", 2).num_layers == 2
     c = model_config("smollm2-135m")
     assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.tie_word_embeddings) == (576, 30, 9, 3, True)
     try:
-        path = eg.default_checkpoint()
-    except eg.GGUFError as e:
+        gguf_file = default_checkpoint()
+    except GGUFError as e:
         pytest.skip(str(e))
-    reader = eg._gguf().GGUFReader(str(path))
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    cfg = eg.hf_config(eg.read_metadata(reader), shapes, path.name)
-    assert {k: v for k, v in SMOLLM2_135M.items() if k in cfg and k != "torch_dtype"} == \
-        {k: cfg[k] for k in SMOLLM2_135M if k in cfg and k != "torch_dtype"}
-    assert set(SMOLLM2_135M) - {"torch_dtype"} <= set(cfg), set(SMOLLM2_135M) - set(cfg)
+    monkeypatch.setenv("TRITRT_CACHE", str(tmp_path / "cache"))
+    cfg = json.loads((checkpoint_dir(gguf_file) / "config.json").read_text())
+    keys = set(SMOLLM2_135M) - {"torch_dtype"}
+    assert keys <= set(cfg) and {k: SMOLLM2_135M[k] for k in keys} == {k: cfg[k] for k in keys}

@@ -116,15 +116,11 @@ def w4a16_launch_config(M: int, N: int, K: int, group_size: int, has_zeros: bool
     if K % group_size:
         raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}; quantize with a group size "
                          f"that divides in_features")
-    # BLOCK_K at most the largest power of two dividing the group (so a K tile never spans two groups, and tl.arange
-    # gets a power of two): the group itself for 32 / 64 / 128, 32 for a GPTQ import's 96, 64 for one group per
-    # column (-1) over K = 576
-    block_k_cap = group_size & -group_size
     if M == 1 and not overrides.get("use_dot"):
         # GEMV: 32 columns x 4 unrolled K tiles per trip measured best (H200, Llama-3-8B o/down: 1.44x/1.26x over
         # cuBLAS vs 1.14x/1.03x for 64 columns x 1 tile; benchmarks/results/h200/bench_gemm_sweep.md).
         overrides = {"block_n": 32, "unroll": 4, **overrides}
-    p = plan_tiles(M, N, K, block_k_cap, **overrides)
+    p = plan_tiles(M, N, K, group_size, **overrides)
     constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, HAS_RES=has_res,
                       USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                       SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"], DOT_IN_FP32=dot_in_fp32,

@@ -86,16 +86,6 @@ def _w8a16_gemm_kernel(
             HAS_BIAS, HAS_RES, SPLIT_K, SWIGLU)
 
 
-def _block_k_cap(K: int) -> int:
-    cap = 128
-    while cap >= 16 and K % cap:
-        cap //= 2
-    if cap < 16:
-        raise ValueError(f"W8A16: K={K} must be a multiple of 16 (tensor-core K step); pad in_features or keep this "
-                         f"layer in fp16/bf16")
-    return cap
-
-
 def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, dot_in_fp32: bool = False,
                         swiglu: bool = False, **overrides) -> LaunchConfig:
     """The launch of ``_w8a16_gemm_kernel`` for these shapes (pure function; ``overrides`` go to ``plan_tiles``).
@@ -107,7 +97,10 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
         # BLOCK_K 64 beat 128 on all five Llama-3-8B shapes at M=4 and 16 (H200 run 3: e.g. gate_up M=16 1.22x vs
         # 0.92x over cuBLAS; benchmarks/results/h200/bench_gemm.md, rows "bk64").
         overrides = {"block_k": 64, **overrides}
-    p = plan_tiles(M, N, K, _block_k_cap(K), **overrides)
+    if K % 16:
+        raise ValueError(f"W8A16: K={K} must be a multiple of 16 (tensor-core K step); pad in_features or keep this "
+                         f"layer in fp16/bf16")
+    p = plan_tiles(M, N, K, K, **overrides)  # BLOCK_K: a power of two dividing K
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"],
                       BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"],
                       DOT_IN_FP32=dot_in_fp32, SWIGLU=swiglu)
