@@ -103,11 +103,16 @@ WGMMA_FEW_WARPS = 5
 # picks two tiles) keep fewer warps resident and still beat the GEMV: H200, M = 24 / 32 on five shapes the rule takes
 # (benchmarks/results/dev-logs/h200/wgmma_small_m_wide.md), GEMV 1.10-1.31x cuBLAS against 1.39-1.65x; the ranking's
 # two-tile plan of Qwen2.5-7B gate_up (same dev-log, judge) 1.49x at M = 20 / 28, the GEMV not measured on it.
-# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; 0 disables
-# it; shapes it does not take fall through to Triton). H100 (h100/bench_gemm_w8gemv.md,
-# dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x (ahead on 4 of 5, down 1.68
-# vs 1.72), M=4 ahead on 4 of 5, M=8 on 3 of 5 (first run).
-CUDA_W8_GEMV_MAX_M = 4
+# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; 0 disables it;
+# shapes it does not take fall through to Triton): every M it takes (its MAX_M, 8). It was 4 from the H100's first run
+# (h100/bench_gemm_w8gemv.md, dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x,
+# M=4 ahead on 4 of 5, M=8 on 3 of 5, with the GEMV's first plan. With its plan since (the resident-warps vec rule, the
+# L2 hint), H200, forced both ways in one run (benchmarks/results/dev-logs/h200/w8_gemv_m5_8.md): read off 15 shapes
+# (SmolLM2-135M / -360M, Qwen2.5-0.5B, Llama-3-8B q|k|v and o) at M = 5 / 6 / 8, the GEMV faster on 45 of 45
+# (1.008-1.971x); judged on 18 held-out shapes (the generalization set, Llama-3-8B gate/up and down) at M = 5..8, 71 of
+# 72 (1.02-1.46x; Llama-3.2-3B down at M = 8 0.987x). Llama-3-8B-shaped int8 decode step at batch 8: 1872 -> 2309 tok/s;
+# not measured on an H100.
+CUDA_W8_GEMV_MAX_M = _w8_gemv_mma.MAX_M
 # fp16 W8A16 (no residual) with WGMMA_W8_MIN_M <= M <= WGMMA_W8_MAX_M on sm_90 goes to the wgmma GEMM's INT8 build
 # (kernels.gemm.gemm_wgmma, bits=8) when it takes the shape, SwiGLU fused into its epilogue as in the INT4 build.
 # H200, same run (benchmarks/results/h200/bench_gemm_wgmma_sweep_w8.md), its plan (2 warpgroups per block) vs Triton

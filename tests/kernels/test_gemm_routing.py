@@ -160,6 +160,10 @@ def on_card(monkeypatch):
         monkeypatch.setattr(legacy, "is_cuda", lambda x: card is not None)
         monkeypatch.setattr(legacy, "device_sm", lambda device: card.sm)
         monkeypatch.setattr(legacy, "device_sm_count", lambda device: card.sm_count)
+        # Changed on purpose from the cascade: the W8A16 GEMV takes M up to 8, not 4 (routing.CUDA_W8_GEMV_MAX_M). The
+        # cascade with that one constant raised is still the oracle: same operand checks, x copies and SwiGLU.
+        assert legacy.CUDA_W8_GEMV_MAX_M == 4 and routing.CUDA_W8_GEMV_MAX_M == 8
+        monkeypatch.setattr(legacy, "CUDA_W8_GEMV_MAX_M", routing.CUDA_W8_GEMV_MAX_M)
 
     return point
 
@@ -395,16 +399,16 @@ W4_H100 = {
     "smollm2 qkv": [(1, 64, GEMV), (65, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
-# W8A16: the GEMV up to 4 rows, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
+# W8A16: the GEMV up to 8 rows, Triton to 16, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
 # 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
 W8_H100 = {
-    "l3-8b qkv": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
+    "l3-8b qkv": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
                   (1024, 1024, DEQUANT)],
-    "l3-8b down": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1024, "w8_gemm_wgmma")],
-    "smollm2 qkv": [(1, 4, "w8_gemv_mma"), (5, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
+    "l3-8b down": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1024, "w8_gemm_wgmma")],
+    "smollm2 qkv": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
                   (1024, 1024, DEQUANT)],
     "odd_dims down": [(1, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],  # K = 608: no multiple of 64
-    "N 1000": [(1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
+    "N 1000": [(1, 8, "w8_gemv_mma"), (9, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)],
 }
 
 
@@ -434,13 +438,13 @@ def test_h100_routes_of_the_measured_shapes():
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
     assert w4(1024, qkv, swiglu=True).swiglu == "after" and w4(1023, qkv, swiglu=True).swiglu == "fused"
     assert w4(1, qkv).swiglu == "none"
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (5, 16, 1024)} == {"after"}
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 4, 17, 1023)} == {"fused"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (9, 16, 1024)} == {"after"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 8, 17, 1023)} == {"fused"}
     assert w8(1, qkv, swiglu=True).backend == "w8_gemv_mma"
     assert (w8(1, qkv, residual=True, swiglu=True).backend, w8(1, qkv, residual=True, swiglu=True).swiglu) == (
         "w8_gemv_mma", "after")
     assert _ranges(lambda M, s: route_w8a16(M, *s[:2], torch.float16, A100), qkv) == [
-        (1, 4, "w8_gemv_mma"), (5, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
+        (1, 8, "w8_gemv_mma"), (9, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.
     assert _ranges(lambda M, s: route_w4a16(M, *s[:2], torch.float16, A100, group_size=128), qkv) == [
         (1, 32, GEMV), (33, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
@@ -498,7 +502,7 @@ def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
                 want = {GEMV: lambda: mma.gemv_plan(M, N, K, 128, sm_count=card.sm_count),
                         WGMMA: lambda: wg.gemm_plan(M, N, K, card.sm_count)}[r.backend]()
                 assert r.params == want and r == route_w4a16(M, N, K, torch.float16, card, group_size=128)
-                if M <= 4:
+                if M <= routing.CUDA_W8_GEMV_MAX_M:
                     r8 = route_w8a16(M, N, K, torch.float16, card)
                     assert r8.backend == "w8_gemv_mma" and r8.params == mma8.gemv_plan(M, N, K,
                                                                                        sm_count=card.sm_count)
