@@ -10,7 +10,8 @@ that are no power of two: both need K % 64 == 0 and N % 4 == 0), and on Hopper (
 ``CUDA_GEMV_MMA_MAX_M`` + 1 wherever it takes the shape (but up to ``GEMV_FEW_WARPS_MAX_M`` the GEMV where its plan
 keeps fewer than ``WGMMA_FEW_WARPS`` warps per SM), the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
 ``WGMMA_W4_BIG_MAX_M`` where its plan takes 256-row blocks).
-W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M``, on Hopper from ``WGMMA_W8_MIN_M`` the
+W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M`` (with SwiGLU, which it fuses, up to
+``CUDA_W8_GEMV_SWIGLU_MAX_M``), on Hopper from ``WGMMA_W8_MIN_M`` the
 wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Both, past those limits up
 to ``WGMMA_PREFILL_MAX_M``: the wgmma GEMM where its unsplit 256-row grid fills its waves (``wgmma_fills_prefill``).
 Everything else below ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes):
@@ -104,7 +105,7 @@ WGMMA_FEW_WARPS = 5
 # (benchmarks/results/dev-logs/h200/wgmma_small_m_wide.md), GEMV 1.10-1.31x cuBLAS against 1.39-1.65x; the ranking's
 # two-tile plan of Qwen2.5-7B gate_up (same dev-log, judge) 1.49x at M = 20 / 28, the GEMV not measured on it.
 # M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; 0 disables it;
-# shapes it does not take fall through to Triton): every M it takes (its MAX_M, 8). It was 4 from the H100's first run
+# shapes it does not take fall through to Triton): every M one x tile takes (8). It was 4 from the H100's first run
 # (h100/bench_gemm_w8gemv.md, dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x,
 # M=4 ahead on 4 of 5, M=8 on 3 of 5, with the GEMV's first plan. With its plan since (the resident-warps vec rule, the
 # L2 hint), H200, forced both ways in one run (benchmarks/results/dev-logs/h200/w8_gemv_m5_8.md): read off 15 shapes
@@ -112,7 +113,14 @@ WGMMA_FEW_WARPS = 5
 # (1.008-1.971x); judged on 18 held-out shapes (the generalization set, Llama-3-8B gate/up and down) at M = 5..8, 71 of
 # 72 (1.02-1.46x; Llama-3.2-3B down at M = 8 0.987x). Llama-3-8B-shaped int8 decode step at batch 8: 1872 -> 2309 tok/s;
 # not measured on an H100.
-CUDA_W8_GEMV_MAX_M = _w8_gemv_mma.MAX_M
+CUDA_W8_GEMV_MAX_M = _w8_gemv_mma.MT_ROWS
+# With SwiGLU fused (no residual), M up to which W8A16 goes to that GEMV: every M it takes (MAX_M, 16: two x tiles a
+# block from M = 9), where Triton runs the activation as a second kernel. H200, forced both ways in one run
+# (benchmarks/results/dev-logs/h200/w8_gemv_m5_8.md, section "M = 9..16"): read off SmolLM2-135M / -360M and
+# Qwen2.5-0.5B gate/up at M = 9 / 10 / 12 / 14 / 16, 15 of 15 rows faster (1.32-1.46x); judged on 5 held-out gate/ups
+# (Llama-3.2-1B / -3B, Llama-2-13B, Llama-3-70B / 4, Llama-3-8B), 25 of 25 (1.24-1.42x). Without SwiGLU the two-tile
+# build was faster on 61 of 125 rows only (0.75-1.25x): those stay on Triton.
+CUDA_W8_GEMV_SWIGLU_MAX_M = _w8_gemv_mma.MAX_M
 # fp16 W8A16 (no residual) with WGMMA_W8_MIN_M <= M <= WGMMA_W8_MAX_M on sm_90 goes to the wgmma GEMM's INT8 build
 # (kernels.gemm.gemm_wgmma, bits=8) when it takes the shape, SwiGLU fused into its epilogue as in the INT4 build.
 # H200, same run (benchmarks/results/h200/bench_gemm_wgmma_sweep_w8.md), its plan (2 warpgroups per block) vs Triton
@@ -264,7 +272,8 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if card is None:
         return _route("reference", "fused" if swiglu else "none")
     after = "after" if swiglu else "none"
-    if ((swiglu or not residual) and M <= CUDA_W8_GEMV_MAX_M and aligned
+    gemv_max_m = CUDA_W8_GEMV_SWIGLU_MAX_M if swiglu and not residual else CUDA_W8_GEMV_MAX_M
+    if ((swiglu or not residual) and M <= gemv_max_m and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
         return _route("w8_gemv_mma", "fused" if swiglu and not residual else after,
                       _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))

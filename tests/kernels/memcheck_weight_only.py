@@ -9,7 +9,8 @@ that are not memory errors. Last run: 0 errors (H200, 2026-11-28, cf92ace, with 
 benchmarks/results/dev-logs/h200/memcheck_weight_only_cf92ace.log; H100 at 0fb4838, with the WG_TMA variants; and
 945b1e0: WGMMA_VARIANTS for both builds, among them 64-row blocks of 5 stages, which run one block barrier per
 pipeline stage as 128- and 256-row blocks do; their prologue's weight copies are issued before the PDL wait, 128-
-and 256-row plans launch as dependents; the W8A16 GEMV's SwiGLU epilogue, unsplit and cluster-split).
+and 256-row plans launch as dependents; the W8A16 GEMV's SwiGLU epilogue, unsplit and cluster-split). Since: the
+W8A16 GEMV's two-tile build (M 9..16, and forced on M <= 8).
 """
 import torch
 from kernels.gemm import gemm_wgmma as wg
@@ -32,8 +33,9 @@ for M, N, K in [(1, 36, 256), (5, 100, 512), (16, 1000, 512), (31, 36, 256), (10
     dequantize_w4_kn(q4.qweight, q4.scales, q4.zeros, 64)
     q8 = quantize_int8(torch.randn(N, K, dtype=torch.float16)).to("cuda")
     dequantize_w8_kn(q8.qweight, q8.scales)
-    if M <= 8 and N % 4 == 0:
-        for ov in ({}, dict(vec=4), dict(ksplit=2), dict(swiglu=True), dict(swiglu=True, vec=4, ksplit=2)):
+    if M <= 16 and N % 4 == 0:  # M 9..16: the two-tile build (mt = 2); M <= 8 also forced onto it
+        for ov in ({}, dict(vec=4), dict(ksplit=2), dict(swiglu=True), dict(swiglu=True, vec=4, ksplit=2)) + (
+                (dict(mt=2), dict(mt=2, swiglu=True, ksplit=2)) if M <= 8 else ()):
             try:
                 mma8.w8a16_gemv_mma(x, q8.qweight, q8.scales, b, **ov)
             except ValueError as e:

@@ -99,7 +99,8 @@ def test_w8_gemv_plan_and_support():
     assert mma8.unsupported_reason(1, 4096, 4096, f16) is None
     assert mma8.unsupported_reason(8, 36, 64, f16) is None  # N a multiple of 4 only
     assert "fp16 only" in mma8.unsupported_reason(1, 4096, 4096, torch.bfloat16)
-    assert "outside" in mma8.unsupported_reason(9, 4096, 4096, f16)
+    assert mma8.unsupported_reason(16, 4096, 4096, f16) is None  # two x tiles of 8 rows a block (mt = 2)
+    assert "outside" in mma8.unsupported_reason(17, 4096, 4096, f16)
     assert "outside" in mma8.unsupported_reason(0, 4096, 4096, f16)
     assert "multiple of 4" in mma8.unsupported_reason(1, 4098, 4096, f16)
     assert "multiple of 16" in mma8.unsupported_reason(1, 4104, 4096, f16, vec=16)
@@ -128,6 +129,11 @@ def test_w8_gemv_plan_and_support():
         assert 1 <= p["warps"] <= K // (16 * p["u"] * p["ksplit"])  # no warp without a chunk of K
         assert p["warps"] * 8 * p["vec"] <= 1024  # the shared-memory reduction's bound (static_assert in the .cu)
         assert 4 * p["vec"] * p["u"] == mma8.BYTES_PER_BUFFER
+    # Up to 8 rows one x tile a block, 9..16 two; the two-tile build's larger register bound counts in the residency
+    # rules only where it is larger (vec 16: fewer warps a block), not at vec 4 / 8.
+    assert [mma8.gemv_plan(M, 4096, 4096)["mt"] for M in (1, 8, 9, 16)] == [1, 1, 2, 2]
+    assert mma8.gemv_plan(16, 4096, 4096)["warps"] == mma8.gemv_plan(8, 4096, 4096)["warps"]  # vec 4
+    assert mma8.gemv_plan(16, 28672, 4096)["warps"] < mma8.gemv_plan(8, 28672, 4096)["warps"]  # vec 16
 
 
 def test_w8_gemv_rejects_unsupported_input():
@@ -141,8 +147,8 @@ def test_w8_gemv_rejects_unsupported_input():
     x = torch.randn(1, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="x has K=64"):
         mma8.w8a16_gemv_mma(x[:, :64], q.qweight, q.scales)
-    with pytest.raises(ValueError, match="outside 1..8"):
-        mma8.w8a16_gemv_mma(torch.randn(9, 128, dtype=torch.float16), q.qweight, q.scales)
+    with pytest.raises(ValueError, match="outside 1..16"):
+        mma8.w8a16_gemv_mma(torch.randn(17, 128, dtype=torch.float16), q.qweight, q.scales)
     with pytest.raises(ValueError, match="warps=32"):
         mma8.w8a16_gemv_mma(x, q.qweight, q.scales, warps=32)
     with pytest.raises(ValueError, match="CUDA tensors"):
@@ -159,8 +165,26 @@ def _case(M, N, K, seed):
     return x, q, bias
 
 
+@needs_nvcc
+def test_w8_gemv_two_tile_build_feeds_each_weight_to_both_x_tiles(tmp_path):
+    """mt = 2 (M 9..16): twice the mmas of the one-tile build on the same dequantised weights (the same PRMT / LOP3
+    count), no local memory."""
+    from kernels.aot.cache import AotCache
+    from kernels.aot.compile import compile_cuda
+
+    def ptx(*variant):
+        return compile_cuda(mma8.SOURCE, mma8.KERNEL, mma8.PARAMS, sm=90, threads=32 * variant[0],
+                            cache=AotCache(tmp_path), extra_flags=mma8.variant_flags(*variant)).ptx
+
+    for variant in [(16, 4, 4, 1, True), (8, 16, 1, 4, False)]:
+        one, two = ptx(*variant), ptx(*variant, 2)
+        assert two.count("mma.sync.aligned") == 2 * one.count("mma.sync.aligned") > 0
+        assert two.count("prmt.b32") == one.count("prmt.b32") and ".local" not in two
+        assert "-DGEMV_MT" not in " ".join(mma8.variant_flags(*variant))  # one-tile builds keep their flags
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 7, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 7, 8, 9, 12, 16])
 @pytest.mark.parametrize("N,K", [(6144, 448), (4096, 256), (28672, 320), (4096, 1792), (8192, 1024),
                                  (36, 64), (1000, 192), (4104, 4096)])
 def test_w8_gemv_matches_reference(M, N, K):
@@ -171,8 +195,8 @@ def test_w8_gemv_matches_reference(M, N, K):
     base = x @ dequantize(q).t() + bias  # cuBLAS on the fp16-rounded weight: the error the dtype itself forces
     plan = mma8.gemv_plan(M, N, K)
     variants = [{}]
-    if (N, K) in ((4096, 256), (1000, 192)):  # every vec, ksplit 1..8, u 1..4, fewer warps, the L2 hint (each
-        # variant is an nvcc build: sweeping two shapes keeps the tier to ~23 builds)
+    if (N, K) in ((4096, 256), (1000, 192)) and (M <= 8 or N == 1000):  # every vec, ksplit 1..8, u 1..4, fewer
+        # warps, the L2 hint (each variant is an nvcc build: two shapes, one with two x tiles, keep the tier to ~35)
         variants += [dict(l2_128=not mma8.L2_128), dict(warps=max(1, plan["warps"] // 2)), dict(warps=1, u=1, ksplit=1)]
         variants += [dict(vec=v) for v in mma8.VECS if v != plan["vec"] and N % v == 0]
         variants += [dict(vec=4, u=2), dict(vec=8, u=4)] if N % 8 == 0 and K % 64 == 0 else []
@@ -193,7 +217,7 @@ def test_w8_gemv_matches_reference(M, N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 12, 16])
 @pytest.mark.parametrize("N,K", [(28672, 4096), (1000, 192)])
 def test_w8_gemv_swiglu_epilogue(M, N, K):
     """W's columns as interleaved (gate, up) pairs: out [M, N / 2] = silu(gate + bias) * (up + bias), every output
@@ -220,7 +244,7 @@ def test_w8_gemv_swiglu_epilogue(M, N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 5, 8])
+@pytest.mark.parametrize("M", [1, 5, 8, 16])
 def test_w8_gemv_clusters_of_any_size_match_reference(M):
     """K split over clusters of 3, 5, 6 and 7 blocks (not powers of two: each block of a cluster finishes a rounded
     share of whole column pairs), vec 8 and 4, N with a partial block; SwiGLU with splits of 3 and 7."""

@@ -311,6 +311,17 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         # 608 here); the op copies it for the GEMV only. Same result: the Triton kernel reads x by its row stride.
         triton = calls[0][0], tuple((k, "arg0" if k == "x" else v) for k, v in calls[0][1])
         calls = [triton, *calls[1:]]
+    gemv = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=W8_ALIGNED[layout])
+    if gemv.backend == "w8_gemv_mma" and M > legacy.CUDA_W8_GEMV_MAX_M:
+        # Changed on purpose from the cascade: with SwiGLU fused, M = 9..16 goes to the GEMV's two-tile build
+        # (routing.CUDA_W8_GEMV_SWIGLU_MAX_M), where the cascade ran Triton and then the activation kernel.
+        calls = kernels.run(ops_gemm._w8a16_linear, *args)
+        assert [c[0] for c in calls] == ["w8_gemv_mma"], where
+        a = dict(calls[0][1])  # x: the op's x, or its contiguous copy (strided layouts), as for M <= 8
+        assert (a["qweight"], a["scales"], a["swiglu"]) == ("arg1", "arg2", True), where
+        assert a["bias"] == (f"arg{len(args) - 3}" if bias else None), where
+        assert swiglu and not residual and M <= routing.CUDA_W8_GEMV_SWIGLU_MAX_M, where
+        return
     if swiglu and not residual and [c[0] for c in calls] == ["w8_gemv_mma", "swiglu"]:
         # The other change since the cascade: the GEMV's SwiGLU epilogue, one call with swiglu=True where the
         # cascade made the same GEMV call without it and then ran the activation kernel.
@@ -399,8 +410,8 @@ W4_H100 = {
     "smollm2 qkv": [(1, 64, GEMV), (65, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
-# W8A16: the GEMV up to 8 rows, Triton to 16, then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of
-# 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
+# W8A16 (no SwiGLU): the GEMV up to 8 rows, Triton to 16, then the wgmma GEMM's INT8 build where it takes the shape
+# (N a multiple of 64, K of 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
 W8_H100 = {
     "l3-8b qkv": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
                   (1024, 1024, DEQUANT)],
@@ -438,8 +449,13 @@ def test_h100_routes_of_the_measured_shapes():
     assert {w4(M, qkv, swiglu=True).swiglu for M in (1, 16, 17, 255)} == {"fused"}
     assert w4(1024, qkv, swiglu=True).swiglu == "after" and w4(1023, qkv, swiglu=True).swiglu == "fused"
     assert w4(1, qkv).swiglu == "none"
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (9, 16, 1024)} == {"after"}
-    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 8, 17, 1023)} == {"fused"}
+    assert {w8(M, qkv, swiglu=True).swiglu for M in (1, 8, 9, 16, 17, 1023)} == {"fused"}
+    assert w8(1024, qkv, swiglu=True).swiglu == "after" and w8(9, qkv, residual=True, swiglu=True).swiglu == "after"
+    # W8A16 with SwiGLU fused: the GEMV up to 16 rows (two x tiles a block from 9), without it up to 8.
+    assert _ranges(lambda M, s: w8(M, s, swiglu=True), qkv) == [
+        (1, 16, "w8_gemv_mma"), (17, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)]
+    assert _ranges(lambda M, s: w8(M, s, swiglu=True, residual=True), qkv) == [
+        (1, 8, "w8_gemv_mma"), (9, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     assert w8(1, qkv, swiglu=True).backend == "w8_gemv_mma"
     assert (w8(1, qkv, residual=True, swiglu=True).backend, w8(1, qkv, residual=True, swiglu=True).swiglu) == (
         "w8_gemv_mma", "after")
@@ -811,3 +827,21 @@ def test_ops_on_short_k_shapes(M, K, N, swiglu):
     if swiglu:
         ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
     assert_gemm_close(y, ref, dequant_baseline(x, qw, swiglu=swiglu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [8, 9, 12, 16])
+@pytest.mark.parametrize("K, N", [(576, 3072), (4096, 28672)], ids=["smollm2_135m_gate_up", "llama3_8b_gate_up"])
+def test_w8_ops_with_swiglu_take_the_two_tile_gemv_to_16_rows(M, K, N):
+    """W8A16 gate/up with SwiGLU fused: the tensor-core GEMV up to CUDA_W8_GEMV_SWIGLU_MAX_M rows (two x tiles a block
+    from 9), against the fp32 reference on the dequantized weight."""
+    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt)
+
+    assert _gpu_route("w8", M, N, K, swiglu=True).backend == "w8_gemv_mma"
+    g = torch.Generator().manual_seed(M * 13 + K)
+    qw = quantize_int8((torch.randn(N, K, generator=g) * 0.02).half()).to("cuda")
+    x = torch.randn(M, K, generator=g).half().cuda()
+    y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, None, None, True)
+    ref = x.float() @ dequantize(qw, torch.float32).t()
+    ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
+    assert_gemm_close(y, ref, dequant_baseline(x, qw, swiglu=True))

@@ -145,9 +145,11 @@ def same_variant(case: Case, sp, ins) -> torch.Tensor:
         rows = p["gemv_m"]
         return torch.cat([gemv.w4a16_gemv(x[i:i + rows], *ins[1:], case.group_size, tn=p["tn"])
                           for i in range(0, x.shape[0], rows)])
-    if backend == "w8_gemv_mma":
-        return torch.cat([w8_gemv_mma.w8a16_gemv_mma(x[i:i + 8], *ins[1:], vec=p["vec"], warps=p["warps"], u=p["u"],
-                                                     ksplit=p["ksplit"], swiglu=sw) for i in range(0, x.shape[0], 8)])
+    if backend == "w8_gemv_mma":  # row tiles of 8 mt rows, as the plugin entry walks them, each with the same build
+        rows = 8 * p["mt"]
+        return torch.cat([w8_gemv_mma.w8a16_gemv_mma(x[i:i + rows], *ins[1:], vec=p["vec"], warps=p["warps"], u=p["u"],
+                                                     ksplit=p["ksplit"], swiglu=sw, mt=p["mt"])
+                          for i in range(0, x.shape[0], rows)])
     raise KeyError((backend, sw))
 
 

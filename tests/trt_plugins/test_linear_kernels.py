@@ -36,7 +36,7 @@ def _z_tiles(route, m):
     """Row tiles the plugin entry walks over grid z (the GEMVs that take at most so many rows), else None."""
     if route.backend == "w4_gemv":
         return -(-m // route.params["gemv_m"])
-    return -(-m // 8) if route.backend == "w8_gemv_mma" else None
+    return -(-m // (8 * route.params["mt"])) if route.backend == "w8_gemv_mma" else None
 
 
 def _check(sp, torch_route, m, swiglu=False):
@@ -108,8 +108,8 @@ def test_w8_plugin_runs_the_torch_route(K, N, what, dt, swiglu):
 
 def test_swiglu_plugins_fuse_where_the_op_does():
     """Not vacuous: on the 8B gate/up (fp16, g128) the SwiGLU plugins run the fused CUDA kernels the op routes to --
-    the GEMVs at tactic 1, the wgmma GEMM at 128 and 2048 -- and Triton's epilogue where the op would run the
-    activation after the GEMM (W8A16 at tactic 16)."""
+    the GEMVs at tactics 1 and 16 (W8A16: its two-tile build at 16), the wgmma GEMM at 128 and 2048 -- and Triton's
+    epilogue where the op would run the activation after the GEMM (W8A16 in bf16, which the GEMV does not take)."""
     K, N = 4096, 28672
     w4 = {m: SPECS["W4A16Linear"].specialise(*_w4_case(K, N, 128, "fp16", m),
                                             {"group_size": 128, "m_hint": m, "swiglu": 1}, card=routing.H100)
@@ -119,7 +119,10 @@ def test_swiglu_plugins_fuse_where_the_op_does():
     assert w4[1].cuda.route[0] == "w4_gemv_mma" and w8[1].cuda.route[0] == "w8_gemv_mma"
     assert {w4[m].cuda.route[0] for m in (128, 2048)} == {"w4_gemm_wgmma"}
     assert {w8[m].cuda.route[0] for m in (128, 2048)} == {"w8_gemm_wgmma"}
-    assert w8[16].cuda is None and w8[16].constexprs["SWIGLU"]
+    assert w8[16].cuda.route[0] == "w8_gemv_mma" and dict(w8[16].cuda.route[1])["mt"] == 2
+    w8_bf16 = SPECS["W8A16Linear"].specialise(*_w8_case(K, N, "bf16", 16), {"m_hint": 16, "swiglu": 1},
+                                              card=routing.H100)
+    assert w8_bf16.cuda is None and w8_bf16.constexprs["SWIGLU"]
     assert w4[1].scalars["n_out"] == N // 2 and w4[1].scalars["n"] == N
 
 

@@ -26,7 +26,7 @@ SwiGLU: where it fuses it (the tensor-core GEMVs, the wgmma GEMM) the entry is b
 op would run the activation after the GEMM (a second launch, which a plugin cannot make) the Triton entry runs, with
 its own SwiGLU epilogue.
 
-The CUDA GEMVs that take at most 8 rows (``w4_gemv``: ``gemv_m``, ``w8_gemv_mma``: 8) walk row tiles over grid z in
+The CUDA GEMVs that take a few rows (``w4_gemv``: ``gemv_m``, ``w8_gemv_mma``: 8 ``mt``) walk row tiles over grid z in
 their plugin entry, so like the Triton tiles every variant is correct for any M of the engine's profile, tuned for M
 near ``m_hint``.
 
@@ -122,7 +122,7 @@ def cuda_kernel_w8a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card, sw)
     p = route.params
     if route.backend == "w8_gemv_mma":
-        grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8))  # noqa: E731
+        grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8 * p["mt"]))  # noqa: E731
         build = gemv_mma.plugin_build(p, swiglu=sw)
     elif route.backend == "w8_gemm_wgmma":
         grid = lambda s, a: (cdiv(_m(s), p["bm"]) * (N // p["bn"]), p["splits"])  # noqa: E731

@@ -1,7 +1,7 @@
-// W8A16 GEMV on tensor cores for M <= 8, fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W in kernels.quant's
-// INT8 layout (qweight int8 [K, N], w[n, k] = q[k, n] * s[n], q in [-127, 127], scales fp16 [N]). With `swiglu` W's
-// columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2] (a pair never straddles two blocks or
-// two cluster slices: both hold an even number of columns).
+// W8A16 GEMV on tensor cores for M <= 8 * GEMV_MT (8 or 16), fp16 activations: y[M, N] = x[M, K] @ W^T (+ bias), W
+// in kernels.quant's INT8 layout (qweight int8 [K, N], w[n, k] = q[k, n] * s[n], q in [-127, 127], scales fp16 [N]).
+// With `swiglu` W's columns are interleaved (gate, up) pairs and y = silu(gate) * up, [M, N / 2] (a pair never
+// straddles two blocks or two cluster slices: both hold an even number of columns).
 //
 // Why: the Triton W8A16 GEMV reaches 1.39-1.73x cuBLAS fp16 at M = 1 (H200); bytes alone allow ~1.9x. As in
 // w4a16/gemv_mma.cu the weights are the mma's A operand (16 columns of W x 16 k) and x is B (16 k x 8 rows of x),
@@ -64,6 +64,9 @@
 #ifndef GEMV_KSPLIT
 #define GEMV_KSPLIT 1  // blocks (one cluster, grid y) splitting K: 1 to 8
 #endif
+#ifndef GEMV_MT
+#define GEMV_MT 1  // x tiles of 8 rows (B operands) per block: M <= 8 * GEMV_MT, each dequantised weight feeds MT mmas
+#endif
 #if GEMV_KSPLIT > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "GEMV_KSPLIT > 1 uses thread-block clusters (sm_90+); build with GEMV_KSPLIT=1 for older GPUs"
@@ -83,8 +86,10 @@ constexpr int kTiles = kVec / 2;  // mma tiles per lane (2 columns of each lane'
 constexpr int kCols = 8 * kVec;   // columns per block
 constexpr int kU = GEMV_U;
 constexpr int kSplit = GEMV_KSPLIT;
+constexpr int kMt = GEMV_MT;
 static_assert(kVec == 4 || kVec == 8 || kVec == 16, "GEMV_VEC is 4, 8 or 16");
 static_assert(kSplit >= 1 && kSplit <= 8, "GEMV_KSPLIT is 1 to 8 (portable cluster sizes)");
+static_assert(kMt == 1 || kMt == 2, "GEMV_MT is 1 or 2");
 // red[] below is kWarps * 8 * kCols floats: keep it within 32 KB of static shared memory.
 static_assert(kWarps * kCols <= 1024, "GEMV_WARPS * 8 * GEMV_VEC must be <= 1024 (shared-memory reduction)");
 
@@ -92,11 +97,11 @@ struct Row {
   uint32_t w[kWords];
 };
 
-// One chunk's registers: 4 weight rows per 16-row step, and the step's x[g][4t .. 4t+3] (B), loaded together so that
-// the x load's latency is hidden behind the previous chunk's math like the weights'.
+// One chunk's registers: 4 weight rows per 16-row step, and the step's x[8 mt + g][4t .. 4t+3] (B of x tile mt),
+// loaded together so that the x load's latency is hidden behind the previous chunk's math like the weights'.
 struct Chunk {
   Row q[kU][4];
-  uint2 x[kU];
+  uint2 x[kU][kMt];
 };
 
 // Read-only load of VEC bytes (one k row, VEC columns); optionally with the L2 128-byte prefetch hint.
@@ -140,47 +145,58 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   const int g = lane >> 2, t = lane & 3;
   const int col = blockIdx.x * kCols + kVec * g;
   const bool col_ok = col < N;    // N % VEC == 0: a lane's VEC columns are all in or all out
-  const bool x_ok = g < M;        // B column g is row g of x; rows >= M feed zeros
   const int k_rows = K / kSplit;  // this block's slice of K: rows blockIdx.y * k_rows ..
   const int chunks = k_rows / (16 * kU);
 
-  float acc[kTiles][4];
+  float acc[kMt][kTiles][4];
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i)
+  for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][i][j] = 0.f;
 
   // Lanes past N read columns N - VEC .. N - 1 instead (valid memory, no predication); their sums are never stored.
   const int colc = col_ok ? col : N - kVec;
   // Row k of this lane's columns starts at qweight + k * N + colc; the lane's rows of step s are 16 s + 4 t + j.
   const size_t k_first = (size_t)blockIdx.y * k_rows;
   const uint8_t* qw = reinterpret_cast<const uint8_t*>(qweight) + (k_first + 4 * t) * N + colc;
-  // x[g][16 s + 4t .. 16 s + 4t + 3] = the B registers of step s: uint2 number 4 s of xw. Rows g >= M read row 0
-  // (valid memory, no branch in the loop) and are zeroed by the mask.
-  const uint2* xw = reinterpret_cast<const uint2*>(x + (size_t)(x_ok ? g : 0) * stride_xm + k_first + 4 * t);
-  const uint32_t x_mask = x_ok ? 0xFFFFFFFFu : 0u;
+  // B column g of x tile mt is x row 8 mt + g: x[8 mt + g][16 s + 4t .. 16 s + 4t + 3] = the B registers of step s,
+  // uint2 number 4 s of xw[mt]. Rows >= M read row 0 (valid memory, no branch in the loop), zeroed by the mask.
+  const uint2* px[kMt];
+  uint32_t x_mask[kMt];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+    const bool x_ok = 8 * mt + g < M;
+    px[mt] = reinterpret_cast<const uint2*>(x + (size_t)(x_ok ? 8 * mt + g : 0) * stride_xm + k_first + 4 * t) +
+             warp * (4 * kU);
+    x_mask[mt] = x_ok ? 0xFFFFFFFFu : 0u;
+  }
   const size_t row_n = (size_t)N;
 
   // Chunk pointers advance by kWarps chunks per load (no per-load index arithmetic in the loop).
   const uint8_t* pq = qw + (size_t)warp * (16 * kU) * row_n;
-  const uint2* px = xw + warp * (4 * kU);
   const size_t q_step = (size_t)kWarps * (16 * kU) * row_n;
   auto load_chunk = [&](Chunk& b) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) b.q[u][j] = load_row(pq + (size_t)(16 * u + j) * row_n);
-      b.x[u] = __ldg(px + 4 * u);
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) b.x[u][mt] = __ldg(px[mt] + 4 * u);
     }
     pq += q_step;
-    px += kWarps * 4 * kU;
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) px[mt] += kWarps * 4 * kU;
   };
 
   auto process_chunk = [&](const Chunk& b) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const Row(&q)[4] = b.q[u];
-      const uint2 xv = make_uint2(b.x[u].x & x_mask, b.x[u].y & x_mask);
+      uint2 xv[kMt];
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) xv[mt] = make_uint2(b.x[u][mt].x & x_mask[mt], b.x[u][mt].y & x_mask[mt]);
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         // Columns 4w .. 4w+3 of the lane: tile 2w takes 4w (row g), 4w+1 (row g+8); tile 2w+1 takes 4w+2, 4w+3.
@@ -190,8 +206,11 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
           lo[cc] = pair_to_half2(q[0].w[w], q[1].w[w], cc);
           hi[cc] = pair_to_half2(q[2].w[w], q[3].w[w], cc);
         }
-        mma16816(acc[2 * w], lo[0], lo[1], hi[0], hi[1], xv.x, xv.y);
-        mma16816(acc[2 * w + 1], lo[2], lo[3], hi[2], hi[3], xv.x, xv.y);
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {  // the dequantised weights feed every x tile
+          mma16816(acc[mt][2 * w], lo[0], lo[1], hi[0], hi[1], xv[mt].x, xv[mt].y);
+          mma16816(acc[mt][2 * w + 1], lo[2], lo[3], hi[2], hi[3], xv[mt].x, xv[mt].y);
+        }
       }
     }
   };
@@ -215,90 +234,99 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
     process_chunk(qb);
   }
 
-  // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic), then scale and bias.
-  // C of tile T: rows g, g+8 = the lane's columns 2T, 2T+1; C columns 2t, 2t+1 = rows m of x.
-#pragma unroll
-  for (int T = 0; T < kTiles; ++T) {
-    const int cl = kVec * g + 2 * T;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      red[warp][2 * t + j][cl] = acc[T][j];
-      red[warp][2 * t + j][cl + 1] = acc[T][2 + j];
-    }
-  }
-  __syncthreads();
-  // Column n's finished value from its fp32 sum; with SwiGLU each thread takes a (gate, up) pair of columns, n even.
-  const int per = swiglu ? 2 : 1;
-  auto finish = [&](int n, float sum) {
+  // Per-warp partial sums -> shared -> sum over warps (fixed order: deterministic), then scale and bias; x tile by x
+  // tile through the same buffer.
+  const int per = swiglu ? 2 : 1;  // with SwiGLU each thread takes a (gate, up) pair of columns, n even
+  auto finish = [&](int n, float sum) {  // column n's finished value from its fp32 sum
     sum *= __half2float(scales[n]);
     return has_bias ? sum + __half2float(bias[n]) : sum;
   };
-  // The block's columns c0 .. c0 + cols - 1 (cols even), each column's fp32 sum given by column_sum(m, cl), finished
-  // and stored for rows < M and columns < N (with SwiGLU: one output per pair).
-  auto store_columns = [&](int c0, int cols, auto column_sum) {
-    for (int i = threadIdx.x; i < 8 * cols / per; i += 32 * kWarps) {
-      const int m = i / (cols / per), cl = c0 + per * (i % (cols / per));
-      const int n = blockIdx.x * kCols + cl;
-      if (m < M && n < N) {
-        const float y = finish(n, column_sum(m, cl));
-        if (swiglu)
-          out[(size_t)m * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
-        else
-          out[(size_t)m * N + n] = __float2half_rn(y);
-      }
-    }
-  };
-#if GEMV_KSPLIT == 1
-  store_columns(0, kCols, [&](int m, int cl) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
-    return sum;
-  });
-#else
-  // Sum over warps into red[0] (each thread reads and writes only its own (m, cl): no race), then over the cluster:
-  // block r of the cluster finishes its share of the columns from all KSPLIT blocks' red[0], read through DSMEM. The
-  // second cluster barrier keeps every block (and its shared memory) alive until all reads are done.
+#if GEMV_KSPLIT > 1
+  // Block r of the cluster finishes whole (gate, up) pairs r * P / KSPLIT .. (r + 1) * P / KSPLIT of the block's P.
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  for (int i = threadIdx.x; i < 8 * kCols; i += 32 * kWarps) {
-    const int m = i / kCols, cl = i % kCols;
-    if (m < M) {
+  constexpr int kPairs = kCols / 2;
+  const int rank = (int)cluster.block_rank();
+  const int c_lo = 2 * (rank * kPairs / kSplit), c_hi = 2 * ((rank + 1) * kPairs / kSplit);
+#endif
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+    const int m0 = 8 * mt;  // x row of this tile's C column 0
+    if (m0 >= M) break;     // uniform over the block and the cluster
+    if (mt > 0) __syncthreads();  // the previous tile's reads of red are done
+    // C of tile T: rows g, g+8 = the lane's columns 2T, 2T+1; C columns 2t, 2t+1 = x rows m0 + 2t, m0 + 2t + 1.
+#pragma unroll
+    for (int T = 0; T < kTiles; ++T) {
+      const int cl = kVec * g + 2 * T;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        red[warp][2 * t + j][cl] = acc[mt][T][j];
+        red[warp][2 * t + j][cl + 1] = acc[mt][T][2 + j];
+      }
+    }
+    __syncthreads();
+    // The block's columns c0 .. c0 + cols - 1 (cols even) of x rows m0 .. m0 + 7, each column's fp32 sum given by
+    // column_sum(m, cl), finished and stored for rows < M and columns < N (with SwiGLU: one output per pair).
+    auto store_columns = [&](int c0, int cols, auto column_sum) {
+      for (int i = threadIdx.x; i < 8 * cols / per; i += 32 * kWarps) {
+        const int m = i / (cols / per), cl = c0 + per * (i % (cols / per));
+        const int n = blockIdx.x * kCols + cl;
+        if (m0 + m < M && n < N) {
+          const float y = finish(n, column_sum(m, cl));
+          if (swiglu)
+            out[(size_t)(m0 + m) * (N / 2) + n / 2] =
+                __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
+          else
+            out[(size_t)(m0 + m) * N + n] = __float2half_rn(y);
+        }
+      }
+    };
+#if GEMV_KSPLIT == 1
+    store_columns(0, kCols, [&](int m, int cl) {
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
-      red[0][m][cl] = sum;
-    }
-  }
-  cluster.sync();
-  // Block r's share: whole (gate, up) pairs r * P / KSPLIT .. (r + 1) * P / KSPLIT of the block's P column pairs.
-  constexpr int kPairs = kCols / 2;
-  const int rank = (int)cluster.block_rank();
-  const int c0 = 2 * (rank * kPairs / kSplit), c1 = 2 * ((rank + 1) * kPairs / kSplit);
-  store_columns(c0, c1 - c0, [&](int m, int cl) {
-    float sum = 0.f;
+      return sum;
+    });
+#else
+    // Sum over warps into red[0] (each thread reads and writes only its own (m, cl): no race), then over the
+    // cluster, through DSMEM. The second cluster barrier keeps every block (and its shared memory) alive, and red
+    // unchanged, until all reads are done.
+    for (int i = threadIdx.x; i < 8 * kCols; i += 32 * kWarps) {
+      const int m = i / kCols, cl = i % kCols;
+      if (m0 + m < M) {
+        float sum = 0.f;
 #pragma unroll
-    for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
-    return sum;
-  });
-  cluster.sync();
+        for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
+        red[0][m][cl] = sum;
+      }
+    }
+    cluster.sync();
+    store_columns(c_lo, c_hi - c_lo, [&](int m, int cl) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
+      return sum;
+    });
+    cluster.sync();
 #endif
+  }
 }
 
 #ifdef TRITRT_PLUGIN_ENTRY
 // TensorRT plugin entry (W8A16Linear, trt_plugins/specs/linear.py). TensorRT's AOT plugins pass the inputs, the
 // int32 extra args, then the outputs: (x, qweight, scales, M, N, K, unused, y); the unused int is the Triton entry's
 // output row stride. The kernel above runs with no bias, x rows of K halves and SwiGLU or not baked in (TRITRT_SWIGLU;
-// y [M, N / 2] with it). It takes at most 8 rows, so grid z walks the row tiles of any M: grid (N / (8 GEMV_VEC),
-// GEMV_KSPLIT, cdiv(M, 8)), each tile the launch the torch path makes for its rows.
+// y [M, N / 2] with it). It takes at most 8 GEMV_MT rows, so grid z walks the row tiles of any M: grid
+// (N / (8 GEMV_VEC), GEMV_KSPLIT, cdiv(M, 8 GEMV_MT)), each tile the launch the torch path makes for its rows.
 #ifndef TRITRT_SWIGLU
 #define TRITRT_SWIGLU 0
 #endif
 extern "C" __global__ void TRITRT_CLUSTER_DIMS __launch_bounds__(32 * GEMV_WARPS, 1)
 tritrt_w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, const half* __restrict__ scales,
                       int M, int N, int K, int /*unused*/, half* __restrict__ y) {
-  const int m0 = blockIdx.z * 8;
+  const int m0 = blockIdx.z * 8 * GEMV_MT;
   w8a16_gemv_mma(x + (size_t)m0 * K, qweight, scales, scales, y + (size_t)m0 * (TRITRT_SWIGLU ? N / 2 : N),
-                 min(M - m0, 8), N, K, K, 0, TRITRT_SWIGLU);
+                 min(M - m0, 8 * GEMV_MT), N, K, K, 0, TRITRT_SWIGLU);
 }
 #endif  // TRITRT_PLUGIN_ENTRY
