@@ -111,8 +111,9 @@ class LlamaModel(torch.nn.Module):
         Why (H100, ``benchmarks/results/dev-logs/h100/fused_swiglu.md``, gate/up of five 1B-70B models): the fused
         GEMM against the GEMM + activation kernel, W4A16 1.03-1.10x at M = 1-8 (the tensor-core GEMV), 1.00-1.16x at
         M = 32-128, 0.98-1.05x at 512-2048 (geometric means 0.99-1.03x); W8A16 1.00-1.18x from M = 32, and since its
-        GEMV took the epilogue too 1.02-1.09x at M = 1-4 (``dev-logs/h100/w8_gemv_swiglu.md``; between, Triton runs
-        the activation after). A fused model runs; it is not a build artifact:
+        GEMV took the epilogue too 1.02-1.09x at M = 1-4 (``dev-logs/h100/w8_gemv_swiglu.md``); the GEMV now takes
+        every M up to 16 with it (H200, ``dev-logs/h200/w8_gemv_m5_8.md``: 1.24-1.46x Triton + the activation kernel
+        at M = 9..16). A fused model runs; it is not a build artifact:
         ``export_onnx`` and ``save_weights`` refuse its weights (saved files keep the checkpoint's layout; the ONNX
         exporter makes the same pairs itself for its plugin graph, ``export.onnx_export``)."""
         from kernels.quant import interleave_halves

@@ -44,8 +44,10 @@
 //
 // Work split: a block = GEMV_WARPS warps on the same 8 * VEC columns and K / KSPLIT rows, warps splitting them in
 // chunks of GEMV_U 16-row steps (register double buffer: the next chunk's loads are issued before this chunk's math),
-// reduced through shared memory (and DSMEM across the cluster) at the end with scale and bias. The launcher checks:
-// N % VEC == 0, K % (16 * GEMV_U * KSPLIT) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
+// reduced through shared memory (and DSMEM across the cluster) at the end with scale and bias. GEMV_MT = 2 (M 9..16):
+// each dequantised weight pair feeds the mmas of two x tiles of 8 rows (B operands), twice the accumulators (167
+// registers at VEC = 16 against 95), and the epilogue reduces tile by tile through the same shared buffer. The
+// launcher checks: N % VEC == 0, K % (16 * GEMV_U * KSPLIT) == 0, x rows 8-byte aligned, qweight 16-byte aligned.
 #include "../mma_common.cuh"
 #include "../plugin_entry.cuh"
 
@@ -162,7 +164,8 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
   const size_t k_first = (size_t)blockIdx.y * k_rows;
   const uint8_t* qw = reinterpret_cast<const uint8_t*>(qweight) + (k_first + 4 * t) * N + colc;
   // B column g of x tile mt is x row 8 mt + g: x[8 mt + g][16 s + 4t .. 16 s + 4t + 3] = the B registers of step s,
-  // uint2 number 4 s of xw[mt]. Rows >= M read row 0 (valid memory, no branch in the loop), zeroed by the mask.
+  // uint2 number 4 s from the row's start (px[mt] starts at this warp's first chunk). Rows >= M read row 0 (valid
+  // memory, no branch in the loop), zeroed by the mask.
   const uint2* px[kMt];
   uint32_t x_mask[kMt];
 #pragma unroll
