@@ -323,7 +323,8 @@ def main():
             "after_idle": (dict(min_m=idle_min_m, idle_s=IDLE_S, burst_ms=IDLE_BURST_MS, kernels=IDLE_KERNELS)
                            if idle_min_m else "off"),
             "routing": {k: getattr(ops_gemm, k) for k in (
-                "CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M", "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
+                "CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M", "CUDA_W8_GEMV_SWIGLU_MAX_M",
+                "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
                 "WGMMA_W4", "GEMV_ONLY_MAX_M", "GEMV_FEW_WARPS_MAX_M", "WGMMA_FEW_WARPS", "WGMMA_W4_MAX_M", "WGMMA_W8",
                 "WGMMA_W8_MIN_M", "WGMMA_W8_MAX_M")}}
     cols = ["shape", "K", "N", "M", "kernel", "config", "ms", "tflops", "weight_gbs", "speedup", "target", "rel_err",
