@@ -122,7 +122,8 @@ def cuda_kernel_w8a16(shapes, dtypes, attrs, card) -> CudaKernel | None:
     route = plugin_route_w8a16(attrs["m_hint"], N, K, dtypes["x"], card, sw)
     p = route.params
     if route.backend == "w8_gemv_mma":
-        grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), 8 * p["mt"]))  # noqa: E731
+        rows = gemv_mma.MT_ROWS * p["mt"]  # the row tile the plugin entry walks over grid z
+        grid = lambda s, a: (-(-N // (8 * p["vec"])), p["ksplit"], cdiv(_m(s), rows))  # noqa: E731
         build = gemv_mma.plugin_build(p, swiglu=sw)
     elif route.backend == "w8_gemm_wgmma":
         grid = lambda s, a: (cdiv(_m(s), p["bm"]) * (N // p["bn"]), p["splits"])  # noqa: E731

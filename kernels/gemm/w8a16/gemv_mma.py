@@ -23,8 +23,8 @@ from kernels._utils import device_sm
 
 SOURCE = Path(__file__).with_name("gemv_mma.cu")
 KERNEL = "w8a16_gemv_mma"
-MAX_M = 16
 MT_ROWS = 8  # x rows of one tile (the mma's n); a block takes mt = cdiv(M, 8) tiles and feeds each weight to all
+MAX_M = 2 * MT_ROWS  # the build takes mt = 1 or 2 (GEMV_MT)
 VECS = (16, 8, 4)  # the longest weight loads that divide N (with clusters), or the most resident warps (ties: longer)
 KSPLITS = tuple(range(1, 9))  # blocks of one cluster splitting K (8: the portable maximum)
 SPLITS = (1, 2, 4, 8)  # what the cluster plan (``clusters=True``) tries, in this order
@@ -83,8 +83,8 @@ def operands_ok(qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torc
 
 
 def mt_for(M: int) -> int:
-    """x tiles of 8 rows a block takes for M rows (1 or 2)."""
-    return 1 if M <= MT_ROWS else 2
+    """x tiles of 8 rows a block takes for M <= MAX_M rows (1 or 2)."""
+    return max(1, -(-M // MT_ROWS))
 
 
 def _blocks_per_sm(warps: int, vec: int, mt: int = 1) -> int:
@@ -176,7 +176,7 @@ def plugin_build(plan: dict, swiglu: bool = False):
     """The plugin entry of ``plan``'s variant (a ``gemv_plan``) for ``trt_plugins``: (x, qweight, scales, M, N, K,
     unused, y), no bias, SwiGLU baked in or not (y ``[M, N / 2]`` with it); grid ``(cdiv(N, 8 vec), ksplit, cdiv(M,
     8 mt))``: z walks row tiles of 8 mt, the most it takes."""
-    flags = variant_flags(plan["warps"], plan["vec"], plan["u"], plan["ksplit"], L2_128, plan.get("mt", 1))
+    flags = variant_flags(plan["warps"], plan["vec"], plan["u"], plan["ksplit"], L2_128, plan["mt"])
     return _plugin_build(SOURCE, PLUGIN_KERNEL, flags, threads=32 * plan["warps"], swiglu=swiglu)
 
 
