@@ -9,7 +9,7 @@ baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors
 - prefill tokens/s, batch 1, 2048-token prompt (one forward; ours returns the last token's logits, HF is asked for
   ``logits_to_keep=1`` so both skip the 2048 x 128k logits); ours also as that forward captured in a CUDA graph and
   replayed (device time, whatever the host), and every quantized row as ``vs_fp16``, our fp16 time / its time;
-- decode tokens/s at batch 1 / 8 / 32 with a 512-token context, fp16 / int8 / int4 weights: "step" is one decode
+- decode tokens/s at batch 1 / 8 / 16 / 32 with a 512-token context, fp16 / int8 / int4 weights: "step" is one decode
   step timed by ``bench`` (device events, median), "loop" the whole generation loop (scheduling, sampling, one host
   sync per token) by wall clock over 128 tokens; ``pct_ceiling``: the share of the weight-read roofline (batch x the
   copy bandwidth measured in the run / the bytes of weights a step reads);
@@ -43,7 +43,9 @@ except ImportError:  # run as a script from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.harness import LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
 
-PREFILL_LEN, DECODE_CTX, DECODE_NEW, BATCHES = 2048, 512, 128, (1, 8, 32)
+# Batch 16: past the GEMVs' one-tile range (8 rows), where the W8A16 gate/up with SwiGLU runs the two-tile GEMV
+# (kernels.gemm.routing CUDA_W8_GEMV_SWIGLU_MAX_M) and the W4A16 GEMV its 16-row tiles.
+PREFILL_LEN, DECODE_CTX, DECODE_NEW, BATCHES = 2048, 512, 128, (1, 8, 16, 32)
 BLOCK_SIZE = 16
 GROUP_SIZE = 128
 HF_DECODE_TOKENS = 32  # HF eager is slow; 32 tokens give a stable per-step time
