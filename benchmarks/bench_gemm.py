@@ -324,6 +324,7 @@ def main():
                            if idle_min_m else "off"),
             "routing": {k: getattr(ops_gemm, k) for k in (
                 "CUDA_GEMV_MAX_M", "CUDA_GEMV_MMA_MAX_M", "CUDA_W8_GEMV_MAX_M", "CUDA_W8_GEMV_SWIGLU_MAX_M",
+                "CUDA_W8_GEMV_TWO_TILE_MAX_M", "CUDA_W8_GEMV_TWO_TILE_MIN_VEC", "CUDA_W8_GEMV_TWO_TILE_MIN_FILL",
                 "DEQUANT_MIN_M_W4", "DEQUANT_MIN_M_W8",
                 "WGMMA_W4", "GEMV_ONLY_MAX_M", "GEMV_FEW_WARPS_MAX_M", "WGMMA_FEW_WARPS", "WGMMA_W4_MAX_M", "WGMMA_W8",
                 "WGMMA_W8_MIN_M", "WGMMA_W8_MAX_M")}}

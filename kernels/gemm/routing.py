@@ -11,9 +11,10 @@ that are no power of two: both need K % 64 == 0 and N % 4 == 0), and on Hopper (
 keeps fewer than ``WGMMA_FEW_WARPS`` warps per SM), the warpgroup-MMA GEMM, up to ``WGMMA_W4_MAX_M`` (and up to
 ``WGMMA_W4_BIG_MAX_M`` where its plan takes 256-row blocks).
 W8A16, fp16, no residual: the tensor-core W8A16 GEMV up to ``CUDA_W8_GEMV_MAX_M`` (with SwiGLU, which it fuses, up to
-``CUDA_W8_GEMV_SWIGLU_MAX_M``), on Hopper from ``WGMMA_W8_MIN_M`` the
-wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to ``WGMMA_W8_MAX_M``. Both, past those limits up
-to ``WGMMA_PREFILL_MAX_M``: the wgmma GEMM where its unsplit 256-row grid fills its waves (``wgmma_fills_prefill``).
+``CUDA_W8_GEMV_SWIGLU_MAX_M``; without, up to ``CUDA_W8_GEMV_TWO_TILE_MAX_M`` where ``w8_two_tile_gemv_fits``), on
+Hopper from ``WGMMA_W8_MIN_M`` the wgmma GEMM's INT8 build (``WGMMA_W8``) wherever it takes the shape, up to
+``WGMMA_W8_MAX_M``. Both, past those limits up to ``WGMMA_PREFILL_MAX_M``: the wgmma GEMM where its unsplit 256-row
+grid fills its waves (``wgmma_fills_prefill``).
 Everything else below ``DEQUANT_MIN_M_W4`` / ``DEQUANT_MIN_M_W8``: the Triton kernels; from there (prefill sizes):
 dequantize the weight once and call cuBLAS. ``swiglu`` (interleaved gate/up output columns, ``N / 2`` out): fused into
 the W4A16 tensor-core GEMV's, wgmma GEMM's and Triton kernel's epilogues and the W8A16 wgmma GEMM's; after the GEMM, as
@@ -104,8 +105,8 @@ WGMMA_FEW_WARPS = 5
 # picks two tiles) keep fewer warps resident and still beat the GEMV: H200, M = 24 / 32 on five shapes the rule takes
 # (benchmarks/results/dev-logs/h200/wgmma_small_m_wide.md), GEMV 1.10-1.31x cuBLAS against 1.39-1.65x; the ranking's
 # two-tile plan of Qwen2.5-7B gate_up (same dev-log, judge) 1.49x at M = 20 / 28, the GEMV not measured on it.
-# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; 0 disables it;
-# shapes it does not take fall through to Triton): every M one x tile takes (8). It was 4 from the H100's first run
+# M up to which fp16 W8A16 (no residual) goes to the tensor-core W8A16 GEMV (kernels.gemm.w8a16.gemv_mma; shapes it
+# does not take fall through to Triton): every M one x tile takes (8). It was 4 from the H100's first run
 # (h100/bench_gemm_w8gemv.md, dev-logs/h100/bench_gemm_routed_m1-4.md), vs Triton W8A16: M=1 1.68-1.89x vs 1.56-1.82x,
 # M=4 ahead on 4 of 5, M=8 on 3 of 5, with the GEMV's first plan. With its plan since (the resident-warps vec rule, the
 # L2 hint), H200, forced both ways in one run (benchmarks/results/dev-logs/h200/w8_gemv_m5_8.md): read off 15 shapes
@@ -119,8 +120,22 @@ CUDA_W8_GEMV_MAX_M = _w8_gemv_mma.MT_ROWS
 # (benchmarks/results/dev-logs/h200/w8_gemv_m5_8.md, section "M = 9..16"): read off SmolLM2-135M / -360M and
 # Qwen2.5-0.5B gate/up at M = 9 / 10 / 12 / 14 / 16, 15 of 15 rows faster (1.32-1.46x); judged on 5 held-out gate/ups
 # (Llama-3.2-1B / -3B, Llama-2-13B, Llama-3-70B / 4, Llama-3-8B), 25 of 25 (1.24-1.42x). Without SwiGLU the two-tile
-# build was faster on 61 of 125 rows only (0.75-1.25x): those stay on Triton.
+# build was faster on 61 of 125 rows only (0.75-1.25x): see the next rule.
 CUDA_W8_GEMV_SWIGLU_MAX_M = _w8_gemv_mma.MAX_M
+# Without SwiGLU (and no residual), M up to which W8A16 goes to that GEMV's two-tile build where its plan loads at
+# least CUDA_W8_GEMV_TWO_TILE_MIN_VEC bytes (columns) per lane and has column blocks for at least
+# CUDA_W8_GEMV_TWO_TILE_MIN_FILL of the SMs; Triton elsewhere. Why: every column block reads all of x (M rows x K), so x
+# is re-read M / (4 vec) times the weight's bytes (at M = 16: as much again as the weight with vec = 4, half with 8);
+# and a plan whose blocks leave most SMs idle (small models: 9-25 blocks) is latency-bound, where the two kernels
+# traded places between runs. H200, forced both ways in one run (benchmarks/results/dev-logs/h200/w8_gemv_two_tile.md):
+# read off Llama-3-8B's projections, 8k and SmolLM2-135M's at M = 9 / 12 / 16, the rule's rows 8 of 9 faster
+# (0.986-1.318x; 8B q|k|v M = 16 0.986x), its vec 4 rows 5 of 9 slower (8B down 0.88-0.96x); judged on 22 shapes (the
+# generalization set, SmolLM2-360M, Qwen2.5-0.5B) the rows it changes, 33 of 33 faster (1.033-1.392x), and blind on
+# 20 shapes measured after it was written (Qwen2.5-1.5B / 7B / 72B / 4, Mistral-NeMo, Phi-3-mini, Gemma-2-9B,
+# Llama-3-70B / 8): see the dev-log.
+CUDA_W8_GEMV_TWO_TILE_MAX_M = _w8_gemv_mma.MAX_M
+CUDA_W8_GEMV_TWO_TILE_MIN_VEC = 8
+CUDA_W8_GEMV_TWO_TILE_MIN_FILL = 0.5
 # fp16 W8A16 (no residual) with WGMMA_W8_MIN_M <= M <= WGMMA_W8_MAX_M on sm_90 goes to the wgmma GEMM's INT8 build
 # (kernels.gemm.gemm_wgmma, bits=8) when it takes the shape, SwiGLU fused into its epilogue as in the INT4 build.
 # H200, same run (benchmarks/results/h200/bench_gemm_wgmma_sweep_w8.md), its plan (2 warpgroups per block) vs Triton
@@ -206,6 +221,14 @@ def wgmma_over_gemv(M: int, wg_plan: dict) -> bool:
                                     or (wg_plan["bm"] == 64 and wg_plan["wt"] == 2))
 
 
+def w8_two_tile_gemv_fits(plan: dict, card: Card) -> bool:
+    """Whether an fp16 W8A16 call of CUDA_W8_GEMV_MAX_M < M <= CUDA_W8_GEMV_TWO_TILE_MAX_M rows without SwiGLU or a
+    residual goes to the tensor-core GEMV's two-tile build (its plan ``plan``) rather than Triton: loads of at least
+    CUDA_W8_GEMV_TWO_TILE_MIN_VEC bytes per lane, column blocks for CUDA_W8_GEMV_TWO_TILE_MIN_FILL of the SMs."""
+    return (plan["vec"] >= CUDA_W8_GEMV_TWO_TILE_MIN_VEC
+            and plan["grid"][0] >= CUDA_W8_GEMV_TWO_TILE_MIN_FILL * card.sm_count)
+
+
 def gemv_over_few_warps(M: int, N: int, K: int, group_size: Optional[int], dtype: torch.dtype, card: Card,
                         wg_plan: Optional[dict] = None) -> bool:
     """Whether an fp16 W4A16 call with CUDA_GEMV_MMA_MAX_M < M <= GEMV_FEW_WARPS_MAX_M goes to the tensor-core GEMV
@@ -272,11 +295,13 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if card is None:
         return _route("reference", "fused" if swiglu else "none")
     after = "after" if swiglu else "none"
-    gemv_max_m = CUDA_W8_GEMV_SWIGLU_MAX_M if swiglu and not residual else CUDA_W8_GEMV_MAX_M
+    gemv_max_m = (CUDA_W8_GEMV_MAX_M if residual else CUDA_W8_GEMV_SWIGLU_MAX_M if swiglu
+                  else CUDA_W8_GEMV_TWO_TILE_MAX_M)
     if ((swiglu or not residual) and M <= gemv_max_m and aligned
             and _w8_gemv_mma.unsupported_reason(M, N, K, dtype) is None):
-        return _route("w8_gemv_mma", "fused" if swiglu and not residual else after,
-                      _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count))
+        plan = _w8_gemv_mma.gemv_plan(M, N, K, sm_count=card.sm_count)
+        if M <= CUDA_W8_GEMV_MAX_M or swiglu or w8_two_tile_gemv_fits(plan, card):
+            return _route("w8_gemv_mma", "fused" if swiglu and not residual else after, plan)
     if not residual and aligned and WGMMA_W8 and WGMMA_W8_MIN_M <= M <= WGMMA_PREFILL_MAX_M:
         wg = wgmma_plan(M, N, K, None, dtype, card)
         if wg is not None and (M <= WGMMA_W8_MAX_M or wgmma_fills_prefill(M, wg, card, 8)):

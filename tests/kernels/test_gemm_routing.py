@@ -313,14 +313,17 @@ def _w8_agrees(kernels, card, dtype, shape, M, layout="contiguous", residual=Fal
         calls = [triton, *calls[1:]]
     gemv = route_w8a16(M, N, K, dtype, card, residual=residual, swiglu=swiglu, aligned=W8_ALIGNED[layout])
     if gemv.backend == "w8_gemv_mma" and M > legacy.CUDA_W8_GEMV_MAX_M:
-        # Changed on purpose from the cascade: with SwiGLU fused, M = 9..16 goes to the GEMV's two-tile build
-        # (routing.CUDA_W8_GEMV_SWIGLU_MAX_M), where the cascade ran Triton and then the activation kernel.
+        # Changed on purpose from the cascade: M = 9..16 goes to the GEMV's two-tile build with SwiGLU fused
+        # (routing.CUDA_W8_GEMV_SWIGLU_MAX_M), where the cascade ran Triton and then the activation kernel, and without
+        # it where its plan passes routing.w8_two_tile_gemv_fits (CUDA_W8_GEMV_TWO_TILE_MAX_M), where the cascade ran
+        # Triton.
         calls = kernels.run(ops_gemm._w8a16_linear, *args)
         assert [c[0] for c in calls] == ["w8_gemv_mma"], where
         a = dict(calls[0][1])  # x: the op's x, or its contiguous copy (strided layouts), as for M <= 8
-        assert (a["qweight"], a["scales"], a["swiglu"]) == ("arg1", "arg2", True), where
+        assert (a["qweight"], a["scales"], a["swiglu"]) == ("arg1", "arg2", swiglu), where
         assert a["bias"] == (f"arg{len(args) - 3}" if bias else None), where
-        assert swiglu and not residual and M <= routing.CUDA_W8_GEMV_SWIGLU_MAX_M, where
+        assert not residual and M <= routing.CUDA_W8_GEMV_SWIGLU_MAX_M == routing.CUDA_W8_GEMV_TWO_TILE_MAX_M, where
+        assert swiglu or routing.w8_two_tile_gemv_fits(gemv.params, card), where
         return
     if swiglu and not residual and [c[0] for c in calls] == ["w8_gemv_mma", "swiglu"]:
         # The other change since the cascade: the GEMV's SwiGLU epilogue, one call with swiglu=True where the
@@ -410,11 +413,14 @@ W4_H100 = {
     "smollm2 qkv": [(1, 64, GEMV), (65, 511, WGMMA), (512, 1024, DEQUANT)],
     "odd_dims down": [(1, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)],
 }
-# W8A16 (no SwiGLU): the GEMV up to 8 rows, Triton to 16, then the wgmma GEMM's INT8 build where it takes the shape
-# (N a multiple of 64, K of 64); SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
+# W8A16 (no SwiGLU): the GEMV up to 8 rows, then to 16 its two-tile build where the plan loads 8 bytes a lane or more
+# over column blocks for half the SMs or more (q|k|v: vec 8, 96 blocks), else Triton (down: vec 4; SmolLM2's q|k|v:
+# 15 blocks; N = 1000: 16), then the wgmma GEMM's INT8 build where it takes the shape (N a multiple of 64, K of 64);
+# SmolLM2's qkv (K = 576) takes it too; odd_dims' down (K = 608) and N = 1000 do not.
 W8_H100 = {
-    "l3-8b qkv": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
-                  (1024, 1024, DEQUANT)],
+    "l3-8b qkv": [(1, 16, "w8_gemv_mma"), (17, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)],
+    "l3-8b o": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1024, "w8_gemm_wgmma")],
+    "l2-7b qkv": [(1, 16, "w8_gemv_mma"), (17, 1024, "w8_gemm_wgmma")],
     "l3-8b down": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1024, "w8_gemm_wgmma")],
     "smollm2 qkv": [(1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm"), (17, 1023, "w8_gemm_wgmma"),
                   (1024, 1024, DEQUANT)],
@@ -456,11 +462,17 @@ def test_h100_routes_of_the_measured_shapes():
         (1, 16, "w8_gemv_mma"), (17, 1023, "w8_gemm_wgmma"), (1024, 1024, DEQUANT)]
     assert _ranges(lambda M, s: w8(M, s, swiglu=True, residual=True), qkv) == [
         (1, 8, "w8_gemv_mma"), (9, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
+    # Without SwiGLU the two-tile build only where routing.w8_two_tile_gemv_fits: SmolLM2's gate/up (N = 3072: vec 8,
+    # 48 column blocks) takes it with SwiGLU only.
+    smollm2_gate_up = shapes["smollm2 gate_up"]
+    assert _ranges(lambda M, s: w8(M, s, swiglu=True), smollm2_gate_up, range(1, 17)) == [(1, 16, "w8_gemv_mma")]
+    assert _ranges(lambda M, s: w8(M, s), smollm2_gate_up, range(1, 17)) == [
+        (1, 8, "w8_gemv_mma"), (9, 16, "triton_w8_gemm")]
     assert w8(1, qkv, swiglu=True).backend == "w8_gemv_mma"
     assert (w8(1, qkv, residual=True, swiglu=True).backend, w8(1, qkv, residual=True, swiglu=True).swiglu) == (
         "w8_gemv_mma", "after")
     assert _ranges(lambda M, s: route_w8a16(M, *s[:2], torch.float16, A100), qkv) == [
-        (1, 8, "w8_gemv_mma"), (9, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
+        (1, 16, "w8_gemv_mma"), (17, 511, "triton_w8_gemm"), (512, 1024, DEQUANT)]
     # Not Hopper: no wgmma GEMM; the tensor-core GEMV still up to 32.
     assert _ranges(lambda M, s: route_w4a16(M, *s[:2], torch.float16, A100, group_size=128), qkv) == [
         (1, 32, GEMV), (33, 255, "triton_w4_gemm"), (256, 1024, DEQUANT)]
@@ -518,8 +530,8 @@ def test_routes_carry_the_plan_their_launcher_computes_for_the_card():
                 want = {GEMV: lambda: mma.gemv_plan(M, N, K, 128, sm_count=card.sm_count),
                         WGMMA: lambda: wg.gemm_plan(M, N, K, card.sm_count)}[r.backend]()
                 assert r.params == want and r == route_w4a16(M, N, K, torch.float16, card, group_size=128)
-                if M <= routing.CUDA_W8_GEMV_MAX_M:
-                    r8 = route_w8a16(M, N, K, torch.float16, card)
+                r8 = route_w8a16(M, N, K, torch.float16, card)
+                if M <= routing.CUDA_W8_GEMV_MAX_M or r8.backend == "w8_gemv_mma":
                     assert r8.backend == "w8_gemv_mma" and r8.params == mma8.gemv_plan(M, N, K,
                                                                                        sm_count=card.sm_count)
     assert route_w4a16(1, 960, 576, torch.float16, H100, group_size=96).params == cu.gemv_plan(1, 960)  # not 2^n
@@ -845,3 +857,26 @@ def test_w8_ops_with_swiglu_take_the_two_tile_gemv_to_16_rows(M, K, N):
     ref = x.float() @ dequantize(qw, torch.float32).t()
     ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
     assert_gemm_close(y, ref, dequant_baseline(x, qw, swiglu=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [9, 12, 16])
+@pytest.mark.parametrize("K, N", [(4096, 6144), (5120, 15360), (4096, 4096)],
+                         ids=["llama3_8b_qkv", "llama2_13b_qkv", "llama3_8b_o"])
+def test_w8_ops_without_swiglu_take_the_two_tile_gemv_where_its_plan_fits(M, K, N):
+    """W8A16 at M = 9..16 without SwiGLU: the tensor-core GEMV's two-tile build where routing.w8_two_tile_gemv_fits
+    (8B and 13B q|k|v: vec 8, 96 / 240 column blocks), Triton where it does not (8B o: vec 4); the op's output is
+    the routed launcher's, bitwise, and close to the fp32 reference on the dequantized weight."""
+    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt)
+
+    route = _gpu_route("w8", M, N, K)
+    assert route.backend == ("triton_w8_gemm" if N == K else "w8_gemv_mma")
+    assert route.backend != "w8_gemv_mma" or route.params["mt"] == 2
+    g = torch.Generator().manual_seed(M * 7 + N)
+    qw = quantize_int8((torch.randn(N, K, generator=g) * 0.02).half()).to("cuda")
+    x = torch.randn(M, K, generator=g).half().cuda()
+    y = torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, None, None)
+    routed = (mma8.w8a16_gemv_mma if route.backend == "w8_gemv_mma" else w8a16_gemm)(x, qw.qweight, qw.scales)
+    assert torch.equal(y, routed)
+    ref = x.float() @ dequantize(qw, torch.float32).t()
+    assert_gemm_close(y, ref, dequant_baseline(x, qw))
