@@ -129,10 +129,10 @@ CUDA_W8_GEMV_SWIGLU_MAX_M = _w8_gemv_mma.MAX_M
 # and a plan whose blocks leave most SMs idle (small models: 9-25 blocks) is latency-bound, where the two kernels
 # traded places between runs. H200, forced both ways in one run (benchmarks/results/dev-logs/h200/w8_gemv_two_tile.md):
 # read off Llama-3-8B's projections, 8k and SmolLM2-135M's at M = 9 / 12 / 16, the rule's rows 8 of 9 faster
-# (0.986-1.318x; 8B q|k|v M = 16 0.986x), its vec 4 rows 5 of 9 slower (8B down 0.88-0.96x); judged on 22 shapes (the
-# generalization set, SmolLM2-360M, Qwen2.5-0.5B) the rows it changes, 33 of 33 faster (1.033-1.392x), and blind on
-# 20 shapes measured after it was written (Qwen2.5-1.5B / 7B / 72B / 4, Mistral-NeMo, Phi-3-mini, Gemma-2-9B,
-# Llama-3-70B / 8): see the dev-log.
+# (0.986-1.318x; 8B q|k|v M = 16 0.986x), the vec 4 rows it leaves 5 of 9 slower (8B down 0.88-0.96x); judged on 22
+# shapes (the generalization set, SmolLM2-360M, Qwen2.5-0.5B) the rows it changes, 33 of 33 faster (1.033-1.392x),
+# and blind, measured after it was committed on 20 other shapes (Qwen2.5-1.5B / 7B / 72B / 4, Mistral-NeMo,
+# Phi-3-mini, Gemma-2-9B, Llama-3-70B / 8), 30 of 30 (1.017-1.304x). Not measured on an H100.
 CUDA_W8_GEMV_TWO_TILE_MAX_M = _w8_gemv_mma.MAX_M
 CUDA_W8_GEMV_TWO_TILE_MIN_VEC = 8
 CUDA_W8_GEMV_TWO_TILE_MIN_FILL = 0.5
