@@ -479,6 +479,23 @@ def test_h100_routes_of_the_measured_shapes():
     assert route_w4a16(1, 4096, 4096, torch.float16, None, group_size=128).backend == "reference"
 
 
+def test_w8_two_tile_gemv_needs_long_loads_over_half_the_sms():
+    """routing.w8_two_tile_gemv_fits at its edges (132 SMs: 66 column blocks), and what it means for a route at
+    M = 9..16 without SwiGLU: the GEMV where it fits, Triton where it does not; M <= 8 and SwiGLU unaffected."""
+    fits = routing.w8_two_tile_gemv_fits
+    assert fits({"vec": 8, "grid": (66, 1)}, H100) and fits({"vec": 16, "grid": (448, 1)}, H100)
+    assert not fits({"vec": 8, "grid": (65, 1)}, H100) and not fits({"vec": 4, "grid": (128, 1)}, H100)
+    for N, K in ((6144, 4096), (4096, 4096), (960, 576), (15360, 5120), (2560, 8192)):
+        for M in (8, 9, 16):
+            plan = mma8.gemv_plan(M, N, K, sm_count=H100.sm_count)
+            want = "w8_gemv_mma" if M <= 8 or fits(plan, H100) else "triton_w8_gemm"
+            assert route_w8a16(M, N, K, torch.float16, H100).backend == want, (N, K, M)
+            assert route_w8a16(M, N, K, torch.float16, H100, swiglu=True).backend == "w8_gemv_mma", (N, K, M)
+    assert route_w8a16(12, 6144, 4096, torch.float16, H100).backend == "w8_gemv_mma"  # vec 8, 96 blocks
+    assert route_w8a16(12, 4096, 4096, torch.float16, H100).backend == "triton_w8_gemm"  # vec 4
+    assert route_w8a16(12, 960, 576, torch.float16, H100).backend == "triton_w8_gemm"  # vec 8, 15 blocks
+
+
 def test_prefill_sizes_take_the_wgmma_gemm_where_its_256_row_waves_are_full():
     """Past WGMMA_W4_BIG_MAX_M / WGMMA_W8_MAX_M up to WGMMA_PREFILL_MAX_M (H100, fp16, no residual): the unsplit
     256-row plan where ``wave_fill`` >= WGMMA_PREFILL_MIN_FILL, else dequantize + cuBLAS. Fills by hand: blocks =
