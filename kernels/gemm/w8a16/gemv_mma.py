@@ -83,7 +83,7 @@ def operands_ok(qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torc
 
 
 def mt_for(M: int) -> int:
-    """x tiles of 8 rows a block takes for M <= MAX_M rows (1 or 2)."""
+    """x tiles of MT_ROWS rows a block takes for M <= MAX_M rows (1 .. MAX_M / MT_ROWS)."""
     return max(1, -(-M // MT_ROWS))
 
 
@@ -209,9 +209,9 @@ def w8a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tensor-core W8A16 GEMV: ksplit={ksplit} needs thread-block clusters (sm_90+); use ksplit=1")
     plan = gemv_plan(M, N, K, vec, warps, u, ksplit, device_sm_count(x.device), clusters)
     if mt is not None:
-        if mt not in (1, 2) or M > MT_ROWS * mt:
-            raise ValueError(f"tensor-core W8A16 GEMV: mt={mt} takes at most {MT_ROWS * 2} rows as 2 tiles, "
-                             f"{MT_ROWS} as 1; got M={M}")
+        if not 1 <= mt <= MAX_M // MT_ROWS or M > MT_ROWS * mt:
+            raise ValueError(f"tensor-core W8A16 GEMV: mt={mt} x tiles take at most {MT_ROWS * mt} rows (mt is 1.."
+                             f"{MAX_M // MT_ROWS}, {MT_ROWS} rows a tile); got M={M}")
         plan = dict(plan, mt=mt)
     if plan["warps"] * 8 * plan["vec"] > 1024:
         raise ValueError(f"tensor-core W8A16 GEMV: warps={plan['warps']} with vec={plan['vec']} exceeds the "
