@@ -1,7 +1,9 @@
 """End-to-end LLaMA-3-8B-shaped generation: our runtime (torch backend, CUDA-graph decode) vs plain PyTorch (HF).
 
 ``--model smollm2-135m`` runs the default model's shape instead (SmolLM2-135M-Instruct: hidden 576, 30 layers, the
-lm_head tied to the embedding), written to ``bench_e2e_smollm2_135m.{json,md}``.
+lm_head tied to the embedding), written to ``bench_e2e_smollm2_135m.{json,md}``; ``--model llama2-13b`` a shape the
+GEMM plans were not tuned on (Llama-2-13B: hidden 5120, 40 layers, 40 KV heads; its projections are the
+generalization set's ``13b_*`` shapes), written to ``bench_e2e_llama2_13b.{json,md}``.
 
 Random fp16 weights are made directly on the GPU in our internal layout (no checkpoint, no download); the HF
 baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors. Measured in one run on one card:
@@ -35,13 +37,13 @@ from typing import Optional
 import torch
 
 try:
-    from benchmarks.harness import LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
+    from benchmarks.harness import LLAMA2_13B, LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
 except ImportError:  # run as a script from the repository root
     import os
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks.harness import LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
+    from benchmarks.harness import LLAMA2_13B, LLAMA3_8B, SMOLLM2_135M, bench, copy_bandwidth_gbs, write_results
 
 # Batch 16: past the GEMVs' one-tile range (8 rows), where the W8A16 gate/up with SwiGLU runs the two-tile GEMV
 # (kernels.gemm.routing CUDA_W8_GEMV_SWIGLU_MAX_M) and the W4A16 GEMV its 16-row tiles.
@@ -58,7 +60,8 @@ LONG_REP_MS = 1500
 IDLE_S = 1.0  # the idle time before each "after idle" prefill replay: enough for the clock to return to its maximum
 DEVICE = "cuda"
 # --model: (name in the results, HF config)
-MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B), "smollm2-135m": ("SmolLM2-135M-Instruct", SMOLLM2_135M)}
+MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B), "smollm2-135m": ("SmolLM2-135M-Instruct", SMOLLM2_135M),
+          "llama2-13b": ("Llama-2-13B", LLAMA2_13B)}
 
 
 def ratio(ref_ms, ms):

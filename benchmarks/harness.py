@@ -38,6 +38,11 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
                  rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                  architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16", hidden_act="silu")
+# Llama-2-13B's (MHA: 40 query and 40 KV heads; the generalization set's 13b_* GEMM shapes are its projections).
+LLAMA2_13B = dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                  num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float16", hidden_act="silu")
 # SmolLM2-135M-Instruct, the default model (export.build with no --checkpoint): its config.json as export.gguf writes it
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,

@@ -59,6 +59,12 @@ def test_model_configs_and_the_default_models_shape(tmp_path, monkeypatch):
     assert model_config().num_layers == 32 and model_config("llama3-8b", 2).num_layers == 2
     c = model_config("smollm2-135m")
     assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.tie_word_embeddings) == (576, 30, 9, 3, True)
+    c = model_config("llama2-13b")  # its projections: the generalization set's 13b_* GEMM shapes (K, N)
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (5120, 40, 40, 40, 128)
+    from benchmarks.bench_gemm import GENERAL_SHAPES
+    h, qkv = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    layer = {(h, qkv), (c.num_heads * c.head_dim, h), (h, 2 * c.intermediate_size), (c.intermediate_size, h)}
+    assert layer == {(k, n) for k, n, name in GENERAL_SHAPES if name.startswith("13b_")}
     try:
         gguf_file = default_checkpoint()
     except GGUFError as e:
