@@ -244,6 +244,22 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
     sum *= __half2float(scales[n]);
     return has_bias ? sum + __half2float(bias[n]) : sum;
   };
+  // The block's columns c0 .. c0 + cols - 1 (cols even) of x rows m0 .. m0 + 7 (one x tile), each column's fp32 sum
+  // given by column_sum(m, cl) for row m0 + m, finished and stored for rows < M and columns < N (with SwiGLU: one
+  // output per pair).
+  auto store_columns = [&](int m0, int c0, int cols, auto column_sum) {
+    for (int i = threadIdx.x; i < 8 * cols / per; i += 32 * kWarps) {
+      const int m = i / (cols / per), cl = c0 + per * (i % (cols / per));
+      const int n = blockIdx.x * kCols + cl;
+      if (m0 + m < M && n < N) {
+        const float y = finish(n, column_sum(m, cl));
+        if (swiglu)
+          out[(size_t)(m0 + m) * (N / 2) + n / 2] = __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
+        else
+          out[(size_t)(m0 + m) * N + n] = __float2half_rn(y);
+      }
+    }
+  };
 #if GEMV_KSPLIT > 1
   // Block r of the cluster finishes whole (gate, up) pairs r * P / KSPLIT .. (r + 1) * P / KSPLIT of the block's P.
   namespace cg = cooperative_groups;
@@ -268,24 +284,8 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
       }
     }
     __syncthreads();
-    // The block's columns c0 .. c0 + cols - 1 (cols even) of x rows m0 .. m0 + 7, each column's fp32 sum given by
-    // column_sum(m, cl), finished and stored for rows < M and columns < N (with SwiGLU: one output per pair).
-    auto store_columns = [&](int c0, int cols, auto column_sum) {
-      for (int i = threadIdx.x; i < 8 * cols / per; i += 32 * kWarps) {
-        const int m = i / (cols / per), cl = c0 + per * (i % (cols / per));
-        const int n = blockIdx.x * kCols + cl;
-        if (m0 + m < M && n < N) {
-          const float y = finish(n, column_sum(m, cl));
-          if (swiglu)
-            out[(size_t)(m0 + m) * (N / 2) + n / 2] =
-                __float2half_rn(silu_mul(y, finish(n + 1, column_sum(m, cl + 1))));
-          else
-            out[(size_t)(m0 + m) * N + n] = __float2half_rn(y);
-        }
-      }
-    };
 #if GEMV_KSPLIT == 1
-    store_columns(0, kCols, [&](int m, int cl) {
+    store_columns(m0, 0, kCols, [&](int m, int cl) {
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += red[w][m][cl];
@@ -305,7 +305,7 @@ w8a16_gemv_mma(const half* __restrict__ x, const int8_t* __restrict__ qweight, c
       }
     }
     cluster.sync();
-    store_columns(c_lo, c_hi - c_lo, [&](int m, int cl) {
+    store_columns(m0, c_lo, c_hi - c_lo, [&](int m, int cl) {
       float sum = 0.f;
 #pragma unroll
       for (int r = 0; r < kSplit; ++r) sum += *cluster.map_shared_rank(&red[0][m][cl], r);
