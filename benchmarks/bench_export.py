@@ -66,6 +66,26 @@ def write_random_checkpoint(path: Path, layers: int, seed: int = 0) -> float:
     return total / 2**30
 
 
+# Written into --workdir by the run that made it: only a directory carrying it is deleted by a later run.
+WORKDIR_MARKER = ".tritrt-bench-export"
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Make ``workdir`` an empty directory of this benchmark's: created if missing; an existing one is deleted first
+    only if it is empty or an earlier run of this benchmark made it (``WORKDIR_MARKER``), so that a mistyped
+    ``--workdir`` (a checkpoint, a home directory) is refused, never deleted."""
+    if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
+        raise SystemExit(f"bench_export: --workdir {workdir} is not a directory; pass a new directory (it is created)")
+    if workdir.exists():
+        if any(workdir.iterdir()) and not (workdir / WORKDIR_MARKER).is_file():
+            raise SystemExit(f"bench_export: --workdir {workdir} is not empty and no run of this benchmark made it, "
+                             f"so it is not deleted: pass a new or empty directory")
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    (workdir / WORKDIR_MARKER).write_text("made by benchmarks/bench_export.py, whose next run with this --workdir "
+                                          "deletes the whole directory\n")
+
+
 def run_step(name: str, argv: list[str], log: Path) -> dict:
     """Run one CLI step as a child; its wall time, peak RSS and exit code (output appended to ``log``)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -88,14 +108,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--quant", default="int4", choices=["none", "int8", "int4"])
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_export"))
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench_export"),
+                   help="scratch directory (checkpoint, engine, log), deleted by the next run: new, empty, or an "
+                        "earlier run's")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="export.verify's --device (torch references + fp32 HF model); auto: cuda if available")
     args = p.parse_args()
     # resolved here (export.verify's rule), so that the results name the device verify actually used
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
-    shutil.rmtree(args.workdir, ignore_errors=True)
+    prepare_workdir(args.workdir)
     ck, out = args.workdir / "checkpoint", args.workdir / "out"
     # the steps' output goes straight to the results directory when there is one (beside its card folders, not in
     # them: a log is a development record): a call cut off by its time limit still brings back the log of the step
@@ -104,7 +126,6 @@ def main() -> int:
     log = Path(results_dir) / "bench_export.log" if results_dir else args.workdir / "log.txt"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    args.workdir.mkdir(parents=True, exist_ok=True)  # the log may have made it already
     t0 = time.perf_counter()
     gib = write_random_checkpoint(ck, args.layers)
     rows = [dict(step="write random checkpoint", seconds=round(time.perf_counter() - t0, 1), size_gib=round(gib, 2))]
