@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from .outdir import write_atomic
+
 MIN_TENSORRT = (10, 9)
 PROFILE_NAMES = ("decode", "prefill")
 
@@ -233,18 +235,11 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
     serialized = trt_builder.build_serialized_network(network, config)
     if serialized is None:
         raise RuntimeError("TensorRT failed to build the engine: " + ("; ".join(logger.errors) or "see its log above"))
-    _write_atomic(engine_path, memoryview(serialized))
+    write_atomic(engine_path, memoryview(serialized))
     if timing_cache:
         Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(Path(timing_cache), memoryview(config.get_timing_cache().serialize()))
+        write_atomic(Path(timing_cache), memoryview(config.get_timing_cache().serialize()))
     return engine_path
-
-
-def _write_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def default_timing_cache() -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -171,7 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reference", choices=("auto", "ours", "hf"), default="auto",
                    help="what runs CHECKPOINT: our LlamaModel (fp32) or transformers (fp32); auto: ours on CPU, "
                    "hf on CUDA")
-    p.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    p.add_argument("--json", type=Path, help="also write the results as JSON to this file (new, or an earlier "
+                   "export.eval result, which is replaced)")
     args = p.parse_args(argv)
     if args.window < 2:
         p.error("--window must be >= 2")
@@ -295,18 +297,36 @@ def format_table(result: dict) -> str:
                      for r in rows)
 
 
+def check_json_path(path: Path) -> None:
+    """``--json``: a new file, or one an earlier ``export.eval`` wrote (a JSON object with ``reference`` and
+    ``builds``), which this run replaces; anything else is refused before the evaluation starts, never overwritten."""
+    if not os.path.lexists(path):
+        return
+    try:
+        earlier = path.is_file() and not path.is_symlink() and json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        earlier = None
+    if not (isinstance(earlier, dict) and {"reference", "builds"} <= earlier.keys()):
+        raise EvalError(f"--json {path}: exists and is not an earlier export.eval result, so it is not overwritten; "
+                        f"pass a new file name")
+
+
 def main(argv=None) -> int:
     from .checkpoint import CheckpointError
 
     args = parse_args(argv)
     try:
+        if args.json:
+            check_json_path(args.json)
         result = run(args, log=lambda m: print(m, flush=True))  # progress shows up in a redirected log too
     except (EvalError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        from .outdir import write_atomic
+
+        write_atomic(args.json, json.dumps(result, indent=2).encode())
     return 0
 
 

@@ -194,3 +194,29 @@ def test_smollm2_int8_eval(tmp_path, capsys, monkeypatch):
     b = r["builds"][0]
     assert r["text_tokens"] == 1024 and 5 < r["reference"]["perplexity"] < 100
     assert 0 < b["kl_mean"] < 0.05 and b["top1_agreement"] > 0.9 and abs(b["perplexity_change"]) < 0.05, b
+
+
+@pytest.mark.parametrize("victim", ["weights", "other_json", "directory"])
+def test_json_never_overwrites_a_file_it_did_not_write(builds, capsys, tmp_path, monkeypatch, victim):
+    """--json pointed at a checkpoint file, another program's JSON or a directory: refused before the evaluation
+    runs (one line, exit 2), the file as it was."""
+    ckpt, none, _ = builds
+    path = tmp_path / {"weights": "model.safetensors", "other_json": "config.json", "directory": "d"}[victim]
+    if victim == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\x00weights" if victim == "weights" else b'{"hidden_size": 64}')
+    before = path.read_bytes() if path.is_file() else None
+    monkeypatch.setattr(ev, "run", lambda *a, **k: pytest.fail("evaluated before refusing --json"))
+    rc, out, err = _eval(capsys, none, "--against", ckpt, *FAST, "--json", path)
+    assert rc == 2 and out == "" and err.startswith("error: --json ") and "not overwritten" in err
+    assert (path.read_bytes() == before) if before is not None else path.is_dir()
+
+
+def test_json_replaces_an_earlier_eval_result_and_leaves_no_temp_file(builds, capsys, tmp_path):
+    ckpt, none, _ = builds
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"reference": {"perplexity": 1.0}, "builds": []}))
+    rc, _, err = _eval(capsys, none, "--against", ckpt, *FAST, "--json", path)
+    assert rc == 0, err
+    assert len(json.loads(path.read_text())["builds"]) == 1 and [p.name for p in tmp_path.iterdir()] == ["r.json"]
