@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from . import QUANT_MODES
 from .cli import ArgumentParser, Progress, print_error
+from .engine import check_timing_cache
 from .outdir import WorkDir, check_out, our_output
 
 if TYPE_CHECKING:
@@ -206,6 +207,8 @@ def plan_build(args) -> Plan:
         from .tiny import tiny_config  # exactly the config.json make_tiny_llama writes for TINY_BUILD
 
         config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **tiny_config(**TINY_BUILD)))
+    if not args.no_engine:
+        check_timing_cache(_timing_cache(args), keep_out_of=(out, ckpt_dir))
     dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=source is None)
     notes += [note] if note else []
     if "int4" not in (args.quant, args.lm_head_quant) and args.group_size is not None:
@@ -275,16 +278,22 @@ def _aot_kernels(tmp: Path, sm: int, log, progress) -> list[str]:
 
 
 def _engine(work_dir: Path, build: dict, args, log, out: Path) -> list[str]:
-    from .engine import TensorRTNotFound, build_engine, default_timing_cache
+    from .engine import TensorRTNotFound, build_engine
 
     if args.no_engine:
         return ["engine skipped: --no-engine"]
     try:
         build_engine(work_dir / "model.plugin.onnx", work_dir / "model.engine", build,
-                     timing_cache=args.timing_cache or default_timing_cache(), log=log, out_dir=out)
+                     timing_cache=_timing_cache(args), log=log, out_dir=out)
     except TensorRTNotFound as e:
         return [f"engine skipped: {e}"]
     return []
+
+
+def _timing_cache(args) -> Path:
+    from .engine import default_timing_cache
+
+    return args.timing_cache or default_timing_cache()
 
 
 def _write_tiny(path: Path, seed: int) -> Path:
@@ -425,6 +434,7 @@ def engine_only(out: Path, args, log=print) -> list[str]:
     if not ours:
         raise BuildError(f"{out} is not an output of export.build ({why}); rebuild it with "
                          f"`python -m export.build --out {out}`")
+    check_timing_cache(_timing_cache(args), keep_out_of=(out,))
     build = json.loads((out / "build.json").read_text())
     return _engine(out, build, args, log, out)
 

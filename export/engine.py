@@ -188,12 +188,12 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
                  out_dir=None, builder: str = "tensorrt", compute_capability: Optional[str] = None,
                  profiles: Optional[dict] = None) -> Path:
     """Parse ``onnx_path`` (plugin flavour) into a strongly typed network, build it with the decode and prefill
-    profiles, and write ``engine_path`` atomically. ``timing_cache``: a file read if present and rewritten after.
-    ``out_dir``: the directory the error message names (default: the engine's). ``builder``: ``"tensorrt"`` (full
-    TensorRT >= 10.9, AOT plugins, for this machine's GPU) or ``"tensorrt-rtx"`` (build-only, for
-    ``compute_capability``, a ``trt.ComputeCapability`` name such as ``"SM89"``). ``profiles``: ``{profile name:
-    {input: (min, opt, max) shape}}`` instead of those ``build`` gives (``profile_shapes``), for graphs other than the
-    model's (the tier's one-plugin networks)."""
+    profiles, and write ``engine_path`` atomically. ``timing_cache``: a file read if present and rewritten after
+    (where ``may_rewrite_timing_cache`` allows). ``out_dir``: the directory the error message names (default: the
+    engine's). ``builder``: ``"tensorrt"`` (full TensorRT >= 10.9, AOT plugins, for this machine's GPU) or
+    ``"tensorrt-rtx"`` (build-only, for ``compute_capability``, a ``trt.ComputeCapability`` name such as ``"SM89"``).
+    ``profiles``: ``{profile name: {input: (min, opt, max) shape}}`` instead of those ``build`` gives
+    (``profile_shapes``), for graphs other than the model's (the tier's one-plugin networks)."""
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     if (builder == "tensorrt-rtx") != (compute_capability is not None):
         raise ValueError("compute_capability is for (and required by) builder='tensorrt-rtx'")
@@ -223,11 +223,19 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
             if inp in net_inputs:
                 profile.set_shape(inp, lo, opt, hi)
         config.add_optimization_profile(profile)
-    if builder == "tensorrt-rtx":
-        timing_cache = None  # TensorRT-RTX has no timing cache (its calls are deprecated no-ops)
-    else:
-        cache_bytes = Path(timing_cache).read_bytes() if timing_cache and Path(timing_cache).exists() else b""
-        config.set_timing_cache(config.create_timing_cache(cache_bytes), ignore_mismatch=False)
+    save_cache = False
+    if builder != "tensorrt-rtx" and timing_cache:  # TensorRT-RTX: timing-cache calls are deprecated no-ops
+        timing_cache = Path(timing_cache)
+        check_timing_cache(timing_cache)
+        cache_bytes = timing_cache.read_bytes() if timing_cache.exists() else b""
+        cache = config.create_timing_cache(cache_bytes)
+        if cache is None:  # bytes TensorRT refused outright: start empty, and (below) leave the file alone
+            cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+        save_cache = may_rewrite_timing_cache(timing_cache, cache_bytes, _cache_entries(cache))
+        if not save_cache:
+            log(f"--timing-cache {timing_cache}: TensorRT read no timings from this file, so it is read-only for this "
+                "build (left as it was); to keep this build's timings, delete it or pass a new path")
     if progress:
         config.progress_monitor = _progress_monitor(trt)
     log(f"building {'TensorRT-RTX' if builder == 'tensorrt-rtx' else 'TensorRT'} {trt.__version__} engine from "
@@ -236,11 +244,53 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
     if serialized is None:
         raise RuntimeError("TensorRT failed to build the engine: " + ("; ".join(logger.errors) or "see its log above"))
     write_atomic(engine_path, memoryview(serialized))
-    if timing_cache:
-        Path(timing_cache).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(timing_cache), memoryview(config.get_timing_cache().serialize()))
+    if save_cache:
+        timing_cache.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(timing_cache, memoryview(config.get_timing_cache().serialize()))
     return engine_path
 
 
+class TimingCacheError(ValueError):
+    """``--timing-cache`` names a path a build must not write; the message says what to pass instead."""
+
+
+def check_timing_cache(path: Path, *, keep_out_of: tuple = ()) -> None:
+    """Refuse, before a build starts, a timing-cache path that is a directory, a symbolic link or anything but a
+    regular file, or one inside a directory of ``keep_out_of`` (the checkpoint, OUT): the build would replace it."""
+    path = Path(path)
+    fix = "pass a file of its own, e.g. --timing-cache ~/.cache/tritrt/trt_timing.cache"
+    if path.is_symlink():
+        raise TimingCacheError(f"--timing-cache {path} is a symbolic link, which the build would replace with a "
+                               f"file; pass its target ({os.path.realpath(path)}) or another path")
+    if path.exists() and not path.is_file():
+        raise TimingCacheError(f"--timing-cache {path} exists and is not a file; {fix}")
+    where = path.resolve()
+    for directory in keep_out_of:
+        if directory is not None and Path(directory).resolve() in where.parents:
+            raise TimingCacheError(f"--timing-cache {path} is inside {directory}, which the build must not write "
+                                   f"into; {fix}")
+
+
+def _cache_entries(cache) -> Optional[int]:
+    """How many timings ``cache`` holds, or None where this TensorRT cannot say (``queryKeys`` is recent)."""
+    try:
+        return len(cache.queryKeys())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def may_rewrite_timing_cache(path: Path, loaded: bytes, entries: Optional[int]) -> bool:
+    """Whether the build may replace ``path`` with its timing cache: a new or empty file, a file TensorRT read timings
+    from, or one in our own cache directory. A file TensorRT read nothing from may be anything (a checkpoint named by
+    mistake) and is never replaced."""
+    if not loaded or (entries or 0) > 0:
+        return True
+    return _default_cache_dir() in Path(path).resolve().parents
+
+
+def _default_cache_dir() -> Path:
+    return (Path.home() / ".cache" / "tritrt").resolve()
+
+
 def default_timing_cache() -> Path:
-    return Path(os.environ.get("TRITRT_TIMING_CACHE", Path.home() / ".cache" / "tritrt" / "trt_timing.cache"))
+    return Path(os.environ.get("TRITRT_TIMING_CACHE", _default_cache_dir() / "trt_timing.cache"))

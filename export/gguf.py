@@ -230,8 +230,10 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
     """Convert ``gguf_path`` into an HF checkpoint directory at ``dest_dir`` and return it.
 
     The directory is written beside ``dest_dir`` under a temporary name and renamed at the end, so a failed or
-    interrupted conversion never leaves a half-written ``dest_dir``. An existing ``dest_dir`` is replaced; with
-    ``replace=False`` (the cache, where two processes may convert the same file at once) the first one stays.
+    interrupted conversion never leaves a half-written ``dest_dir``. An existing ``dest_dir`` is replaced if it is
+    empty or an earlier conversion (it holds ``gguf_source.json``); anything else is refused (``GGUFError``) before
+    anything is written. With ``replace=False`` (the cache, where two processes may convert the same file at once)
+    the first one stays.
     """
     from .gguf_tokenizer import write_tokenizer
 
@@ -252,6 +254,9 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
         hf_name(t.name, where)
         if t.tensor_type.name not in READ_TYPES:
             dequantize_tensor(t, where)
+    if os.path.lexists(dest) and not _replaceable(dest):
+        raise GGUFError(f"{dest} exists and is neither empty nor a GGUF conversion of ours (it has no "
+                        "gguf_source.json); it is never replaced: pass a new directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
@@ -279,6 +284,13 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _replaceable(dest: Path) -> bool:
+    """An empty directory, or an earlier conversion: what ``gguf_to_checkpoint`` may replace."""
+    if not dest.is_dir() or dest.is_symlink():
+        return False
+    return (dest / "gguf_source.json").is_file() or not any(dest.iterdir())
 
 
 def cache_root() -> Path:

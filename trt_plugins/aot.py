@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -112,6 +113,23 @@ def run_aot(op_type: str, inputs: list, attrs: dict | None = None, *, outputs: l
     return outs
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an ``out`` that is not a directory, or whose manifest.json is another program's (it would be replaced;
+    the kernel files' names carry a hash and collide with nothing else)."""
+    if os.path.lexists(out) and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory; pass a directory")
+    manifest = out / "manifest.json"
+    if not os.path.lexists(manifest):
+        return
+    try:
+        ours = {"sm", "kernels", "failed"} <= set(json.loads(manifest.read_text()))
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise ValueError(f"--out {out} holds a manifest.json that trt_plugins.aot did not write; it is never "
+                         "replaced: pass another directory")
+
+
 def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only: bool = False) -> dict:
     """Compile each spec's (``ops``' or all) documented samples for ``sm`` into ``out``: ``<entry>-<key12>.ptx`` (as
     Triton emits it), ``.trt.ptx`` (without Triton's hidden parameters: what TensorRT embeds), ``.cubin``, and
@@ -128,6 +146,7 @@ def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only:
     if unknown:
         raise ValueError(f"unknown ops {unknown}; known: {sorted(SPECS)}")
     out = Path(out)
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     entries, failed = [], []
     card = target_card(sm)

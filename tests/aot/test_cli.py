@@ -63,3 +63,30 @@ def test_cli_refuses_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(tmp_path)], cwd=ROOT,
                        env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert r.returncode != 0 and "TRITON_INTERPRET" in r.stderr
+
+
+def test_cli_never_replaces_another_programs_manifest(tmp_path):
+    """--out may be an existing directory, but a manifest.json there that trt_plugins.aot did not write is refused
+    before anything is compiled (it would be overwritten), as is an --out that is a file."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "manifest.json").write_text('{"name": "my model", "version": 3}')
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(theirs), "--first"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "did not write" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in theirs.iterdir()) == ["manifest.json"]
+    assert (theirs / "manifest.json").read_text() == '{"name": "my model", "version": 3}'
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"w")
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(a_file), "--first"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not a directory" in r.stderr and a_file.read_bytes() == b"w"
+
+
+def test_an_earlier_manifest_of_ours_may_be_replaced(tmp_path):
+    from trt_plugins.aot import _check_out
+
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(sm=90, card=None, triton="3.6.0", kernels=[], failed=[])))
+    _check_out(tmp_path)  # no error: a rerun into the same --out
+    _check_out(tmp_path / "new")

@@ -275,6 +275,20 @@ def test_engine_build_with_tensorrt(tmp_path, capsys):
     assert "engine skipped" not in " ".join(json.loads((out / "build.json").read_text())["skipped"])
 
 
+@pytest.mark.tensorrt_engine
+def test_engine_build_leaves_a_file_that_is_not_a_timing_cache(tmp_path, capsys):
+    """Where TensorRT >= 10.9 and a GPU exist: a --timing-cache file TensorRT reads no timings from is left byte for
+    byte as it was (it may be a user's file named by mistake), and the build still succeeds.
+    (Skipped on CPU machines; not run in this project's sessions, which have no TensorRT.)"""
+    not_a_cache = tmp_path / "notes.txt"
+    not_a_cache.write_bytes(b"not a timing cache\n" * 64)
+    rc, out, err = _build(capsys, "--tiny", "--quant", "int8", "--dtype", "float16", "--out", str(tmp_path / "out"),
+                          "--max-num-seqs", "4", "--max-num-tokens", "64", "--timing-cache", str(not_a_cache))
+    assert rc == 0, err
+    assert not_a_cache.read_bytes() == b"not a timing cache\n" * 64
+    assert "left as it was" in out + err
+
+
 def test_from_onnx_without_an_engine_exits_non_zero(built, tmp_path, capsys):
     """`--from-onnx OUT` only builds the engine: where it cannot (no TensorRT >= 10.9), that is a failure, exit 2 with
     the reason on one line, and OUT is left as it was."""

@@ -241,6 +241,32 @@ def test_cache_keeps_the_first_of_two_concurrent_conversions(tiny_dirs, tmp_path
     assert sorted(p.name for p in dest.parent.iterdir()) == ["m"], "temp dirs left behind"
 
 
+def test_an_existing_directory_is_replaced_only_if_it_is_a_conversion(tiny_dirs, tmp_path):
+    """A directory that is not empty and not an earlier conversion (a user's checkpoint, say) is refused before
+    anything is written; an earlier conversion and an empty directory are replaced."""
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "m.gguf")
+    theirs = tmp_path / "my-model"
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(eg.GGUFError, match="never replaced") as e:
+        eg.gguf_to_checkpoint(src, theirs)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in theirs.iterdir()) == ["model.safetensors"]
+    assert (theirs / "model.safetensors").read_bytes() == b"weights"
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    with pytest.raises(eg.GGUFError, match="never replaced"):
+        eg.gguf_to_checkpoint(src, a_file)
+    assert a_file.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "my-model", "notes.txt"], "temp dirs left"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (eg.gguf_to_checkpoint(src, empty) / "config.json").is_file()
+    stamp = (empty / "gguf_source.json").stat().st_mtime_ns
+    eg.gguf_to_checkpoint(src, empty)  # an earlier conversion: replaced
+    assert (empty / "gguf_source.json").stat().st_mtime_ns != stamp
+
+
 def test_default_checkpoint_says_how_to_install(monkeypatch):
     import importlib.util
 
