@@ -1,5 +1,7 @@
 """Small launch helpers shared by the kernel launchers."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,8 +25,19 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 def device_sm(device=None) -> int:
     """Compute capability of ``device`` (default: the current CUDA device) as one int, e.g. 90 for sm_90: the
-    number ``kernels.aot`` compiles for. Queries the GPU, so call it at launch/build time, never at import."""
-    major, minor = torch.cuda.get_device_capability(device)
+    number ``kernels.aot`` compiles for. Queries the GPU on first use of each device (so call it at launch/build
+    time, never at import), cached after that: launchers ask on every call, and torch's query costs ~10 us of host
+    time a call (H200 host; ``torch.cuda.get_device_capability``)."""
+    if isinstance(device, int):
+        return _sm_of_index(device)
+    if not isinstance(device, torch.device):  # None, "cuda", "cuda:1"
+        device = torch.device("cuda" if device is None else device)
+    return _sm_of_index(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_of_index(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
     return 10 * major + minor
 
 

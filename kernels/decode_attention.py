@@ -16,6 +16,8 @@ KV lengths need not be multiples of the block size.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -176,6 +178,7 @@ def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, he
                 counter=((num_seqs, num_kv_heads), torch.int32))
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                                    block_size: int, max_blocks_per_seq: int, scale: float,
                                    num_splits: int | None = None) -> LaunchConfig:

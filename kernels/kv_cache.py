@@ -8,6 +8,8 @@ allocates them); ``k``/``v`` may be strided along tokens (views of a fused QKV p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,7 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def write_kv_cache_launch_config(num_tokens: int, num_kv_heads: int, head_dim: int) -> LaunchConfig:
     """Grid ``(num_tokens,)``; one block covers a token's whole K (and V) row of ``num_kv_heads * head_dim``."""
     row = num_kv_heads * head_dim

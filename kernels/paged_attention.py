@@ -29,6 +29,8 @@ Scratch (decode only): ``part_o [S, Hq, MAX_SPLITS, D]`` and ``part_lse [S, Hq, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -111,6 +113,7 @@ def paged_attention_grid(num_tokens, num_seqs, num_q_heads: int, num_kv_heads: i
     return (cdiv(num_tokens, block_m) + num_seqs * 2 + -(-TARGET_PROGRAMS // num_kv_heads), num_q_heads)
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                                   block_size: int, scale: float, max_splits: int = DEFAULT_MAX_SPLITS,
                                   q_hint: int = 128) -> LaunchConfig:

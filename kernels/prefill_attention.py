@@ -13,6 +13,8 @@ start first, and consecutive programs share one (sequence, head)'s K/V in L2.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -186,6 +188,7 @@ def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
 SMALL_TILES_MAX_Q = 1024
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def prefill_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
                                     head_dim: int, scale: float, causal: bool, paged: bool,
                                     block_size: int = 1, max_seqlen_q: int | None = None) -> LaunchConfig:

@@ -69,6 +69,16 @@ def tensor_map_fp16_2d(ptr: int, rows: int, cols: int, row_stride: int, box_rows
     return (ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8))(*(int(w) for w in tmap.opaque))
 
 
+def _current_stream() -> int:
+    """torch's current stream on the current device, as the raw handle ``torch.cuda.current_stream().cuda_stream``
+    gives, through the call Triton's own launcher makes: the public one builds a Stream object and resolves the
+    device in Python, ~10 us of host time on every launch (H200 host, cProfile)."""
+    import torch
+    from torch._C import _cuda_getCurrentRawStream
+
+    return _cuda_getCurrentRawStream(torch.cuda.current_device())
+
+
 class AotKernel:
     """An artifact bound to the current GPU: loaded on the first ``launch``, launched many times."""
 
@@ -106,22 +116,30 @@ class AotKernel:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(drv.cuFuncSetAttribute(self._func, attr, self.art.shared))
 
+    @functools.cached_property
+    def _params(self) -> tuple:
+        """(name, kind, assumed divisible by 16) of each runtime parameter, kind ``"ptr"``, ``"tmap"`` or ``"int"``:
+        worked out once, since ``_pack`` runs on every launch."""
+        div16 = set(self.art.div16)
+        return tuple((name, "ptr" if ty.startswith("*") else "tmap" if ty == TENSOR_MAP else "int", name in div16)
+                     for name, ty in self.art.params)
+
     def _pack(self, args):
-        params = self.art.params
+        params = self._params
         if len(args) != len(params):
             raise TypeError(f"{self.art.name} takes {len(params)} runtime arguments "
-                            f"({', '.join(n for n, _ in params)}), got {len(args)}")
+                            f"({', '.join(p[0] for p in params)}), got {len(args)}")
         values = []
-        for (name, ty), a in zip(params, args):
-            if ty.startswith("*"):
+        for (name, kind, div16), a in zip(params, args):
+            if kind == "ptr":
                 if not (hasattr(a, "data_ptr") and a.is_cuda):
                     raise TypeError(f"{self.art.name}: argument {name} must be a CUDA tensor, got {type(a).__name__}")
                 ptr = a.data_ptr()
-                if name in self.art.div16 and ptr % 16:
+                if div16 and ptr % 16:
                     raise AotError(f"{self.art.name}: {name} is not 16-byte aligned (compiled assuming it is); "
                                    "pass a contiguous, freshly allocated tensor")
                 values.append(ctypes.c_uint64(ptr))
-            elif ty == TENSOR_MAP:  # a tensor map (cuTensorMapEncodeTiled) passed by value, as ctypes bytes
+            elif kind == "tmap":  # a tensor map (cuTensorMapEncodeTiled) passed by value, as ctypes bytes
                 if not isinstance(a, ctypes.Array) or ctypes.sizeof(a) != TENSOR_MAP_BYTES:
                     raise TypeError(f"{self.art.name}: argument {name} must be a tensor map's {TENSOR_MAP_BYTES} "
                                     f"bytes as a ctypes array (tensor_map_fp16_2d), got {type(a).__name__}")
@@ -130,7 +148,7 @@ class AotKernel:
                 v = int(a)
                 if not -(2**31) <= v < 2**31:
                     raise AotError(f"{self.art.name}: {name}={v} does not fit int32")
-                if name in self.art.div16 and v % 16:
+                if div16 and v % 16:
                     raise AotError(f"{self.art.name}: {name}={v} is not a multiple of 16 (compiled assuming it is)")
                 values.append(ctypes.c_int32(v))
         if not self.use_ptx:
@@ -142,8 +160,6 @@ class AotKernel:
         arrays), on torch's current stream. ``pdl``: as a programmatic dependent of the previous kernel
         (``cuLaunchKernelEx``; the kernel must call ``griddepcontrol.wait`` before touching anything an earlier kernel
         writes: ``kernels._launch``)."""
-        import torch
-
         if self._func is None:
             self._load()
         values = self._pack(args)
@@ -152,7 +168,7 @@ class AotKernel:
         if min(g) <= 0:
             return  # an empty batch: nothing to launch (TensorRT skips it too)
         if stream is None:
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = _current_stream()
         drv = _driver()
         if pdl:
             cfg = drv.CUlaunchConfig()

@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from kernels._launch import pdl_enabled
-from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
+from kernels._utils import device_sm
+from kernels.gemm.cuda import cached_kernel, cached_plan, check_operands, device_sm_count
 from kernels.gemm.cuda import plugin_build as _plugin_build
 
 SOURCE = Path(__file__).with_name("gemv_mma.cu")
@@ -178,6 +179,7 @@ def fill_ksplit(col_blocks: int, chunks: int, warps: int, ksplit: int, mt: int, 
     return best and best[1:]
 
 
+@cached_plan
 def gemv_plan(M: int, N: int, K: int, group_size: int, u: Optional[int] = None, warps: Optional[int] = None,
               sm_count: int = 132, mt: Optional[int] = None, wscale: Optional[bool] = None,
               ksplit: Optional[int] = None, clusters: bool = True) -> dict:
@@ -293,7 +295,7 @@ def w4a16_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    scales, bias, out, (M, N // 2 if swiglu else N))
     if mt is not None and mt not in (1, 2, 4, 8):
         raise ValueError(f"tensor-core W4A16 GEMV: mt={mt} must be 1, 2, 4 or 8")
-    clusters = torch.cuda.get_device_capability(x.device)[0] >= 9
+    clusters = device_sm(x.device) >= 90
     if ksplit is not None and (unsupported_reason(M, N, K, group_size, x.dtype, u, ksplit) or
                                (ksplit > 1 and not clusters)):
         raise ValueError(f"tensor-core W4A16 GEMV: ksplit={ksplit} needs sm_90 clusters and must divide K / "

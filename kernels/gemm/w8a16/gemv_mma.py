@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from kernels.gemm.cuda import cached_kernel, check_operands, device_sm_count
+from kernels.gemm.cuda import cached_kernel, cached_plan, check_operands, device_sm_count
 from kernels.gemm.cuda import plugin_build as _plugin_build
 
 from kernels._launch import pdl_enabled
@@ -117,6 +117,7 @@ def _warps_for(blocks: int, vec: int, chunks: int, sm_count: int, mt: int = 1) -
     return w
 
 
+@cached_plan
 def gemv_plan(M: int, N: int, K: int, vec: Optional[int] = None, warps: Optional[int] = None,
               u: Optional[int] = None, ksplit: Optional[int] = None, sm_count: int = 132, clusters: bool = False
               ) -> dict:

@@ -11,6 +11,7 @@ from that reference by at most half an fp16 ulp per weight (see the tests' toler
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -86,6 +87,7 @@ def _w8a16_gemm_kernel(
             HAS_BIAS, HAS_RES, SPLIT_K, SWIGLU)
 
 
+@functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
 def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, dot_in_fp32: bool = False,
                         swiglu: bool = False, **overrides) -> LaunchConfig:
     """The launch of ``_w8a16_gemm_kernel`` for these shapes (pure function; ``overrides`` go to ``plan_tiles``).
