@@ -228,7 +228,10 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
         timing_cache = Path(timing_cache)
         check_timing_cache(timing_cache)
         cache_bytes = timing_cache.read_bytes() if timing_cache.exists() else b""
-        cache = config.create_timing_cache(cache_bytes)
+        try:
+            cache = config.create_timing_cache(cache_bytes)
+        except (RuntimeError, TypeError, ValueError):
+            cache = None
         if cache is None:  # bytes TensorRT refused outright: start empty, and (below) leave the file alone
             cache = config.create_timing_cache(b"")
         config.set_timing_cache(cache, ignore_mismatch=False)

@@ -63,4 +63,4 @@ def pdl_enabled() -> bool:
     return torch.cuda.is_available() and _sm(torch.cuda.current_device()) >= 90
 
 
-_sm = functools.lru_cache(maxsize=None)(device_sm)  # a device query per launch otherwise
+_sm = device_sm  # cached per device; a module name of its own, which tests replace to fake a GPU
