@@ -216,7 +216,8 @@ def main():
     import torch
 
     trt = install()
-    torch.cuda.get_device_capability = lambda *a: (9, 0)  # the build GPU the glue compiles for
+    torch.cuda.get_device_capability = lambda *a: (9, 0)  # the build GPU the glue compiles for, device 0
+    torch.cuda.current_device = lambda: 0
     from trt_plugins.specs import SPECS
     from trt_plugins.trt_glue import load_plugins
 
