@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from . import QUANT_MODES
 from .cli import ArgumentParser, Progress, print_error
-from .engine import check_timing_cache
+from .engine import TensorRTNotFound, build_engine, check_timing_cache, default_timing_cache
 from .outdir import WorkDir, check_out, our_output
 
 if TYPE_CHECKING:
@@ -280,8 +280,6 @@ def _aot_kernels(tmp: Path, sm: int, log, progress) -> list[str]:
 
 
 def _engine(work_dir: Path, build: dict, args, log, out: Path) -> list[str]:
-    from .engine import TensorRTNotFound, build_engine
-
     if args.no_engine:
         return ["engine skipped: --no-engine"]
     try:
@@ -293,8 +291,6 @@ def _engine(work_dir: Path, build: dict, args, log, out: Path) -> list[str]:
 
 
 def _timing_cache(args) -> Path:
-    from .engine import default_timing_cache
-
     return args.timing_cache or default_timing_cache()
 
 
