@@ -9,13 +9,16 @@ Random fp16 weights are made directly on the GPU in our internal layout (no chec
 baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors. Measured in one run on one card:
 
 - prefill tokens/s, batch 1, 2048-token prompt (one forward; ours returns the last token's logits, HF is asked for
-  ``logits_to_keep=1`` so both skip the 2048 x 128k logits); ours also as that forward captured in a CUDA graph and
-  replayed (device time, whatever the host), and every quantized row as ``vs_fp16``, our fp16 time / its time;
+  ``logits_to_keep=1`` so both skip the 2048 x 128k logits): ours as the runtime runs it (``TorchBackend.forward``,
+  which replays a CUDA graph of the prompt's length bucket), as the eager forward, and as the forward captured in a
+  CUDA graph by the harness and replayed (device time, whatever the host); every quantized row also as ``vs_fp16``,
+  our fp16 time / its time;
 - decode tokens/s at batch 1 / 8 / 16 / 32 with a 512-token context, fp16 / int8 / int4 weights: "step" is one decode
   step timed by ``bench`` (device events, median), "loop" the whole generation loop (scheduling, sampling, one host
   sync per token) by wall clock over 128 tokens; ``pct_ceiling``: the share of the weight-read roofline (batch x the
   copy bandwidth measured in the run / the bytes of weights a step reads);
-- time to first token (2048-token prompt, wall clock, loop included; median of ``TTFT_SAMPLES`` generations);
+- time to first token (2048-token prompt, wall clock, loop included; median of ``TTFT_SAMPLES`` generations; the
+  prefill replays the backend's graph of its bucket, captured by the calls before);
 - HF eager ``generate`` (and ``torch.compile`` with a static cache, batch 1, when time allows): decode time is
   ``generate(N+1) - generate(1)`` so that prefill is not counted;
 - peak GPU memory of each configuration (weights included).
@@ -132,15 +135,23 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
     # a call has only a few repetitions to take a median over (a 111 ms "int4 prefill" at be6337e was that).
     backend.forward(prefill)
     torch.cuda.synchronize()
+    # As the runtime runs it: from the second use of its bucket (2048 tokens) the prefill replays the backend's graph
+    # (TorchBackend prefill_graph_tokens), the timed calls included; its host part is the staged inputs' copy.
     ms = bench(lambda backend=backend: backend.forward(prefill), [()], rep_ms=LONG_REP_MS)  # bound: del-ed below
     rows.append(dict(impl=impl, quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
                      tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
-    # The same forward captured in a CUDA graph and replayed: device time only. The eager row above includes however
-    # fast this machine's host launches ~700 kernels (the int4 forward was host-bound at 5d30466's probes), so the
-    # quant-vs-fp16 prefill comparison is read here; a runtime could replay such a graph per prompt-length bucket.
-    # Timed twice: back to back (the GPU at its power limit, as under a stream of prompts) and one replay at a time
-    # after an idle second (the full clock, as a lone prompt): the two regimes rank fp16 and int4 differently.
     dev_prefill = prefill.to(DEVICE)
+    # The eager forward (no graph): however fast this machine's host launches ~700 kernels (the int4 forward was
+    # host-bound at 5d30466's probes), what every prefill cost before the backend replayed graphs.
+    with torch.inference_mode():
+        ms = bench(lambda backend=backend: backend.model.forward(dev_prefill, backend.kv_cache), [()],
+                   rep_ms=LONG_REP_MS)
+    rows.append(dict(impl="tritrt torch eager", quant=quant, phase="prefill", batch=1, ctx=PREFILL_LEN, ms=ms,
+                     tok_s=PREFILL_LEN / ms * 1e3, vs_hf=ratio(hf_ref.get(("prefill", 1)), ms)))
+    # The forward captured in a CUDA graph by the harness and replayed: device time only, where the quant-vs-fp16
+    # prefill comparison is read. Timed twice: back to back (the GPU at its power limit, as under a stream of prompts)
+    # and one replay at a time after an idle second (the full clock, as a lone prompt): the two regimes rank fp16 and
+    # int4 differently.
     for label, idle_s in (("tritrt torch (graph)", 0.0), (f"tritrt torch (graph, after {IDLE_S:g} s idle)", IDLE_S)):
         try:
             with torch.no_grad():
@@ -393,9 +404,11 @@ def main():
     meta.update(copy_GBps=round(copy_gbs), wall_s=round(time.perf_counter() - t0))
     notes = ("vs_hf = HF eager fp16 time / ours (same phase and batch; > 1 means faster). vs_fp16 = our fp16 time / "
              "this quant's (same impl, phase and batch: issue 17's prefill target is int8 / int4 >= 1.0). decode step: "
-             "one step, device-event median; decode loop: whole generation loop, wall clock. tritrt torch (graph) "
-             "prefill: the eager prefill forward captured once in a CUDA graph and replayed (device time, no host "
-             "launch cost), back to back for 1.5 s (the GPU at its power limit) and, in the after-idle row, one "
+             "one step, device-event median; decode loop: whole generation loop, wall clock. tritrt torch+graphs "
+             "prefill: TorchBackend.forward, which replays its graph of the 2048-token bucket (captured at the "
+             "bucket's second use); tritrt torch eager prefill: the model's forward without a graph. tritrt torch "
+             "(graph) prefill: the eager prefill forward captured once in a CUDA graph and replayed (device time, no "
+             "host launch cost), back to back for 1.5 s (the GPU at its power limit) and, in the after-idle row, one "
              "replay after each idle second (the full clock), median of 5. pct_ceiling (decode rows): tok/s as a "
              "percentage of batch x copy_GBps / the bytes of weights a step reads (quantized linears' codes, scales "
              "and zero points, the lm_head (fp16 unless the quant says +lm_head_...) and norms; not the KV cache), the "

@@ -7,8 +7,10 @@ sequence's last new token, ``[S, vocab]``. Attributes the loop reads: ``device``
 The torch backend runs decode steps through CUDA graphs, one per batch-size bucket (1, 2, 4, 8, ...): the step's
 inputs are copied into static buffers padded to the bucket (padding rows write no cache slot and attend to one
 token of block 0) and the graph replays the whole model as one launch, which removes the per-kernel launch
-overhead that dominates batch-1 decode. Prefill steps (variable token counts) run eagerly. On CPU everything is
-eager and the ops run their torch references.
+overhead that dominates batch-1 decode. Prefill steps of up to ``max(prefill_graph_tokens)`` tokens replay a graph
+too, one per (token bucket, sequence bucket), padded the same way (``StagedBatch``); a bucket is captured the
+``prefill_graph_after``-th time a step falls into it, so a one-off prompt runs eagerly rather than paying for a
+capture. Longer prefills run eagerly. On CPU everything is eager and the ops run their torch references.
 """
 
 from __future__ import annotations
@@ -22,6 +24,22 @@ from export.batch import TENSOR_FIELDS, Batch
 log = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def _prefill_token_buckets(largest: int) -> tuple[int, ...]:
+    """16, 32, 48, ..., 128, then four steps per doubling (160, 192, 224, 256, 320, ...) up to ``largest``: a step is
+    padded by less than a quarter of its tokens, and the whole range takes few graphs."""
+    out, b = [], 16
+    while b <= largest:
+        out.append(b)
+        b += 16 if b < 128 else 1 << (b.bit_length() - 3)
+    return tuple(out)
+
+
+# Prefill token buckets that replay a CUDA graph. Eager prefill is host-bound (each of ~10 launches a layer costs
+# tens of us on the host) until its GPU work outgrows that: SmolLM2-135M's 2k-token prefill is 3.1 ms of GPU work
+# in a graph and 12-45 ms eager on the lent H200's host (dev-logs/h200/host_path_ab.md).
+DEFAULT_PREFILL_GRAPH_TOKENS = _prefill_token_buckets(2048)
 # Default cache size: this many sequences of max_model_len (CPU: few, its cache is host memory).
 DEFAULT_SEQS = {"cuda": 64, "cpu": 8}
 
@@ -39,7 +57,12 @@ def runtime_fuses_swiglu(device) -> bool:
 
 
 class TorchBackend:
-    """``LlamaModel.forward`` over a paged cache it allocates; CUDA graphs for decode on CUDA devices.
+    """``LlamaModel.forward`` over a paged cache it allocates; CUDA graphs for decode and short prefills on CUDA
+    devices.
+
+    ``prefill_graph_tokens``: the token buckets a prefill step is padded to and replayed from a graph (``()``: every
+    prefill eager); ``prefill_graph_after``: a bucket's graph is captured the ``n``-th time a step falls into it (1:
+    at once; the default 2 keeps a one-off prompt from paying for a capture).
 
     ``fuse_swiglu`` (default: on CUDA devices) applies ``model.fuse_swiglu_()``: the quantized gate/up GEMMs run
     SwiGLU in their epilogue. It re-lays out the model's gate/up weights in place, after which the model can no
@@ -48,7 +71,8 @@ class TorchBackend:
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, max_model_len: int | None = None,
                  kv_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
                  graph_batch_sizes=DEFAULT_GRAPH_BATCH_SIZES, gpu_memory_fraction: float = 0.9,
-                 fuse_swiglu: bool | None = None):
+                 fuse_swiglu: bool | None = None, prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS,
+                 prefill_graph_after: int = 2):
         self.model = model
         self.config = model.config
         self.device = torch.device(_model_device(model))
@@ -69,7 +93,14 @@ class TorchBackend:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
-        self._graphs: dict[int, tuple] = {}
+        self.prefill_graph_tokens = tuple(sorted(prefill_graph_tokens))
+        if prefill_graph_after < 1:
+            raise ValueError(f"prefill_graph_after must be >= 1 (1: capture at the first use); got "
+                             f"{prefill_graph_after}")
+        self.prefill_graph_after = prefill_graph_after
+        # (num_tokens, num_seqs, max_seqlen_q) -> (graph, staged inputs, logits): decode buckets are (bs, bs, 1)
+        self._graphs: dict[tuple[int, int, int], tuple] = {}
+        self._prefill_seen: dict[tuple[int, int, int], int] = {}  # prefill bucket -> steps that fell into it
         self._graph_pool = None
         # Decode block tables are padded to the longest sequence the engine allows, so one graph serves every step.
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
@@ -83,17 +114,21 @@ class TorchBackend:
             blocks = min(blocks, int(free * fraction) // per_block)
         return max(1, blocks)
 
-    @torch.inference_mode()
     @property
     def supports_device_tokens(self) -> bool:
         """``forward`` takes ``input_ids`` on the device (the generation loop's pipelined decode): on CUDA."""
         return self.device.type == "cuda"
 
+    @torch.inference_mode()
     def forward(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of each sequence's last new token. ``input_ids``: the step's tokens as a tensor on the model's
         device, used instead of ``batch.input_ids`` (the previous step's sampled tokens, never read by the host)."""
         if self.cuda_graphs and batch.max_seqlen_q == 1 and batch.num_seqs <= self.graph_batch_sizes[-1]:
             return self._decode_graph(batch, input_ids)
+        if self.cuda_graphs and batch.max_seqlen_q > 1 and input_ids is None:
+            key = self._prefill_bucket(batch)
+            if key is not None:
+                return self._prefill_graph(batch, key)
         dev = batch.to(self.device)
         if input_ids is not None:
             dev.input_ids = input_ids
@@ -104,13 +139,43 @@ class TorchBackend:
     def capture(self, batch_sizes=None) -> None:
         """Capture decode graphs ahead of time (largest first, sharing one memory pool); else done on first use."""
         for bs in sorted(batch_sizes or self.graph_batch_sizes, reverse=True):
-            self._graph_for(bs)
+            self._graph_for((bs, bs, 1))
 
-    def _graph_for(self, bs: int):
-        if bs in self._graphs:
-            return self._graphs[bs]
+    def _prefill_bucket(self, batch: Batch) -> tuple[int, int, int] | None:
+        """The graph key of a prefill ``batch``: its tokens rounded up to a bucket, its sequences plus one (the owner
+        of the padding tokens) rounded up to a power of two, and the bucket as the bound on any sequence's new
+        tokens. None (eager): longer than the largest bucket, or padding the spare sequences cannot hold."""
+        T, S = int(batch.input_ids.shape[0]), batch.num_seqs
+        tokens = next((b for b in self.prefill_graph_tokens if b >= T), None)
+        if tokens is None:
+            return None
+        seqs = 1 << S.bit_length()
+        # the padding tokens (under a quarter of the bucket) fit the spare sequences unless max_model_len is tiny
+        capacity = self._max_blocks_per_seq * self.block_size
+        return (tokens, seqs, tokens) if -(-(tokens - T) // (seqs - S)) <= capacity else None
+
+    def _prefill_graph(self, batch: Batch, key: tuple[int, int, int]) -> torch.Tensor:
+        seen = self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
+        if key not in self._graphs and seen < self.prefill_graph_after:
+            return self.model.forward(batch.to(self.device), self.kv_cache)
+        try:
+            graph, staged, logits = self._graph_for(key)
+        except RuntimeError as e:  # as for decode: a kernel that syncs or allocates during capture
+            log.warning("CUDA graph capture of a prefill failed (%s); prefill runs eagerly", e)
+            self.prefill_graph_tokens = ()
+            return self.model.forward(batch.to(self.device), self.kv_cache)
+        staged.load(batch)
+        graph.replay()
+        return logits[:batch.num_seqs]
+
+    def _graph_for(self, key: tuple[int, int, int]):
+        if key in self._graphs:
+            return self._graphs[key]
         dev = self.device
-        staged = StagedDecodeBatch(bs, self._max_blocks_per_seq, dev)  # all padding: capture writes no cache slot
+        num_tokens, num_seqs, max_seqlen_q = key
+        # all padding: capture writes no cache slot
+        staged = StagedBatch(num_tokens, num_seqs, self._max_blocks_per_seq, dev, max_seqlen_q,
+                             self._max_blocks_per_seq * self.block_size)
         static = staged.device_batch
         # Warm up on a side stream (allocator and Triton JIT settle), then capture.
         side = torch.cuda.Stream(dev)
@@ -124,14 +189,14 @@ class TorchBackend:
             logits = self.model.forward(static, self.kv_cache)
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
-        self._graphs[bs] = (graph, staged, logits)
-        return self._graphs[bs]
+        self._graphs[key] = (graph, staged, logits)
+        return self._graphs[key]
 
     def _decode_graph(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         S = batch.num_seqs
         bs = next(b for b in self.graph_batch_sizes if b >= S)
         try:
-            graph, staged, logits = self._graph_for(bs)
+            graph, staged, logits = self._graph_for((bs, bs, 1))
         except RuntimeError as e:  # a kernel that syncs or allocates during capture: run eagerly from now on
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
             self.cuda_graphs = False
@@ -143,19 +208,35 @@ class TorchBackend:
         return logits[:S]  # a view of the graph's output buffer: valid until the next step
 
 
-class StagedDecodeBatch:
-    """A decode graph's static inputs, padded to ``num_seqs`` rows and ``max_blocks`` block-table columns (the
-    layout and padding of ``pad_decode_batch``), as views of ONE device buffer with a pinned host twin of the same
-    layout: ``load(batch)`` writes the step's batch into the host twin and moves it with one asynchronous copy,
-    where separate tensors cost six pageable copies plus the padded tensors' allocation on the host between two GPU
-    steps. ``device_batch`` is the ``Batch`` the graph is captured on (all padding until the first ``load``)."""
+class StagedBatch:
+    """A graph's static inputs: a batch padded to ``num_tokens`` tokens, ``num_seqs`` sequences and ``max_blocks``
+    block-table columns, as views of ONE device buffer with a pinned host twin of the same layout: ``load(batch)``
+    writes the step's batch into the host twin and moves it with one asynchronous copy, where separate tensors cost
+    six pageable copies plus the padded tensors' allocation on the host between two GPU steps. ``device_batch`` is
+    the ``Batch`` the graph is captured on (all padding until the first ``load``); its ``max_seqlen_q`` is the bound
+    the graph was captured with (1 for decode, where ``num_tokens == num_seqs``).
+
+    The padding rule: padding tokens write no cache slot (slot -1) and sit at position 0; they are spread evenly over
+    the padding sequences after the real ones (a decode pads one token per padding row; a prefill's padding tokens
+    need at least one spare sequence, and at most ``max_seq_len`` of them may land in one). A padding sequence's length
+    is its token count (at least 1) and its block-table row is zeros, so it attends causally to keys in block 0:
+    garbage but finite logits, dropped by the caller, and no real sequence's cache or attention is touched.
+    ``max_seq_len``: what one block-table row holds (``max_blocks`` x the block size; default ``max_blocks``)."""
 
     _LAYOUT = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int32),
                ("block_table", torch.int32), ("seq_lens", torch.int32), ("cu_seqlens_q", torch.int32))
 
-    def __init__(self, num_seqs: int, max_blocks: int, device):
-        self.num_seqs, self.max_blocks = num_seqs, max_blocks
-        shapes = {"block_table": (num_seqs, max_blocks), "cu_seqlens_q": (num_seqs + 1,)}
+    def __init__(self, num_tokens: int, num_seqs: int, max_blocks: int, device, max_seqlen_q: int,
+                 max_seq_len: int | None = None):
+        if not 1 <= max_seqlen_q <= num_tokens or (max_seqlen_q == 1 and num_tokens != num_seqs):
+            raise ValueError(f"a staged batch is a decode (one token per sequence, max_seqlen_q 1) or a prefill "
+                             f"(max_seqlen_q in 2..num_tokens); got {num_tokens} tokens, {num_seqs} sequences, "
+                             f"max_seqlen_q {max_seqlen_q}")
+        self.num_tokens, self.num_seqs, self.max_blocks, self.max_seqlen_q = num_tokens, num_seqs, max_blocks, \
+            max_seqlen_q
+        self.max_seq_len = max_seq_len or max_blocks
+        shapes = {"input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_tokens,),
+                  "block_table": (num_seqs, max_blocks), "cu_seqlens_q": (num_seqs + 1,)}
         offsets, nbytes = [], 0
         for name, dt in self._LAYOUT:
             shape = shapes.get(name, (num_seqs,))
@@ -167,53 +248,83 @@ class StagedDecodeBatch:
         views = lambda buf: {n: buf[o:o + dt.itemsize * torch.Size(sh).numel()].view(dt).view(sh)  # noqa: E731
                              for n, dt, sh, o in offsets}
         self._host = views(self._host_buf)
-        self.device_batch = Batch(**views(self._device_buf), max_seqlen_q=1)
+        self.device_batch = Batch(**views(self._device_buf), max_seqlen_q=max_seqlen_q)
         self._copied = None  # event of the last host -> device copy: the host twin is reused only after it
-        self._fill(None)
-        self._device_buf.copy_(self._host_buf)
-
-    def _fill(self, batch: Batch | None) -> None:
-        h, S = self._host, 0 if batch is None else batch.num_seqs
+        h = self._host
         h["input_ids"].zero_()
         h["positions"].zero_()
-        h["slot_mapping"].fill_(-1)  # padding rows write no cache slot ...
-        h["block_table"].zero_()  # ... and attend to the one token at block 0, slot 0
-        h["seq_lens"].fill_(1)
-        torch.arange(self.num_seqs + 1, dtype=torch.int32, out=h["cu_seqlens_q"])
-        if batch is not None:
-            w = batch.block_table.shape[1]
-            for f in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-                h[f][:S] = getattr(batch, f)
-            h["block_table"][:S, :w] = batch.block_table
+        h["slot_mapping"].fill_(-1)
+        h["block_table"].zero_()
+        h["cu_seqlens_q"][0] = 0
+        self._pad(0, 0)
+        self._template = self._host_buf.clone()  # all padding: what every load starts from
+        self._device_buf.copy_(self._host_buf)
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a batch of ``num_tokens`` tokens in ``num_seqs`` sequences pads to this shape by the rule."""
+        P, n = self.num_seqs - num_seqs, self.num_tokens - num_tokens
+        return P >= 0 and n >= 0 and (n == 0 or (P > 0 and -(-n // P) <= self.max_seq_len))
+
+    def _pad(self, T: int, S: int) -> None:
+        """Lay out the padding sequences S.. over the padding tokens T.. in the host twin (see the class). Padding
+        that does not fit the rule (only the all-padding batch a graph is captured on can be such) gets its lengths
+        capped at ``max_seq_len``: its first queries then see no key, harmless in a capture that writes nothing."""
+        h, P, n = self._host, self.num_seqs - S, self.num_tokens - T
+        if P == 0:  # no padding sequence, so no padding token (load refuses padding tokens without an owner)
+            return
+        q = torch.full((P,), n // P, dtype=torch.int32)
+        q[:n % P] += 1
+        h["cu_seqlens_q"][S + 1:] = T + torch.cumsum(q, 0, dtype=torch.int32)
+        h["seq_lens"][S:] = q.clamp(1, self.max_seq_len)
 
     def load(self, batch: Batch) -> None:
-        """Make ``device_batch`` hold ``batch`` (a decode batch on the host), padded; asynchronous on the current
-        stream (the graph replayed after it sees the new values)."""
-        S, w = batch.num_seqs, batch.block_table.shape[1]
-        if batch.max_seqlen_q != 1 or batch.input_ids.shape[0] != S:
-            raise ValueError("StagedDecodeBatch takes a pure decode batch (one new token per sequence)")
-        if S > self.num_seqs or w > self.max_blocks:
-            raise ValueError(f"decode batch of {S} sequences x {w} blocks exceeds the padded shape {self.num_seqs} x "
-                             f"{self.max_blocks}; raise max_model_len or the largest graph batch size")
+        """Make ``device_batch`` hold ``batch`` (a batch on the host), padded; asynchronous on the current stream (the
+        graph replayed after it sees the new values)."""
+        T, S, w = int(batch.input_ids.shape[0]), batch.num_seqs, batch.block_table.shape[1]
+        decode = self.max_seqlen_q == 1
+        if decode and (batch.max_seqlen_q != 1 or T != S):
+            raise ValueError("a decode graph's staged batch takes a pure decode batch (one new token per sequence)")
+        if batch.max_seqlen_q > self.max_seqlen_q:
+            raise ValueError(f"a sequence of {batch.max_seqlen_q} new tokens exceeds the bound {self.max_seqlen_q} "
+                             "the graph was captured with")
+        if not self.fits(T, S) or w > self.max_blocks:
+            raise ValueError(f"batch of {T} tokens, {S} sequences x {w} blocks exceeds the padded shape "
+                             f"{self.num_tokens} tokens, {self.num_seqs} sequences x {self.max_blocks} blocks (padding "
+                             f"tokens need a spare sequence, at most {self.max_seq_len} in each); raise "
+                             "max_model_len or the largest graph bucket")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host twin (normally long done)
-        self._fill(batch)
+        h = self._host
+        self._host_buf.copy_(self._template)
+        for f in ("input_ids", "positions", "slot_mapping"):
+            h[f][:T] = getattr(batch, f)
+        h["seq_lens"][:S] = batch.seq_lens
+        h["block_table"][:S, :w] = batch.block_table
+        if not decode:  # decode: the template's cu_seqlens_q (0, 1, 2, ...) is already the batch's, padding included
+            h["cu_seqlens_q"][:S + 1] = batch.cu_seqlens_q
+            self._pad(T, S)
         self._device_buf.copy_(self._host_buf, non_blocking=self._cuda)
         if self._cuda:
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
 
 
+def pad_batch(batch: Batch, num_tokens: int, num_seqs: int, max_blocks: int, max_seqlen_q: int,
+              max_seq_len: int | None = None) -> Batch:
+    """``batch`` padded to a graph's static shape (``StagedBatch``'s layout and padding rule), as host tensors."""
+    staged = StagedBatch(num_tokens, num_seqs, max_blocks, "cpu", max_seqlen_q, max_seq_len)
+    staged.load(batch)
+    return staged.device_batch
+
+
 def pad_decode_batch(batch: Batch, num_seqs: int, max_blocks: int) -> Batch:
     """A decode ``batch`` padded to ``num_seqs`` rows and ``max_blocks`` block-table columns (static graph shapes), as
-    host tensors: ``StagedDecodeBatch``'s layout and padding rule.
+    host tensors: ``StagedBatch``'s layout and padding rule.
 
     Padding rows write no cache slot (slot -1) and attend to the one token at block 0, slot 0, which exists in every
     cache: their logits are garbage but finite and are dropped, and no real sequence's cache is touched.
     """
-    staged = StagedDecodeBatch(num_seqs, max_blocks, "cpu")
-    staged.load(batch)
-    return staged.device_batch
+    return pad_batch(batch, num_seqs, num_seqs, max_blocks, 1)
 
 
 def copy_batch_(dst: Batch, src: Batch) -> None:

@@ -1,11 +1,11 @@
-"""Backend plumbing that runs on CPU: decode padding for static (CUDA-graph / engine) shapes, and the TensorRT
-backend's refusal when TensorRT is missing."""
+"""Backend plumbing that runs on CPU: decode and prefill padding for static (CUDA-graph / engine) shapes, the prefill
+graph buckets, and the TensorRT backend's refusal when TensorRT is missing."""
 
 import pytest
 import torch
 
 from export.batch import Batch
-from export.runtime.backends import TorchBackend, pad_decode_batch
+from export.runtime.backends import StagedBatch, TorchBackend, pad_batch, pad_decode_batch
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,6 @@ def test_staged_decode_batch_is_the_padded_batch_in_one_buffer():
     rule (input 0, position 0, slot -1, one token, block 0, one query each), step after step: a later, smaller batch
     leaves no trace of an earlier, larger one. pad_decode_batch is the same thing on the host."""
     from export.batch import TENSOR_FIELDS
-    from export.runtime.backends import StagedDecodeBatch
 
     def expect(batch, rows, width):
         S, w = batch.num_seqs, batch.block_table.shape[1]
@@ -87,7 +86,7 @@ def test_staged_decode_batch_is_the_padded_batch_in_one_buffer():
                     slot_mapping=pad(batch.slot_mapping, -1), block_table=table, seq_lens=pad(batch.seq_lens, 1),
                     cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32))
 
-    staged = StagedDecodeBatch(8, 5, "cpu")
+    staged = StagedBatch(8, 8, 5, "cpu", 1)
     empty = expect(_decode_batch([1], 4, [[0]]), 8, 5)
     for f in TENSOR_FIELDS[2:]:  # before any load: all padding (input_ids / positions of padding rows are 0)
         assert torch.equal(getattr(staged.device_batch, f)[1:], empty[f][1:]), f
@@ -99,9 +98,133 @@ def test_staged_decode_batch_is_the_padded_batch_in_one_buffer():
                 assert getattr(got, f).dtype == want[f].dtype and torch.equal(getattr(got, f), want[f]), f
             assert got.max_seqlen_q == 1
     with pytest.raises(ValueError, match="exceeds the padded shape"):
-        StagedDecodeBatch(1, 5, "cpu").load(_decode_batch([5, 1], 4, [[3, 7], [2]]))
+        StagedBatch(1, 1, 5, "cpu", 1).load(_decode_batch([5, 1], 4, [[3, 7], [2]]))
 
 
 def test_cuda_graphs_need_cuda(tiny_model):
     with pytest.raises(ValueError, match="CUDA device"):
         TorchBackend(tiny_model, num_blocks=4, block_size=4, cuda_graphs=True)
+
+
+def _prefill_batch(q_lens, cached, block_size, tables):
+    """Sequence i's q_lens[i] new tokens after cached[i] tokens already in its blocks ``tables[i]``."""
+    S, pos, slots = len(q_lens), [], []
+    for i, (q, c) in enumerate(zip(q_lens, cached)):
+        for p in range(c, c + q):
+            pos.append(p)
+            slots.append(tables[i][p // block_size] * block_size + p % block_size)
+    bt = torch.zeros(S, max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    return Batch(input_ids=torch.randint(0, 300, (len(pos),)), positions=torch.tensor(pos),
+                 slot_mapping=torch.tensor(slots, dtype=torch.int32), block_table=bt,
+                 seq_lens=torch.tensor([q + c for q, c in zip(q_lens, cached)], dtype=torch.int32),
+                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=max(q_lens))
+
+
+def test_staged_prefill_batch_layout():
+    """A prefill padded to a graph's shape: the real tokens and sequences first, then the padding tokens (input 0,
+    position 0, slot -1) spread evenly over the padding sequences (length = its tokens, block 0); a later, smaller
+    batch leaves no trace of an earlier one."""
+    staged = StagedBatch(16, 4, 5, "cpu", 16, max_seq_len=20)  # 5 blocks of 4
+    assert staged.device_batch.max_seqlen_q == 16
+    big = _prefill_batch([3, 5, 2], [0, 4, 0], 4, [[3], [8, 1, 4], [6]])  # 10 tokens, 3 sequences, 1 spare
+    small = _prefill_batch([3, 5], [0, 4], 4, [[3], [8, 1, 4]])  # 8 tokens, 2 sequences, 2 spare
+    for batch, cu, lens in ((big, [0, 3, 8, 10, 16], [3, 9, 2, 6]), (small, [0, 3, 8, 12, 16], [3, 9, 4, 4]),
+                            (big, [0, 3, 8, 10, 16], [3, 9, 2, 6])):
+        for got in (staged, None):
+            if got is None:
+                got = pad_batch(batch, 16, 4, 5, 16, 20)
+            else:
+                got.load(batch)
+                got = got.device_batch
+            T, S = batch.input_ids.shape[0], batch.num_seqs
+            assert torch.equal(got.input_ids[:T], batch.input_ids) and not got.input_ids[T:].any()
+            assert torch.equal(got.positions[:T], batch.positions) and not got.positions[T:].any()
+            assert torch.equal(got.slot_mapping[:T], batch.slot_mapping) and got.slot_mapping[T:].eq(-1).all()
+            assert torch.equal(got.block_table[:S, :3], batch.block_table) and not got.block_table[S:].any()
+            assert not got.block_table[:, 3:].any()
+            assert got.cu_seqlens_q.tolist() == cu and got.seq_lens.tolist() == lens
+
+
+def test_staged_prefill_batch_refuses_what_does_not_fit():
+    batch = _prefill_batch([3, 5], [0, 4], 4, [[3], [8, 1, 4]])
+    with pytest.raises(ValueError, match="spare sequence"):
+        pad_batch(batch, 16, 2, 5, 16)  # 8 padding tokens and no sequence to own them
+    pad_batch(_prefill_batch([8, 8], [0, 0], 4, [[3, 4], [5, 6]]), 16, 2, 5, 16)  # no padding tokens: fits
+    with pytest.raises(ValueError, match="exceeds the padded shape"):
+        pad_batch(batch, 6, 3, 5, 6)  # 8 tokens
+    with pytest.raises(ValueError, match="exceeds the padded shape"):
+        pad_batch(batch, 16, 4, 2, 16)  # 3 blocks
+    with pytest.raises(ValueError, match="at most 3 in each"):
+        pad_batch(batch, 16, 4, 5, 16, max_seq_len=3)  # 8 padding tokens in 2 sequences
+    with pytest.raises(ValueError, match="exceeds the bound"):
+        pad_batch(batch, 16, 4, 5, 4)
+    with pytest.raises(ValueError, match="decode .* or a prefill"):
+        StagedBatch(8, 4, 5, "cpu", 1)
+    # more sequences than tokens is a prefill shape too (many short prompts): one padding token per padding sequence
+    # while they last, then sequences of none
+    got = pad_batch(batch, 16, 32, 5, 16)
+    assert got.cu_seqlens_q.tolist() == [0, 3, 8, *range(9, 17), *[16] * 22] and got.seq_lens[2:].eq(1).all()
+
+
+def test_padded_prefill_equals_unpadded_and_padding_writes_nothing(tiny_model):
+    """The padding rule keeps a prefill's real rows: a chunked prefill (a cached prefix) and a fresh prompt padded to
+    a graph bucket give the unpadded logits and cache writes; padding writes no cache slot."""
+    bs = 4
+    backend = TorchBackend(tiny_model, num_blocks=16, block_size=bs)
+    for k, v in backend.kv_cache:  # random history (the second sequence's 4 cached tokens among it)
+        k.normal_()
+        v.normal_()
+    batch = _prefill_batch([3, 6], [0, 4], bs, [[3], [8, 1, 4]])
+    snapshot = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
+    want = backend.forward(batch)
+    after_real = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
+    for (k, v), (k0, v0) in zip(backend.kv_cache, snapshot):
+        k.copy_(k0)
+        v.copy_(v0)
+    got = backend.forward(pad_batch(batch, 32, 4, 5, 32, 5 * bs))  # 23 padding tokens, 12 and 11 in two sequences
+    assert got.shape[0] == 4 and torch.isfinite(got).all()
+    # fp32, the same math on the same rows (as the decode padding test): 1e-5 absorbs a reduction order that depends
+    # on the number of rows
+    torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-5)
+    real = torch.zeros(16 * bs, dtype=torch.bool)
+    real[batch.slot_mapping.long()] = True
+    for (k, v), (k0, v0), (k1, v1) in zip(backend.kv_cache, snapshot, after_real):
+        for new, old, ref in ((k, k0, k1), (v, v0, v1)):
+            new, old, ref = (t.view(16 * bs, -1) for t in (new, old, ref))
+            assert torch.equal(new[~real], old[~real]), "padding tokens wrote into the cache"
+            torch.testing.assert_close(new[real], ref[real], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_graph_buckets():
+    from export.runtime.backends import DEFAULT_PREFILL_GRAPH_TOKENS as B
+
+    assert B[0] == 16 and B[-1] == 2048 and all(b % 16 == 0 for b in B) and list(B) == sorted(set(B))
+    # 16 tokens apart up to 128, then never more than a quarter of a step padded
+    assert all(b - a == 16 for a, b in zip(B, B[1:]) if b <= 128)
+    assert all((b - a - 1) / (a + 1) < 0.25 for a, b in zip(B, B[1:]) if a >= 128)
+
+
+def test_prefill_bucket_key(tiny_model):
+    backend = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(16, 64))
+    assert backend._prefill_bucket(_prefill_batch([3, 6], [0, 4], 4, [[3], [8, 1, 4]])) == (16, 4, 16)
+    assert backend._prefill_bucket(_prefill_batch([16], [0], 4, [[0, 1, 2, 3]])) == (16, 2, 16)
+    assert backend._prefill_bucket(_prefill_batch([17], [0], 4, [[0, 1, 2, 3, 4]])) == (64, 2, 64)
+    assert backend._prefill_bucket(_prefill_batch([65], [0], 4, [list(range(17))])) is None  # eager
+    short = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(64,), max_model_len=8)
+    assert short._prefill_bucket(_prefill_batch([3, 6], [0, 4], 4, [[3], [8, 1, 4]])) is None  # 55 in 2 rows of 8
+    with pytest.raises(ValueError, match="prefill_graph_after"):
+        TorchBackend(tiny_model, num_blocks=4, block_size=4, prefill_graph_after=0)
+
+
+def test_cpu_backend_takes_no_device_tokens(tiny_model):
+    """Pipelined decode is for CUDA: on the CPU the property is False (it was a method object, always true)."""
+    from export.runtime import Generator
+
+    backend = TorchBackend(tiny_model, num_blocks=4, block_size=4)
+    assert backend.supports_device_tokens is False
+    assert Generator(backend).pipeline is False

@@ -75,20 +75,62 @@ def test_greedy_matches_hf_fp32(tiny_dirs, variant, quant):
     assert exact >= len(PROMPTS) - 1, f"only {exact} of {len(PROMPTS)} prompts matched all {MAX_NEW} tokens"
 
 
-def test_cuda_graph_decode_equals_eager(tiny_dir):
+def test_cuda_graph_decode_and_prefill_equal_eager(tiny_dir):
     from export.model import LlamaModel
 
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
-    graphs = TorchBackend(model, num_blocks=64, block_size=4, cuda_graphs=True)
+    # prefill_graph_after=1: the prompts' prefill replays a graph too (its first use captures it)
+    graphs = TorchBackend(model, num_blocks=64, block_size=4, cuda_graphs=True, prefill_graph_after=1)
     eager = TorchBackend(model, num_blocks=64, block_size=4, cuda_graphs=False)
     # Different lengths make the running batch shrink 4 -> 1 through several graph buckets.
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (33, 20, 9, 2)]
     g = Generator(graphs).generate(PROMPTS, params)
     e = Generator(eager).generate(PROMPTS, params)
-    assert len(graphs._graphs) >= 3, f"graph buckets used: {sorted(graphs._graphs)}"
+    decode_keys = [k for k in graphs._graphs if k[2] == 1]
+    assert len(decode_keys) >= 3, f"graph buckets used: {sorted(graphs._graphs)}"
+    assert (32, 8, 32) in graphs._graphs, f"the prefill (21 tokens, 4 prompts) has no graph: {sorted(graphs._graphs)}"
     for a, b in zip(g, e):
         # Same kernels on the same rows (padding only adds rows), so the tokens must agree; a flip would need an
         # fp16 near-tie within a GEMM's reordering error, which 64 tokens of this model do not have.
         if a.token_ids != b.token_ids:
             j = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
             pytest.fail(f"graph and eager decode differ at token {j}: {a.token_ids[j]} vs {b.token_ids[j]}")
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_cuda_graph_prefill_is_the_eager_forward_of_the_padded_batch(tiny_dir, quant):
+    """A prefill replayed from its graph computes, bit for bit, what the eager model computes on the same batch padded
+    to the graph's shape (the same kernels on the same inputs) and writes the same cache; a second, different batch in
+    the same bucket replays correctly too (the staged inputs are reloaded, nothing of the first is left). That the
+    padded batch's real rows are the unpadded batch's is the CPU test of the padding rule (test_backends.py)."""
+    from export.model import LlamaModel
+    from export.runtime.backends import pad_batch
+    from tests.runtime.test_backends import _prefill_batch
+
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda", quant=quant, group_size=32)
+    bs = 4
+    graphs = TorchBackend(model, num_blocks=64, block_size=bs, max_model_len=64)  # prefill_graph_after=2 (default)
+    eager = TorchBackend(model, num_blocks=64, block_size=bs, max_model_len=64, cuda_graphs=False)
+    torch.manual_seed(0)
+    for (k, v), (k2, v2) in zip(graphs.kv_cache, eager.kv_cache):  # the same random history in both caches
+        k.normal_()
+        v.normal_()
+        k2.copy_(k)
+        v2.copy_(v)
+    a = _prefill_batch([3, 9], [4, 0], bs, [[5, 9], [20, 21, 22]])  # 12 tokens, 2 sequences: bucket (16, 4, 16)
+    b = _prefill_batch([2, 1, 2], [0, 7, 0], bs, [[30], [31, 32], [33]])  # 5 tokens, 3 sequences: the same bucket
+    c = _prefill_batch([40], [0], bs, [list(range(40, 50))])  # 40 tokens: bucket (48, 2, 48)
+    runs = []
+    for batch in (a, a, b, c, c):
+        key = graphs._prefill_bucket(batch)
+        captured = key in graphs._graphs
+        got = graphs.forward(batch)
+        runs.append((key, captured, key in graphs._graphs))
+        padded = pad_batch(batch, key[0], key[1], graphs._max_blocks_per_seq, key[2], graphs._max_blocks_per_seq * bs)
+        want = eager.forward(padded)[:batch.num_seqs]
+        assert torch.equal(got, want), f"{quant}: graph prefill != eager on the padded batch, key {key}"
+        for (k, v), (k2, v2) in zip(graphs.kv_cache, eager.kv_cache):
+            assert torch.equal(k, k2) and torch.equal(v, v2), f"{quant}: the caches differ after key {key}"
+    # eager at a bucket's first use, captured at its second (prefill_graph_after=2), replayed after
+    assert runs == [((16, 4, 16), False, False), ((16, 4, 16), False, True), ((16, 4, 16), True, True),
+                    ((48, 2, 48), False, False), ((48, 2, 48), False, True)], runs
