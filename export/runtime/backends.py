@@ -27,18 +27,20 @@ DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def _prefill_token_buckets(largest: int) -> tuple[int, ...]:
-    """16, 32, 48, ..., 128, then four steps per doubling (160, 192, 224, 256, 320, ...) up to ``largest``: a step is
-    padded by less than a quarter of its tokens, and the whole range takes few graphs."""
+    """Multiples of 16 up to 256, then eight steps per doubling (288, 320, ..., 512, 576, ..., 1024, 1152, ...) up to
+    ``largest``: past 128 tokens a step is padded by less than an eighth of its tokens."""
     out, b = [], 16
     while b <= largest:
         out.append(b)
-        b += 16 if b < 128 else 1 << (b.bit_length() - 3)
+        b += max(16, 1 << (b.bit_length() - 4))
     return tuple(out)
 
 
 # Prefill token buckets that replay a CUDA graph. Eager prefill is host-bound (each of ~10 launches a layer costs
-# tens of us on the host) until its GPU work outgrows that: SmolLM2-135M's 2k-token prefill is 3.1 ms of GPU work
-# in a graph and 12-45 ms eager on the lent H200's host (dev-logs/h200/host_path_ab.md).
+# tens of us on the host) until its GPU work outgrows that: SmolLM2-135M's 2k-token prefill is 3.2 ms replayed and
+# 11 ms eager on the lent H200; a Llama-3-8B-shaped one is GPU-bound from ~600 tokens, where the padding is the cost
+# (fp16, 1100 tokens padded to 1280: 31.5 ms against 28.0 eager), hence the fine steps there
+# (dev-logs/h200/prefill_graphs.md).
 DEFAULT_PREFILL_GRAPH_TOKENS = _prefill_token_buckets(2048)
 # Default cache size: this many sequences of max_model_len (CPU: few, its cache is host memory).
 DEFAULT_SEQS = {"cuda": 64, "cpu": 8}
