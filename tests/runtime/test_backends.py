@@ -28,6 +28,25 @@ def _decode_batch(seq_lens, block_size, tables):
                  cu_seqlens_q=torch.arange(S + 1, dtype=torch.int32), max_seqlen_q=1)
 
 
+def _restore(kv_cache, snapshot):
+    for (k, v), (k0, v0) in zip(kv_cache, snapshot):
+        k.copy_(k0)
+        v.copy_(v0)
+
+
+def _check_only_real_slots_written(kv_cache, snapshot, after_real, slot_mapping):
+    """``kv_cache`` after a padded step: the real tokens' slots hold what the unpadded step wrote (``after_real``; fp32,
+    1e-5 as for the logits), every other slot what it held before (``snapshot``): padding wrote nothing."""
+    slots = snapshot[0][0].shape[0] * snapshot[0][0].shape[1]
+    real = torch.zeros(slots, dtype=torch.bool)
+    real[slot_mapping.long()] = True
+    for (k, v), (k0, v0), (k1, v1) in zip(kv_cache, snapshot, after_real):
+        for new, old, ref in ((k, k0, k1), (v, v0, v1)):
+            new, old, ref = (t.view(slots, -1) for t in (new, old, ref))
+            assert torch.equal(new[~real], old[~real]), "padding wrote into the cache"
+            torch.testing.assert_close(new[real], ref[real], rtol=1e-5, atol=1e-5)
+
+
 def test_padded_decode_equals_unpadded_and_padding_writes_nothing(tiny_model):
     bs = 4  # block size
     backend = TorchBackend(tiny_model, num_blocks=16, block_size=bs)
@@ -40,9 +59,7 @@ def test_padded_decode_equals_unpadded_and_padding_writes_nothing(tiny_model):
     after_real = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
     for (k0, _), (k1, _) in zip(snapshot, after_real):
         assert (k0 != k1).any(dim=(2, 3)).sum() == 3  # exactly the three new tokens' slots were written
-    for (k, v), (k0, v0) in zip(backend.kv_cache, snapshot):
-        k.copy_(k0)
-        v.copy_(v0)
+    _restore(backend.kv_cache, snapshot)
     padded = pad_decode_batch(batch, 8, 5)
     assert padded.block_table.shape == (8, 5) and padded.slot_mapping[3:].eq(-1).all()
     got = backend.forward(padded)
@@ -50,13 +67,7 @@ def test_padded_decode_equals_unpadded_and_padding_writes_nothing(tiny_model):
     # Same math on the same rows: only the padding around them differs, so the real rows must agree closely
     # (fp32; 1e-5 absorbs a different reduction order if a kernel splits work by batch shape).
     torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
-    real = torch.zeros(16 * bs, dtype=torch.bool)
-    real[batch.slot_mapping.long()] = True
-    for (k, v), (k0, v0), (k1, v1) in zip(backend.kv_cache, snapshot, after_real):
-        for new, old, ref in ((k, k0, k1), (v, v0, v1)):
-            new, old, ref = (t.view(16 * bs, -1) for t in (new, old, ref))
-            assert torch.equal(new[~real], old[~real]), "padding rows wrote into the cache"
-            torch.testing.assert_close(new[real], ref[real], rtol=1e-5, atol=1e-5)
+    _check_only_real_slots_written(backend.kv_cache, snapshot, after_real, batch.slot_mapping)
 
 
 def test_pad_decode_batch_refuses_what_does_not_fit():
@@ -183,21 +194,13 @@ def test_padded_prefill_equals_unpadded_and_padding_writes_nothing(tiny_model):
     snapshot = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
     want = backend.forward(batch)
     after_real = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
-    for (k, v), (k0, v0) in zip(backend.kv_cache, snapshot):
-        k.copy_(k0)
-        v.copy_(v0)
+    _restore(backend.kv_cache, snapshot)
     got = backend.forward(pad_batch(batch, 32, 4, 5, 32, 5 * bs))  # 23 padding tokens, 12 and 11 in two sequences
     assert got.shape[0] == 4 and torch.isfinite(got).all()
     # fp32, the same math on the same rows (as the decode padding test): 1e-5 absorbs a reduction order that depends
     # on the number of rows
     torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-5)
-    real = torch.zeros(16 * bs, dtype=torch.bool)
-    real[batch.slot_mapping.long()] = True
-    for (k, v), (k0, v0), (k1, v1) in zip(backend.kv_cache, snapshot, after_real):
-        for new, old, ref in ((k, k0, k1), (v, v0, v1)):
-            new, old, ref = (t.view(16 * bs, -1) for t in (new, old, ref))
-            assert torch.equal(new[~real], old[~real]), "padding tokens wrote into the cache"
-            torch.testing.assert_close(new[real], ref[real], rtol=1e-5, atol=1e-5)
+    _check_only_real_slots_written(backend.kv_cache, snapshot, after_real, batch.slot_mapping)
 
 
 def test_prefill_graph_buckets():
