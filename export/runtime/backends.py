@@ -138,8 +138,21 @@ class TorchBackend:
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, batch_sizes=None) -> None:
-        """Capture decode graphs ahead of time (largest first, sharing one memory pool); else done on first use."""
+    def capture(self, batch_sizes=None, prefill_tokens=(), prefill_seqs: int = 1) -> None:
+        """Capture graphs ahead of time, as a server does at start-up (else a decode bucket is captured at its first
+        use, a prefill bucket at its ``prefill_graph_after``-th): decode for ``batch_sizes`` (default: all of
+        ``graph_batch_sizes``), and prefill for the token buckets ``prefill_tokens`` (values of
+        ``prefill_graph_tokens``) with up to ``prefill_seqs`` sequences a step. Largest first, sharing one memory
+        pool."""
+        if not self.cuda_graphs:
+            raise ValueError("capture() needs cuda_graphs (a CUDA device)")
+        unknown = sorted(set(prefill_tokens) - set(self.prefill_graph_tokens))
+        if unknown:
+            raise ValueError(f"prefill_tokens {unknown} are not buckets of prefill_graph_tokens "
+                             f"{self.prefill_graph_tokens}")
+        seqs = 1 << prefill_seqs.bit_length()  # as _prefill_bucket keys a step of prefill_seqs sequences
+        for t in sorted(prefill_tokens, reverse=True):
+            self._graph_for((t, seqs, t))
         for bs in sorted(batch_sizes or self.graph_batch_sizes, reverse=True):
             self._graph_for((bs, bs, 1))
 

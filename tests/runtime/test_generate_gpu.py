@@ -134,3 +134,24 @@ def test_cuda_graph_prefill_is_the_eager_forward_of_the_padded_batch(tiny_dir, q
     # eager at a bucket's first use, captured at its second (prefill_graph_after=2), replayed after
     assert runs == [((16, 4, 16), False, False), ((16, 4, 16), False, True), ((16, 4, 16), True, True),
                     ((48, 2, 48), False, False), ((48, 2, 48), False, True)], runs
+
+
+def test_capture_ahead_of_time(tiny_dir):
+    """capture() makes the graphs a server wants before its first request: the next prefill of a captured bucket
+    replays at once (no eager first use), and asking for a bucket that is not one is refused."""
+    from export.model import LlamaModel
+    from export.runtime.backends import pad_batch
+    from tests.runtime.test_backends import _prefill_batch
+
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
+    backend = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64)
+    backend.capture(batch_sizes=(1, 2), prefill_tokens=(16, 48), prefill_seqs=2)
+    assert sorted(backend._graphs) == [(1, 1, 1), (2, 2, 1), (16, 4, 16), (48, 4, 48)]
+    eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
+    batch = _prefill_batch([3, 9], [0, 0], 4, [[5], [20, 21, 22]])
+    got = backend.forward(batch)
+    assert backend._prefill_seen[(16, 4, 16)] == 1  # replayed at its first use
+    want = eager.forward(pad_batch(batch, 16, 4, backend._max_blocks_per_seq, 16, 64))[:2]
+    assert torch.equal(got, want)  # the eager forward of the padded batch (see the test above)
+    with pytest.raises(ValueError, match="not buckets"):
+        backend.capture(prefill_tokens=(17,))
