@@ -165,7 +165,7 @@ class TorchBackend:
         if tokens is None:
             return None
         seqs = 1 << S.bit_length()
-        # the padding tokens (under a quarter of the bucket) fit the spare sequences unless max_model_len is tiny
+        # the padding tokens fit the spare sequences' block-table rows unless max_model_len is tiny
         capacity = self._max_blocks_per_seq * self.block_size
         return (tokens, seqs, tokens) if -(-(tokens - T) // (seqs - S)) <= capacity else None
 
@@ -181,7 +181,7 @@ class TorchBackend:
             return self.model.forward(batch.to(self.device), self.kv_cache)
         staged.load(batch)
         graph.replay()
-        return logits[:batch.num_seqs]
+        return logits[:batch.num_seqs]  # a view of the graph's output buffer: valid until the next step
 
     def _graph_for(self, key: tuple[int, int, int]):
         if key in self._graphs:
