@@ -138,36 +138,41 @@ class TorchBackend:
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, batch_sizes=None, prefill_tokens=(), prefill_seqs: int = 1) -> None:
+    def capture(self, batch_sizes=None, prefill_tokens=()) -> None:
         """Capture graphs ahead of time, as a server does at start-up (else a decode bucket is captured at its first
         use, a prefill bucket at its ``prefill_graph_after``-th): decode for ``batch_sizes`` (default: all of
-        ``graph_batch_sizes``), and prefill for the token buckets ``prefill_tokens`` (values of
-        ``prefill_graph_tokens``) with up to ``prefill_seqs`` sequences a step. Largest first, sharing one memory
-        pool."""
+        ``graph_batch_sizes``), and the prefill of one prompt for the token buckets ``prefill_tokens`` (values of
+        ``prefill_graph_tokens``). Largest first, sharing one memory pool."""
         if not self.cuda_graphs:
             raise ValueError("capture() needs cuda_graphs (a CUDA device)")
         unknown = sorted(set(prefill_tokens) - set(self.prefill_graph_tokens))
         if unknown:
             raise ValueError(f"prefill_tokens {unknown} are not buckets of prefill_graph_tokens "
                              f"{self.prefill_graph_tokens}")
-        seqs = 1 << prefill_seqs.bit_length()  # as _prefill_bucket keys a step of prefill_seqs sequences
         for t in sorted(prefill_tokens, reverse=True):
-            self._graph_for((t, seqs, t))
+            self._graph_for((t, 2, t))  # _prefill_bucket's key of one prompt of (t's bucket of) tokens
         for bs in sorted(batch_sizes or self.graph_batch_sizes, reverse=True):
             self._graph_for((bs, bs, 1))
 
     def _prefill_bucket(self, batch: Batch) -> tuple[int, int, int] | None:
         """The graph key of a prefill ``batch``: its tokens rounded up to a bucket, its sequences plus one (the owner
-        of the padding tokens) rounded up to a power of two, and the bucket as the bound on any sequence's new
-        tokens. None (eager): longer than the largest bucket, or padding the spare sequences cannot hold."""
+        of the padding tokens) rounded up to a power of two, and the longest sequence's new tokens (padding sequences
+        included) rounded up to a bucket: the bound ``max_seqlen_q`` the graph is captured with, which picks the
+        attention's tiles as the eager step's own value would (so a batch of short prompts keeps the short-prompt
+        tiles). None (eager): longer than the largest bucket, or padding the spare sequences cannot hold."""
         T, S = int(batch.input_ids.shape[0]), batch.num_seqs
-        tokens = next((b for b in self.prefill_graph_tokens if b >= T), None)
+        tokens = self._round_up(T)
         if tokens is None:
             return None
         seqs = 1 << S.bit_length()
+        per_padding_seq = -(-(tokens - T) // (seqs - S))
         # the padding tokens fit the spare sequences' block-table rows unless max_model_len is tiny
-        capacity = self._max_blocks_per_seq * self.block_size
-        return (tokens, seqs, tokens) if -(-(tokens - T) // (seqs - S)) <= capacity else None
+        if per_padding_seq > self._max_blocks_per_seq * self.block_size:
+            return None
+        return tokens, seqs, self._round_up(max(batch.max_seqlen_q, per_padding_seq, 2))  # <= tokens
+
+    def _round_up(self, n: int) -> int | None:
+        return next((b for b in self.prefill_graph_tokens if b >= n), None)
 
     def _prefill_graph(self, batch: Batch, key: tuple[int, int, int]) -> torch.Tensor:
         seen = self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
@@ -233,9 +238,10 @@ class StagedBatch:
 
     The padding rule: padding tokens write no cache slot (slot -1) and sit at position 0; they are spread evenly over
     the padding sequences after the real ones (a decode pads one token per padding row; a prefill's padding tokens
-    need at least one spare sequence, and at most ``max_seq_len`` of them may land in one). A padding sequence's length
-    is its token count (at least 1) and its block-table row is zeros, so it attends causally to keys in block 0:
-    garbage but finite logits, dropped by the caller, and no real sequence's cache or attention is touched.
+    need at least one spare sequence, and at most ``max_seq_len`` and ``max_seqlen_q`` of them may land in one). A
+    padding sequence's length is its token count (at least 1) and its block-table row is zeros, so it attends
+    causally to keys in block 0: garbage but finite logits, dropped by the caller, and no real sequence's cache or
+    attention is touched.
     ``max_seq_len``: what one block-table row holds (``max_blocks`` x the block size; default ``max_blocks``)."""
 
     _LAYOUT = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int32),
@@ -276,9 +282,10 @@ class StagedBatch:
         self._device_buf.copy_(self._host_buf)
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        """Whether a batch of ``num_tokens`` tokens in ``num_seqs`` sequences pads to this shape by the rule."""
+        """Whether a batch of ``num_tokens`` tokens in ``num_seqs`` sequences pads to this shape by the rule (a
+        padding sequence is held by its block-table row and by the bound ``max_seqlen_q``)."""
         P, n = self.num_seqs - num_seqs, self.num_tokens - num_tokens
-        return P >= 0 and n >= 0 and (n == 0 or (P > 0 and -(-n // P) <= self.max_seq_len))
+        return P >= 0 and n >= 0 and (n == 0 or (P > 0 and -(-n // P) <= min(self.max_seq_len, self.max_seqlen_q)))
 
     def _pad(self, T: int, S: int) -> None:
         """Lay out the padding sequences S.. over the padding tokens T.. in the host twin (see the class). Padding
@@ -305,8 +312,8 @@ class StagedBatch:
         if not self.fits(T, S) or w > self.max_blocks:
             raise ValueError(f"batch of {T} tokens, {S} sequences x {w} blocks exceeds the padded shape "
                              f"{self.num_tokens} tokens, {self.num_seqs} sequences x {self.max_blocks} blocks (padding "
-                             f"tokens need a spare sequence, at most {self.max_seq_len} in each); raise "
-                             "max_model_len or the largest graph bucket")
+                             f"tokens need a spare sequence, at most {min(self.max_seq_len, self.max_seqlen_q)} in "
+                             "each); raise max_model_len or the largest graph bucket")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host twin (normally long done)
         h = self._host

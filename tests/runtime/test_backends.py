@@ -172,6 +172,8 @@ def test_staged_prefill_batch_refuses_what_does_not_fit():
         pad_batch(batch, 16, 4, 2, 16)  # 3 blocks
     with pytest.raises(ValueError, match="at most 3 in each"):
         pad_batch(batch, 16, 4, 5, 16, max_seq_len=3)  # 8 padding tokens in 2 sequences
+    with pytest.raises(ValueError, match="at most 4 in each"):  # a padding sequence longer than the bound
+        pad_batch(_prefill_batch([3, 3], [0, 0], 4, [[3], [4]]), 16, 3, 5, 4, 20)  # 10 padding tokens in 1
     with pytest.raises(ValueError, match="exceeds the bound"):
         pad_batch(batch, 16, 4, 5, 4)
     with pytest.raises(ValueError, match="decode .* or a prefill"):
@@ -218,6 +220,11 @@ def test_prefill_bucket_key(tiny_model):
     assert backend._prefill_bucket(_prefill_batch([16], [0], 4, [[0, 1, 2, 3]])) == (16, 2, 16)
     assert backend._prefill_bucket(_prefill_batch([17], [0], 4, [[0, 1, 2, 3, 4]])) == (64, 2, 64)
     assert backend._prefill_bucket(_prefill_batch([65], [0], 4, [list(range(17))])) is None  # eager
+    # the bound on a sequence's new tokens: the longest prompt's bucket (five of 10 tokens: 14 padding tokens in 3
+    # spare sequences), unless a padding sequence is longer (three of 10: 34 padding tokens in the one spare)
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(5)]
+    assert backend._prefill_bucket(_prefill_batch([10] * 5, [0] * 5, 4, tables)) == (64, 8, 16)
+    assert backend._prefill_bucket(_prefill_batch([10] * 3, [0] * 3, 4, tables[:3])) == (64, 4, 64)
     short = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(64,), max_model_len=8)
     assert short._prefill_bucket(_prefill_batch([3, 6], [0, 4], 4, [[3], [8, 1, 4]])) is None  # 55 in 2 rows of 8
     with pytest.raises(ValueError, match="prefill_graph_after"):
