@@ -231,6 +231,20 @@ def test_prefill_bucket_key(tiny_model):
         TorchBackend(tiny_model, num_blocks=4, block_size=4, prefill_graph_after=0)
 
 
+def test_replay_loses_where_launching_eagerly_is_faster(tiny_model):
+    """The rule that sends a prefill bucket's padded steps back to eager: its measured replay against the host time
+    of launching its forward eagerly (no measurement yet: replay)."""
+    backend = TorchBackend(tiny_model, num_blocks=4, block_size=4)
+    key = (64, 2, 64)
+    assert not backend._replay_loses(key)
+    backend._prefill_host_ms[key] = 12.0  # the warm-up's launches before the capture
+    assert not backend._replay_loses(key)  # replay not timed yet
+    backend._replay_ms[key] = 1.5  # host-bound: the replay wins
+    assert not backend._replay_loses(key)
+    backend._replay_ms[key] = 31.0  # GPU-bound: eager costs its GPU time alone, the replay adds the padding
+    assert backend._replay_loses(key)
+
+
 def test_cpu_backend_takes_no_device_tokens(tiny_model):
     """Pipelined decode is for CUDA: on the CPU the property is False (it was a method object, always true)."""
     from export.runtime import Generator

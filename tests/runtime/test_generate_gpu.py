@@ -156,3 +156,31 @@ def test_capture_ahead_of_time(tiny_dir):
     assert torch.equal(got, want)  # the eager forward of the padded batch (see the test above)
     with pytest.raises(ValueError, match="not buckets"):
         backend.capture(prefill_tokens=(17,))
+
+
+def test_gpu_bound_prefill_bucket_runs_padded_steps_eagerly(tiny_dir):
+    """When a bucket's replay is timed slower than launching eagerly (forced here: the host cost set to 0), its padded
+    steps run eagerly from then on (no more replays) and an unpadded step still replays; the outputs stay right."""
+    from export.model import LlamaModel
+    from export.runtime.backends import pad_batch
+    from tests.runtime.test_backends import _prefill_batch
+
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
+    graphs = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, prefill_graph_after=1)
+    eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
+    padded = _prefill_batch([12], [0], 4, [[5, 20, 21]])  # 12 tokens: bucket (16, 2, 16), padded
+    full = _prefill_batch([16], [0], 4, [[6, 7, 8, 9]])  # 16 tokens: the same bucket, no padding
+    key = (16, 2, 16)
+    for _ in range(2):  # capture, then the timed second replay
+        graphs.forward(padded)
+    torch.cuda.synchronize()
+    assert graphs._replays[key] == 2 and graphs._prefill_host_ms[key] > 0
+    graphs._prefill_host_ms[key] = 0.0  # as if launching eagerly cost nothing: every replay "loses"
+    for batch, replayed in ((padded, False), (full, True), (padded, False)):
+        before = graphs._replays[key]
+        got = graphs.forward(batch)
+        assert graphs._replays[key] == before + replayed, (batch.input_ids.shape, graphs._replays)
+        # bit for bit: the eager forward of the step as it ran (padded to the bucket where it replayed)
+        want = eager.forward(pad_batch(batch, *key[:2], graphs._max_blocks_per_seq, key[2], 64) if replayed else batch)
+        assert torch.equal(got, want[:1])
+    assert graphs._replay_ms[key] > 0
