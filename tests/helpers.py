@@ -161,3 +161,12 @@ def w8_gpu_case(M, N, K, seed):
     bias = torch.randn(N, generator=g).half().cuda()
     ref = w8a16_reference(x, qw.qweight, qw.scales, bias)
     return x, qw, bias, ref, dequant_baseline(x, qw, bias)
+
+
+def prefill_batch(q_lens, cached_lens=None, block_size: int = 4, **kw):
+    """``export.model.make_batch`` with random (nonzero) token ids: sequence i's ``q_lens[i]`` new tokens after
+    ``cached_lens[i]`` cached ones, in consecutive blocks (``block_offset`` moves them)."""
+    from export.model import make_batch
+
+    return make_batch(q_lens, cached_lens, block_size=block_size, input_ids=torch.randint(1, 300, (sum(q_lens),)),
+                      **kw)

@@ -17,6 +17,7 @@ run eagerly. On CPU everything is eager and the ops run their torch references.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -139,6 +140,9 @@ class TorchBackend:
             key = self._prefill_bucket(batch)
             if key is not None:
                 return self._prefill_graph(batch, key)
+        return self._eager(batch, input_ids)
+
+    def _eager(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         dev = batch.to(self.device)
         if input_ids is not None:
             dev.input_ids = input_ids
@@ -180,20 +184,21 @@ class TorchBackend:
         return tokens, seqs, self._round_up(max(batch.max_seqlen_q, per_padding_seq, 2))  # <= tokens
 
     def _round_up(self, n: int) -> int | None:
-        return next((b for b in self.prefill_graph_tokens if b >= n), None)
+        i = bisect.bisect_left(self.prefill_graph_tokens, n)
+        return self.prefill_graph_tokens[i] if i < len(self.prefill_graph_tokens) else None
 
     def _prefill_graph(self, batch: Batch, key: tuple[int, int, int]) -> torch.Tensor:
         seen = self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
         if key not in self._graphs and seen < self.prefill_graph_after:
-            return self.model.forward(batch.to(self.device), self.kv_cache)
+            return self._eager(batch)
         try:
             graph, staged, logits = self._graph_for(key)
         except RuntimeError as e:  # as for decode: a kernel that syncs or allocates during capture
             log.warning("CUDA graph capture of a prefill failed (%s); prefill runs eagerly", e)
             self.prefill_graph_tokens = ()
-            return self.model.forward(batch.to(self.device), self.kv_cache)
+            return self._eager(batch)
         if batch.input_ids.shape[0] < key[0] and self._replay_loses(key):
-            return self.model.forward(batch.to(self.device), self.kv_cache)
+            return self._eager(batch)
         n = self._replays[key] = self._replays.get(key, 0) + 1
         timed = n == 2  # the second replay: the first may pay the graph's upload
         if timed:

@@ -5,8 +5,7 @@ folder) and launched through the CUDA driver (``kernels.aot.launcher.AotKernel``
 entry (``plugin_entry.cuh``), which its launcher's ``plugin_build(plan, ...)`` describes for ``trt_plugins``. Nothing
 here touches CUDA at import time."""
 
-import functools
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 
 def cached_plan(plan_fn):
@@ -15,7 +14,7 @@ def cached_plan(plan_fn):
     H200's host); every call gets its own copy of the dict."""
     cached = lru_cache(maxsize=4096)(plan_fn)
 
-    @functools.wraps(plan_fn)
+    @wraps(plan_fn)
     def plan(*args, **kwargs) -> dict:
         return dict(cached(*args, **kwargs))
 

@@ -6,6 +6,7 @@ import torch
 
 from export.batch import Batch
 from export.runtime.backends import StagedBatch, TorchBackend, pad_batch, pad_decode_batch
+from tests.helpers import prefill_batch
 
 
 @pytest.fixture(scope="module")
@@ -117,33 +118,14 @@ def test_cuda_graphs_need_cuda(tiny_model):
         TorchBackend(tiny_model, num_blocks=4, block_size=4, cuda_graphs=True)
 
 
-def _prefill_batch(q_lens, cached, block_size, tables):
-    """Sequence i's q_lens[i] new tokens after cached[i] tokens already in its blocks ``tables[i]``."""
-    S, pos, slots = len(q_lens), [], []
-    for i, (q, c) in enumerate(zip(q_lens, cached)):
-        for p in range(c, c + q):
-            pos.append(p)
-            slots.append(tables[i][p // block_size] * block_size + p % block_size)
-    bt = torch.zeros(S, max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    cu = [0]
-    for q in q_lens:
-        cu.append(cu[-1] + q)
-    return Batch(input_ids=torch.randint(0, 300, (len(pos),)), positions=torch.tensor(pos),
-                 slot_mapping=torch.tensor(slots, dtype=torch.int32), block_table=bt,
-                 seq_lens=torch.tensor([q + c for q, c in zip(q_lens, cached)], dtype=torch.int32),
-                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=max(q_lens))
-
-
 def test_staged_prefill_batch_layout():
     """A prefill padded to a graph's shape: the real tokens and sequences first, then the padding tokens (input 0,
     position 0, slot -1) spread evenly over the padding sequences (length = its tokens, block 0); a later, smaller
     batch leaves no trace of an earlier one."""
     staged = StagedBatch(16, 4, 5, "cpu", 16, max_seq_len=20)  # 5 blocks of 4
     assert staged.device_batch.max_seqlen_q == 16
-    big = _prefill_batch([3, 5, 2], [0, 4, 0], 4, [[3], [8, 1, 4], [6]])  # 10 tokens, 3 sequences, 1 spare
-    small = _prefill_batch([3, 5], [0, 4], 4, [[3], [8, 1, 4]])  # 8 tokens, 2 sequences, 2 spare
+    big = prefill_batch([3, 5, 2], [0, 4, 0])  # 10 tokens, 3 sequences, 1 spare
+    small = prefill_batch([3, 5], [0, 4])  # 8 tokens, 2 sequences, 2 spare
     for batch, cu, lens in ((big, [0, 3, 8, 10, 16], [3, 9, 2, 6]), (small, [0, 3, 8, 12, 16], [3, 9, 4, 4]),
                             (big, [0, 3, 8, 10, 16], [3, 9, 2, 6])):
         for got in (staged, None):
@@ -162,10 +144,10 @@ def test_staged_prefill_batch_layout():
 
 
 def test_staged_prefill_batch_refuses_what_does_not_fit():
-    batch = _prefill_batch([3, 5], [0, 4], 4, [[3], [8, 1, 4]])
+    batch = prefill_batch([3, 5], [0, 4])
     with pytest.raises(ValueError, match="spare sequence"):
         pad_batch(batch, 16, 2, 5, 16)  # 8 padding tokens and no sequence to own them
-    pad_batch(_prefill_batch([8, 8], [0, 0], 4, [[3, 4], [5, 6]]), 16, 2, 5, 16)  # no padding tokens: fits
+    pad_batch(prefill_batch([8, 8]), 16, 2, 5, 16)  # no padding tokens: fits
     with pytest.raises(ValueError, match="exceeds the padded shape"):
         pad_batch(batch, 6, 3, 5, 6)  # 8 tokens
     with pytest.raises(ValueError, match="exceeds the padded shape"):
@@ -173,7 +155,7 @@ def test_staged_prefill_batch_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="at most 3 in each"):
         pad_batch(batch, 16, 4, 5, 16, max_seq_len=3)  # 8 padding tokens in 2 sequences
     with pytest.raises(ValueError, match="at most 4 in each"):  # a padding sequence longer than the bound
-        pad_batch(_prefill_batch([3, 3], [0, 0], 4, [[3], [4]]), 16, 3, 5, 4, 20)  # 10 padding tokens in 1
+        pad_batch(prefill_batch([3, 3]), 16, 3, 5, 4, 20)  # 10 padding tokens in 1
     with pytest.raises(ValueError, match="exceeds the bound"):
         pad_batch(batch, 16, 4, 5, 4)
     with pytest.raises(ValueError, match="decode .* or a prefill"):
@@ -192,7 +174,7 @@ def test_padded_prefill_equals_unpadded_and_padding_writes_nothing(tiny_model):
     for k, v in backend.kv_cache:  # random history (the second sequence's 4 cached tokens among it)
         k.normal_()
         v.normal_()
-    batch = _prefill_batch([3, 6], [0, 4], bs, [[3], [8, 1, 4]])
+    batch = prefill_batch([3, 6], [0, 4], bs)
     snapshot = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
     want = backend.forward(batch)
     after_real = [(k.clone(), v.clone()) for k, v in backend.kv_cache]
@@ -216,17 +198,16 @@ def test_prefill_graph_buckets():
 
 def test_prefill_bucket_key(tiny_model):
     backend = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(16, 64))
-    assert backend._prefill_bucket(_prefill_batch([3, 6], [0, 4], 4, [[3], [8, 1, 4]])) == (16, 4, 16)
-    assert backend._prefill_bucket(_prefill_batch([16], [0], 4, [[0, 1, 2, 3]])) == (16, 2, 16)
-    assert backend._prefill_bucket(_prefill_batch([17], [0], 4, [[0, 1, 2, 3, 4]])) == (64, 2, 64)
-    assert backend._prefill_bucket(_prefill_batch([65], [0], 4, [list(range(17))])) is None  # eager
+    assert backend._prefill_bucket(prefill_batch([3, 6], [0, 4])) == (16, 4, 16)
+    assert backend._prefill_bucket(prefill_batch([16])) == (16, 2, 16)
+    assert backend._prefill_bucket(prefill_batch([17])) == (64, 2, 64)
+    assert backend._prefill_bucket(prefill_batch([65])) is None  # eager
     # the bound on a sequence's new tokens: the longest prompt's bucket (five of 10 tokens: 14 padding tokens in 3
     # spare sequences), unless a padding sequence is longer (three of 10: 34 padding tokens in the one spare)
-    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(5)]
-    assert backend._prefill_bucket(_prefill_batch([10] * 5, [0] * 5, 4, tables)) == (64, 8, 16)
-    assert backend._prefill_bucket(_prefill_batch([10] * 3, [0] * 3, 4, tables[:3])) == (64, 4, 64)
+    assert backend._prefill_bucket(prefill_batch([10] * 5)) == (64, 8, 16)
+    assert backend._prefill_bucket(prefill_batch([10] * 3)) == (64, 4, 64)
     short = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(64,), max_model_len=8)
-    assert short._prefill_bucket(_prefill_batch([3, 6], [0, 4], 4, [[3], [8, 1, 4]])) is None  # 55 in 2 rows of 8
+    assert short._prefill_bucket(prefill_batch([3, 6], [0, 4])) is None  # 55 in 2 rows of 8
     with pytest.raises(ValueError, match="prefill_graph_after"):
         TorchBackend(tiny_model, num_blocks=4, block_size=4, prefill_graph_after=0)
 

@@ -106,7 +106,7 @@ def test_cuda_graph_prefill_is_the_eager_forward_of_the_padded_batch(tiny_dir, q
     padded batch's real rows are the unpadded batch's is the CPU test of the padding rule (test_backends.py)."""
     from export.model import LlamaModel
     from export.runtime.backends import pad_batch
-    from tests.runtime.test_backends import _prefill_batch
+    from tests.helpers import prefill_batch
 
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda", quant=quant, group_size=32)
     bs = 4
@@ -118,9 +118,9 @@ def test_cuda_graph_prefill_is_the_eager_forward_of_the_padded_batch(tiny_dir, q
         v.normal_()
         k2.copy_(k)
         v2.copy_(v)
-    a = _prefill_batch([3, 9], [4, 0], bs, [[5, 9], [20, 21, 22]])  # 12 tokens, 2 sequences: bucket (16, 4, 16)
-    b = _prefill_batch([2, 1, 2], [0, 7, 0], bs, [[30], [31, 32], [33]])  # 5 tokens, 3 sequences: the same bucket
-    c = _prefill_batch([40], [0], bs, [list(range(40, 50))])  # 40 tokens: bucket (48, 2, 48)
+    a = prefill_batch([3, 9], [4, 0], bs)  # 12 tokens, 2 sequences: bucket (16, 4, 16)
+    b = prefill_batch([2, 1, 2], [0, 7, 0], bs, block_offset=10)  # 5 tokens, 3 sequences: the same bucket
+    c = prefill_batch([40], block_size=bs, block_offset=20)  # 40 tokens: bucket (48, 2, 48)
     runs = []
     for batch in (a, a, b, c, c):
         key = graphs._prefill_bucket(batch)
@@ -142,14 +142,14 @@ def test_capture_ahead_of_time(tiny_dir):
     replays at once (no eager first use), and asking for a bucket that is not one is refused."""
     from export.model import LlamaModel
     from export.runtime.backends import pad_batch
-    from tests.runtime.test_backends import _prefill_batch
+    from tests.helpers import prefill_batch
 
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
     backend = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64)
     backend.capture(batch_sizes=(1, 2), prefill_tokens=(16, 48))
     assert sorted(backend._graphs) == [(1, 1, 1), (2, 2, 1), (16, 2, 16), (48, 2, 48)]
     eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
-    batch = _prefill_batch([12], [0], 4, [[5, 20, 21]])
+    batch = prefill_batch([12])
     got = backend.forward(batch)
     assert backend._prefill_seen[(16, 2, 16)] == 1  # replayed at its first use
     want = eager.forward(pad_batch(batch, 16, 2, backend._max_blocks_per_seq, 16, 64))[:1]
@@ -163,13 +163,13 @@ def test_gpu_bound_prefill_bucket_runs_padded_steps_eagerly(tiny_dir):
     steps run eagerly from then on (no more replays) and an unpadded step still replays; the outputs stay right."""
     from export.model import LlamaModel
     from export.runtime.backends import pad_batch
-    from tests.runtime.test_backends import _prefill_batch
+    from tests.helpers import prefill_batch
 
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
     graphs = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, prefill_graph_after=1)
     eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
-    padded = _prefill_batch([12], [0], 4, [[5, 20, 21]])  # 12 tokens: bucket (16, 2, 16), padded
-    full = _prefill_batch([16], [0], 4, [[6, 7, 8, 9]])  # 16 tokens: the same bucket, no padding
+    padded = prefill_batch([12])  # 12 tokens: bucket (16, 2, 16), padded
+    full = prefill_batch([16], block_offset=8)  # 16 tokens: the same bucket, no padding
     key = (16, 2, 16)
     for _ in range(2):  # capture, then the timed second replay
         graphs.forward(padded)
