@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from .outdir import write_atomic
+from kernels.aot.files import write_atomic
 
 MIN_TENSORRT = (10, 9)
 PROFILE_NAMES = ("decode", "prefill")

@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         return 2
     print(format_table(result))
     if args.json:
-        from .outdir import write_atomic
+        from kernels.aot.files import write_atomic
 
         write_atomic(args.json, json.dumps(result, indent=2).encode())
     return 0

@@ -255,16 +255,3 @@ class WorkDir:
                 pass
         if self._fd is not None:
             os.close(self._fd)
-
-
-def write_atomic(path: Path, data) -> None:
-    """``data`` (bytes-like) as the file ``path``: written under a temp name beside it (``.NAME.<pid>.tmp``), then
-    renamed over it, so that ``path`` is never half written; the temp file does not outlive a failure."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)

@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from kernels.aot.files import write_atomic
+
 from .specs import SPECS, get_spec
 from .specs._base import PluginSpec, dtype_name, torch_dtype
 
@@ -161,9 +163,9 @@ def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only:
                 log(f"{name:18s} sm_{sm} FAILED ({sample.note}): {e}")
                 continue
             stem = f"{art.name}-{art.key[:12]}"
-            (out / f"{stem}.ptx").write_text(art.ptx)
-            (out / f"{stem}.trt.ptx").write_text(strip_hidden_params(art))
-            (out / f"{stem}.cubin").write_bytes(art.cubin)
+            write_atomic(out / f"{stem}.ptx", art.ptx)
+            write_atomic(out / f"{stem}.trt.ptx", strip_hidden_params(art))
+            write_atomic(out / f"{stem}.cubin", art.cubin)
             route = dict(backend=sp.cuda.route[0], plan=dict(sp.cuda.route[1]), nvcc_flags=list(sp.cuda.build.flags),
                          source=Path(sp.cuda.build.source).name) if sp.cuda is not None else None
             entries.append(dict(op=name, namespace=spec.namespace, version=spec.version, kernel=art.name, sm=sm,
@@ -180,7 +182,7 @@ def compile_all(sm: int, out: Path, ops=None, cache=None, log=print, first_only:
 
     manifest = dict(sm=sm, card=card.name if card is not None else None, triton=triton.__version__,
                     kernels=entries, failed=failed)
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True, default=repr))
+    write_atomic(out / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True, default=repr))
     return manifest
 
 

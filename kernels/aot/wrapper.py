@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 from .cache import default_root
+from .files import write_atomic
 from .compile import AotError, _unwrap
 
 
@@ -59,9 +59,7 @@ def make_entry(inner, entry_name: str, params: list[str], feed: dict[str, str], 
     path = (default_root() if root is None else Path(root)) / "entries" / f"{mod_name}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists() or path.read_text() != text:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: two builders may race on one entry
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_atomic(path, text)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = mod

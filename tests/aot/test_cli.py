@@ -90,3 +90,12 @@ def test_an_earlier_manifest_of_ours_may_be_replaced(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(dict(sm=90, card=None, triton="3.6.0", kernels=[], failed=[])))
     _check_out(tmp_path)  # no error: a rerun into the same --out
     _check_out(tmp_path / "new")
+
+
+def test_every_file_is_written_whole(built):
+    """Kernel files and the manifest go through ``write_atomic``: no temp file is left beside them."""
+    for d, manifest in built.values():
+        names = sorted(p.name for p in d.iterdir())
+        assert not [n for n in names if n.endswith(".tmp")], names
+        listed = {e[k] for e in manifest["kernels"] for k in ("ptx", "trt_ptx", "cubin")}
+        assert set(names) == listed | {"manifest.json"}
