@@ -55,8 +55,8 @@ class BlockManager:
         return self._tables[seq_id][position // self.block_size] * self.block_size + position % self.block_size
 
     # -- updates ---------------------------------------------------------------------------------------------------
-    def reserve(self, seq_id, num_new_tokens: int) -> list[int]:
-        """Make room for ``num_new_tokens`` more tokens of ``seq_id`` (creating it if new); return their slots.
+    def reserve(self, seq_id, num_new_tokens: int) -> None:
+        """Make room for ``num_new_tokens`` more tokens of ``seq_id`` (creating it if new); ``slot`` gives their slots.
 
         Appending one decode token is ``reserve(seq_id, 1)``: a new block is taken only when the last one is full.
         Raises ``OutOfBlocks`` (state unchanged) when the free blocks do not suffice.
@@ -72,8 +72,6 @@ class BlockManager:
         for _ in range(need):
             table.append(self._free.pop())
         self._num_tokens[seq_id] = start + num_new_tokens
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, start + num_new_tokens)]
 
     def free(self, seq_id) -> None:
         """Return every block of ``seq_id`` to the pool (unknown ids are an error: a double free is a bug)."""

@@ -21,34 +21,34 @@ def test_random_walk_keeps_invariants(num_blocks, block_size, seed):
             n = rng.randint(1, 3 * block_size + 1)
             free_before = bm.num_free_blocks
             try:
-                slots = bm.reserve(next_id, n)
+                bm.reserve(next_id, n)
             except OutOfBlocks:
                 refusals += 1
                 assert -(-n // block_size) > free_before
                 assert bm.num_free_blocks == free_before and next_id not in bm  # refused: nothing changed
             else:
-                tokens[next_id], slots_of[next_id] = n, slots
+                tokens[next_id], slots_of[next_id] = n, [bm.slot(next_id, p) for p in range(n)]
             next_id += 1
         elif op < 0.8:  # append one token (decode)
             sid = rng.choice(list(tokens))
             last_full = tokens[sid] % block_size == 0
             free_before = bm.num_free_blocks
             try:
-                (slot,) = bm.reserve(sid, 1)
+                bm.reserve(sid, 1)
             except OutOfBlocks:
                 refusals += 1
                 assert last_full and free_before == 0
             else:
                 # A new block is taken exactly when the last one was full.
                 assert bm.num_free_blocks == free_before - (1 if last_full else 0)
+                slots_of[sid].append(bm.slot(sid, tokens[sid]))
                 tokens[sid] += 1
-                slots_of[sid].append(slot)
         else:
             sid = rng.choice(list(tokens))
             bm.free(sid)
             del tokens[sid], slots_of[sid]
         bm.check_invariants()
-        # Slots: each sequence's slots follow its block table, and no two live tokens share a slot.
+        # Slots: a token's slot never moves once reserved, and no two live tokens share a slot.
         all_slots = [s for v in slots_of.values() for s in v]
         assert len(all_slots) == len(set(all_slots)), "two live tokens share a cache slot"
         for sid, n in tokens.items():
@@ -64,7 +64,8 @@ def test_random_walk_keeps_invariants(num_blocks, block_size, seed):
 
 def test_append_takes_new_block_only_when_full():
     bm = BlockManager(4, 3)
-    assert bm.reserve("a", 2) == [bm.block_table("a")[0] * 3 + 0, bm.block_table("a")[0] * 3 + 1]
+    bm.reserve("a", 2)
+    assert [bm.slot("a", p) for p in range(2)] == [bm.block_table("a")[0] * 3 + 0, bm.block_table("a")[0] * 3 + 1]
     bm.reserve("a", 1)
     assert len(bm.block_table("a")) == 1 and bm.num_free_blocks == 3
     bm.reserve("a", 1)
