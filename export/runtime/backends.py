@@ -40,12 +40,13 @@ def _prefill_token_buckets(largest: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-# Prefill token buckets that replay a CUDA graph. Eager prefill is host-bound (each of ~10 launches a layer costs
-# tens of us on the host) until its GPU work outgrows that: SmolLM2-135M's 2k-token prefill is 3.2 ms replayed and
-# 11 ms eager on the lent H200; a Llama-3-8B-shaped one is GPU-bound from ~600 tokens, where the padding is the cost
-# (fp16, 1100 tokens padded to 1280: 31.5 ms against 28.0 eager), hence the fine steps there
-# (dev-logs/h200/prefill_graphs.md).
-DEFAULT_PREFILL_GRAPH_TOKENS = _prefill_token_buckets(2048)
+# Prefill token buckets that replay a CUDA graph, up to the generator's default step budget (8192 tokens, so that
+# no step of a default generator prefills eagerly for want of a bucket). Eager prefill is host-bound (each of ~10
+# launches a layer costs tens of us on the host) until its GPU work outgrows that: SmolLM2-135M's 2k-token prefill
+# is 3.2 ms replayed and 11 ms eager on the lent H200; a Llama-3-8B-shaped one is GPU-bound from ~600 tokens, where
+# the padding is the cost (fp16, 1100 tokens padded to 1280: 31.5 ms against 28.0 eager), hence the fine steps there
+# and the rule that sends a losing bucket's padded steps back to eager (dev-logs/h200/prefill_graphs.md).
+DEFAULT_PREFILL_GRAPH_TOKENS = _prefill_token_buckets(8192)
 # Default cache size: this many sequences of max_model_len (CPU: few, its cache is host memory).
 DEFAULT_SEQS = {"cuda": 64, "cpu": 8}
 
