@@ -92,9 +92,9 @@ def parse_args(argv=None):
                    "(default: max-num-seqs full sequences)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in tiny model")
     p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, read and then updated (default: "
-                   "~/.cache/tritrt/trt_timing.cache, or $TRITRT_TIMING_CACHE); an existing file TensorRT reads no "
-                   "timings from is left as it was, and a directory, a link or a path in the checkpoint or OUT is "
-                   "refused")
+                   "$TRITRT_TIMING_CACHE, else trt_timing.cache in $TRITRT_CACHE or ~/.cache/tritrt); an existing "
+                   "file TensorRT reads no timings from is left as it was, and a directory, a link or a path in the "
+                   "checkpoint or OUT is refused")
     p.add_argument("--no-engine", action="store_true", help="skip the TensorRT engine even if TensorRT is present")
     p.add_argument("--from-onnx", type=Path, metavar="OUT", help="only build model.engine for an existing OUT")
     args = p.parse_args(argv)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from kernels.aot.files import write_atomic
+from kernels.aot.files import cache_dir, write_atomic
 
 MIN_TENSORRT = (10, 9)
 PROFILE_NAMES = ("decode", "prefill")
@@ -292,8 +292,10 @@ def may_rewrite_timing_cache(path: Path, loaded: bytes, entries: Optional[int]) 
 
 
 def _default_cache_dir() -> Path:
-    return (Path.home() / ".cache" / "tritrt").resolve()
+    return cache_dir().resolve()
 
 
 def default_timing_cache() -> Path:
+    """``$TRITRT_TIMING_CACHE``, else ``trt_timing.cache`` in tritrt's cache directory (``$TRITRT_CACHE`` or
+    ``~/.cache/tritrt``)."""
     return Path(os.environ.get("TRITRT_TIMING_CACHE", _default_cache_dir() / "trt_timing.cache"))

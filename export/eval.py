@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.aot.files import holds_json_with, write_atomic
+
 
 class EvalError(ValueError):
     """Bad input to the evaluation; the message says what to do."""
@@ -300,13 +302,7 @@ def format_table(result: dict) -> str:
 def check_json_path(path: Path) -> None:
     """``--json``: a new file, or one an earlier ``export.eval`` wrote (a JSON object with ``reference`` and
     ``builds``), which this run replaces; anything else is refused before the evaluation starts, never overwritten."""
-    if not os.path.lexists(path):
-        return
-    try:
-        earlier = path.is_file() and not path.is_symlink() and json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        earlier = None
-    if not (isinstance(earlier, dict) and {"reference", "builds"} <= earlier.keys()):
+    if os.path.lexists(path) and not holds_json_with(path, ("reference", "builds")):
         raise EvalError(f"--json {path}: exists and is not an earlier export.eval result, so it is not overwritten; "
                         f"pass a new file name")
 
@@ -324,8 +320,6 @@ def main(argv=None) -> int:
         return 2
     print(format_table(result))
     if args.json:
-        from kernels.aot.files import write_atomic
-
         write_atomic(args.json, json.dumps(result, indent=2).encode())
     return 0
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.aot.files import cache_dir
+
 from .checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -295,8 +297,7 @@ def _replaceable(dest: Path) -> bool:
 
 def cache_root() -> Path:
     """Where converted GGUF directories are kept: ``$TRITRT_CACHE/gguf``, else ``~/.cache/tritrt/gguf``."""
-    base = os.environ.get("TRITRT_CACHE")
-    return (Path(base) if base else Path.home() / ".cache" / "tritrt") / "gguf"
+    return cache_dir("gguf")
 
 
 def cache_key(gguf_path) -> str:

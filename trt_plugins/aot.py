@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from kernels.aot.files import write_atomic
+from kernels.aot.files import holds_json_with, write_atomic
 
 from .specs import SPECS, get_spec
 from .specs._base import PluginSpec, dtype_name, torch_dtype
@@ -121,13 +121,7 @@ def _check_out(out: Path) -> None:
     if os.path.lexists(out) and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory; pass a directory")
     manifest = out / "manifest.json"
-    if not os.path.lexists(manifest):
-        return
-    try:
-        ours = {"sm", "kernels", "failed"} <= set(json.loads(manifest.read_text()))
-    except (OSError, ValueError, TypeError):
-        ours = False
-    if not ours:
+    if os.path.lexists(manifest) and not holds_json_with(manifest, ("sm", "kernels", "failed")):
         raise ValueError(f"--out {out} holds a manifest.json that trt_plugins.aot did not write; it is never "
                          "replaced: pass another directory")
 

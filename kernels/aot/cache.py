@@ -3,7 +3,8 @@
 The key is a hash of everything that decides the machine code: the kernel's source (Triton's ``cache_key`` covers the
 kernel and the jit functions it calls), the explicit signature, divisibility hints, constexprs, warps, stages, SM and
 the compiler version. A hit therefore never needs Triton's JIT, and two processes that compile the same thing share
-it. Root: ``$TRITRT_AOT_CACHE`` or ``~/.cache/tritrt/aot``. Entries are written to a temp dir and renamed, so a
+it. Root: ``$TRITRT_AOT_CACHE``, else ``aot`` in tritrt's cache directory (``kernels.aot.files.cache_dir``:
+``$TRITRT_CACHE`` or ``~/.cache/tritrt``). Entries are written to a temp dir and renamed, so a
 reader never sees half an entry.
 """
 
@@ -15,9 +16,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from .files import cache_dir
+
 
 def default_root() -> Path:
-    return Path(os.environ.get("TRITRT_AOT_CACHE", Path.home() / ".cache" / "tritrt" / "aot"))
+    root = os.environ.get("TRITRT_AOT_CACHE")
+    return Path(root) if root else cache_dir("aot")
 
 
 def make_key(**parts) -> str:

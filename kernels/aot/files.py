@@ -1,11 +1,20 @@
-"""Writing a file so that it is never seen half written: the one helper every layer that writes artifacts uses
-(``kernels.aot.wrapper``'s generated entries, ``trt_plugins.aot``'s kernel files and manifest, ``export``'s engines
-and reports)."""
+"""Where tritrt keeps its files, writing one so that it is never seen half written, and telling an earlier file of
+ours (which a run may replace) from anyone else's: helpers for every layer that writes artifacts (``kernels.aot``'s
+cache and generated entries, ``trt_plugins.aot``'s kernel files and manifest, ``export``'s GGUF conversions, timing
+cache, engines and reports)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+
+def cache_dir(*parts: str) -> Path:
+    """tritrt's cache directory, ``$TRITRT_CACHE`` or else ``~/.cache/tritrt``, joined with ``parts`` (``aot``,
+    ``gguf``, ...); nothing is created."""
+    base = os.environ.get("TRITRT_CACHE")
+    return Path(base if base else Path.home() / ".cache" / "tritrt", *parts)
 
 
 def write_atomic(path: Path, data) -> None:
@@ -23,3 +32,14 @@ def write_atomic(path: Path, data) -> None:
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def holds_json_with(path: Path, keys) -> bool:
+    """Whether ``path`` is a regular file (not a link) holding a JSON object with every one of ``keys``: how a CLI
+    recognises a file an earlier run of its own wrote, before replacing it. Anything unreadable is not."""
+    path = Path(path)
+    try:
+        data = path.is_file() and not path.is_symlink() and json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and set(keys) <= data.keys()
