@@ -11,8 +11,9 @@ overhead that dominates batch-1 decode. Prefill steps of up to ``max(prefill_gra
 too, one per (token bucket, sequence bucket), padded the same way (``StagedBatch``); a bucket is captured the
 ``prefill_graph_after``-th time a step falls into it, so a one-off prompt runs eagerly rather than paying for a
 capture; where its replay turns out to take longer than the host takes to launch the forward eagerly (a GPU-bound
-prefill, which the padding only slows down), padded steps of that bucket run eagerly from then on. Longer prefills
-run eagerly. On CPU everything is eager and the ops run their torch references.
+prefill, which the padding only slows down), padded steps of that bucket run eagerly from then on. Longer prefills,
+and keys past ``max_prefill_graphs`` graphs, run eagerly. On CPU everything is eager and the ops run their torch
+references.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class TorchBackend:
 
     ``prefill_graph_tokens``: the token buckets a prefill step is padded to and replayed from a graph (``()``: every
     prefill eager); ``prefill_graph_after``: a bucket's graph is captured the ``n``-th time a step falls into it (1:
-    at once; the default 2 keeps a one-off prompt from paying for a capture).
+    at once; the default 2 keeps a one-off prompt from paying for a capture); ``max_prefill_graphs``: prefill graphs
+    kept at most (first come; steps of further keys run eagerly), which bounds their memory.
 
     ``fuse_swiglu`` (default: on CUDA devices) applies ``model.fuse_swiglu_()``: the quantized gate/up GEMMs run
     SwiGLU in their epilogue. It re-lays out the model's gate/up weights in place, after which the model can no
@@ -79,7 +81,7 @@ class TorchBackend:
                  kv_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
                  graph_batch_sizes=DEFAULT_GRAPH_BATCH_SIZES, gpu_memory_fraction: float = 0.9,
                  fuse_swiglu: bool | None = None, prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS,
-                 prefill_graph_after: int = 2):
+                 prefill_graph_after: int = 2, max_prefill_graphs: int = 64):
         self.model = model
         self.config = model.config
         self.device = torch.device(_model_device(model))
@@ -105,6 +107,8 @@ class TorchBackend:
             raise ValueError(f"prefill_graph_after must be >= 1 (1: capture at the first use); got "
                              f"{prefill_graph_after}")
         self.prefill_graph_after = prefill_graph_after
+        if max_prefill_graphs < 0:
+            raise ValueError(f"max_prefill_graphs must be >= 0 (0: every prefill eager); got {max_prefill_graphs}")
         # (num_tokens, num_seqs, max_seqlen_q) -> (graph, staged inputs, logits): decode buckets are (bs, bs, 1)
         self._graphs: dict[tuple[int, int, int], tuple] = {}
         self._prefill_seen: dict[tuple[int, int, int], int] = {}  # prefill bucket -> steps that fell into it
@@ -114,6 +118,14 @@ class TorchBackend:
         self._replay_events: dict[tuple[int, int, int], tuple] = {}
         self._replays: dict[tuple[int, int, int], int] = {}
         self._graph_pool = None
+        # One side stream for every capture's warm-up: torch keeps a cuBLAS workspace per (handle, stream) for the
+        # life of the process, so a new stream per capture held ~32 MB more each (SmolLM2-135M, int4, on the H200:
+        # dev-logs/h200/prefill_graph_mem.md).
+        self._warmup_stream = None
+        # Prefill graphs kept at most (decode has its own, one per graph batch size); past it new keys run eagerly:
+        # each graph holds its logits ([sequences, vocab]) and staged inputs, and keys are many (token bucket x
+        # sequence bucket x bound).
+        self.max_prefill_graphs = max_prefill_graphs
         # Decode block tables are padded to the longest sequence the engine allows, so one graph serves every step.
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
 
@@ -190,7 +202,8 @@ class TorchBackend:
 
     def _prefill_graph(self, batch: Batch, key: tuple[int, int, int]) -> torch.Tensor:
         seen = self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
-        if key not in self._graphs and seen < self.prefill_graph_after:
+        if key not in self._graphs and (seen < self.prefill_graph_after
+                                        or self._num_prefill_graphs() >= self.max_prefill_graphs):
             return self._eager(batch)
         try:
             graph, staged, logits = self._graph_for(key)
@@ -211,6 +224,9 @@ class TorchBackend:
             events[1].record()
             self._replay_events[key] = events
         return logits[:batch.num_seqs]  # a view of the graph's output buffer: valid until the next step
+
+    def _num_prefill_graphs(self) -> int:
+        return sum(1 for key in self._graphs if key[2] > 1)  # a decode key's bound max_seqlen_q is 1
 
     def _replay_loses(self, key: tuple[int, int, int]) -> bool:
         """Whether a padded step of this prefill bucket runs eagerly: its replay (device time of the staged copy and
@@ -234,7 +250,9 @@ class TorchBackend:
                              self._max_blocks_per_seq * self.block_size)
         static = staged.device_batch
         # Warm up on a side stream (allocator and Triton JIT settle), then capture.
-        side = torch.cuda.Stream(dev)
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream(dev)
+        side = self._warmup_stream
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):

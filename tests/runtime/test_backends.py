@@ -215,6 +215,8 @@ def test_prefill_bucket_key(tiny_model):
     assert short._prefill_bucket(prefill_batch([3, 6], [0, 4])) is None  # 55 in 2 rows of 8
     with pytest.raises(ValueError, match="prefill_graph_after"):
         TorchBackend(tiny_model, num_blocks=4, block_size=4, prefill_graph_after=0)
+    with pytest.raises(ValueError, match="max_prefill_graphs must be >= 0"):
+        TorchBackend(tiny_model, num_blocks=4, block_size=4, max_prefill_graphs=-1)
 
 
 def test_replay_loses_where_launching_eagerly_is_faster(tiny_model):
@@ -238,3 +240,4 @@ def test_cpu_backend_takes_no_device_tokens(tiny_model):
     backend = TorchBackend(tiny_model, num_blocks=4, block_size=4)
     assert backend.supports_device_tokens is False
     assert Generator(backend).pipeline is False
+

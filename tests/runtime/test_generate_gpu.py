@@ -184,3 +184,32 @@ def test_gpu_bound_prefill_bucket_runs_padded_steps_eagerly(tiny_dir):
         want = eager.forward(pad_batch(batch, *key[:2], graphs._max_blocks_per_seq, key[2], 64) if replayed else batch)
         assert torch.equal(got, want[:1])
     assert graphs._replay_ms[key] > 0
+
+
+def test_prefill_graphs_are_capped(tiny_dir):
+    """Past ``max_prefill_graphs`` a step of a new key runs eagerly (bit for bit the eager forward) and nothing more is
+    captured; decode graphs do not count; and a further capture adds no more memory than its own outputs (all
+    captures warm up on one side stream: a stream per capture held a cuBLAS workspace each, ~32 MB)."""
+    from export.model import LlamaModel
+    from export.runtime.backends import pad_batch
+    from tests.helpers import prefill_batch
+
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
+    graphs = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, prefill_graph_after=1,
+                          max_prefill_graphs=2)
+    eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
+    graphs.capture(batch_sizes=(1, 2))
+    used = []
+    for n, replayed in ((16, True), (32, True), (48, False)):  # three token buckets, each unpadded
+        batch = prefill_batch([n])
+        got = graphs.forward(batch)
+        # bit for bit the eager forward of the step as it ran (with the graph's spare sequence where it replayed)
+        want = eager.forward(pad_batch(batch, n, 2, graphs._max_blocks_per_seq, n, 64) if replayed else batch)
+        assert torch.equal(got, want[:1]), n
+        del got, want
+        torch.cuda.synchronize()
+        used.append(torch.cuda.memory_allocated())
+    prefill_keys = sorted(k for k in graphs._graphs if k[2] > 1)
+    assert prefill_keys == [(16, 2, 16), (32, 2, 32)] and (2, 2, 1) in graphs._graphs
+    assert used[2] == used[1], "a step past the cap kept memory (captured?)"
+    assert used[1] - used[0] < 2**20, f"the second capture held {(used[1] - used[0]) / 2**20:.1f} MiB"
