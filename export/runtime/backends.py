@@ -4,16 +4,16 @@ A backend owns the KV cache and turns one ``Batch`` (built on the host by the sc
 sequence's last new token, ``[S, vocab]``. Attributes the loop reads: ``device``, ``vocab_size``, ``num_blocks``,
 ``block_size``, ``max_model_len`` and ``config`` (for ``eos_token_id``).
 
-The torch backend runs decode steps through CUDA graphs, one per batch-size bucket (1, 2, 4, 8, ...): the step's
-inputs are copied into static buffers padded to the bucket (padding rows write no cache slot and attend to one
-token of block 0) and the graph replays the whole model as one launch, which removes the per-kernel launch
-overhead that dominates batch-1 decode. Prefill steps of up to ``max(prefill_graph_tokens)`` tokens replay a graph
-too, one per (token bucket, sequence bucket), padded the same way (``StagedBatch``); a bucket is captured the
-``prefill_graph_after``-th time a step falls into it, so a one-off prompt runs eagerly rather than paying for a
-capture; where its replay turns out to take longer than the host takes to launch the forward eagerly (a GPU-bound
-prefill, which the padding only slows down), padded steps of that bucket run eagerly from then on. Longer prefills,
-and keys past ``max_prefill_graphs`` graphs, run eagerly. On CPU everything is eager and the ops run their torch
-references.
+The torch backend runs decode steps through CUDA graphs, one per batch-size bucket (1, 2, 4, 8, ...) and block-table
+width (512 tokens, 2048, 8192, ... and ``max_model_len``): the step's inputs are copied into static buffers padded to
+the bucket (padding rows write no cache slot and attend to one token of block 0) and the graph replays the whole model
+as one launch, which removes the per-kernel launch overhead that dominates batch-1 decode. Prefill steps of up to
+``max(prefill_graph_tokens)`` tokens replay a graph too, one per (token bucket, sequence bucket), padded the same way
+(``StagedBatch``); a bucket is captured the ``prefill_graph_after``-th time a step falls into it, so a one-off prompt
+runs eagerly rather than paying for a capture; where its replay turns out to take longer than the host takes to launch
+the forward eagerly (a GPU-bound prefill, which the padding only slows down), padded steps of that bucket run eagerly
+from then on. Longer prefills, and keys past ``max_prefill_graphs`` graphs, run eagerly. On CPU everything is eager and
+the ops run their torch references.
 """
 
 from __future__ import annotations
@@ -57,6 +57,20 @@ def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
 
+# Block-table widths (tokens) decode steps are padded to, below max_model_len (always the last): the decode attention
+# takes its split count from the table's width; at a width of 8192 tokens a context of 512 took 6.1 us a layer
+# (SmolLM2-135M's shape) and 11.3 (Llama-3-8B's) against 4.0-4.7 / 6.7-7.4 at 512-2208 tokens on the lent H200
+# (dev-logs/h200/decode_trim_splits.md). Four times wider each: a step pads its table by at most 4x, and a model of
+# 8192 (32768) tokens has 3 (4) decode graphs per batch bucket.
+DEFAULT_DECODE_GRAPH_WIDTHS = (512, 2048, 8192, 32768, 131072)
+
+
+def _decode_graph_widths(max_model_len: int, block_size: int, widths=DEFAULT_DECODE_GRAPH_WIDTHS) -> tuple[int, ...]:
+    """The widths in blocks: each of ``widths`` (tokens) below ``max_model_len``, then ``max_model_len``'s."""
+    blocks = {-(-t // block_size) for t in widths if t < max_model_len}
+    return tuple(sorted(blocks | {-(-max_model_len // block_size)}))
+
+
 def runtime_fuses_swiglu(device) -> bool:
     """Whether ``TorchBackend`` runs a model on ``device`` with SwiGLU fused into its quantized gate/up GEMMs
     (``LlamaModel.fuse_swiglu_``) unless told otherwise: on CUDA devices. ``export.eval`` scores builds the same
@@ -71,7 +85,9 @@ class TorchBackend:
     ``prefill_graph_tokens``: the token buckets a prefill step is padded to and replayed from a graph (``()``: every
     prefill eager); ``prefill_graph_after``: a bucket's graph is captured the ``n``-th time a step falls into it (1:
     at once; the default 2 keeps a one-off prompt from paying for a capture); ``max_prefill_graphs``: prefill graphs
-    kept at most (first come; steps of further keys run eagerly), which bounds their memory.
+    kept at most (first come; steps of further keys run eagerly), which bounds their memory;
+    ``decode_graph_widths``: block-table widths (tokens) a decode step is padded to, the narrowest that holds it
+    (``max_model_len`` is always one).
 
     ``fuse_swiglu`` (default: on CUDA devices) applies ``model.fuse_swiglu_()``: the quantized gate/up GEMMs run
     SwiGLU in their epilogue. It re-lays out the model's gate/up weights in place, after which the model can no
@@ -81,7 +97,8 @@ class TorchBackend:
                  kv_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
                  graph_batch_sizes=DEFAULT_GRAPH_BATCH_SIZES, gpu_memory_fraction: float = 0.9,
                  fuse_swiglu: bool | None = None, prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS,
-                 prefill_graph_after: int = 2, max_prefill_graphs: int = 64):
+                 prefill_graph_after: int = 2, max_prefill_graphs: int = 64,
+                 decode_graph_widths=DEFAULT_DECODE_GRAPH_WIDTHS):
         self.model = model
         self.config = model.config
         self.device = torch.device(_model_device(model))
@@ -109,14 +126,15 @@ class TorchBackend:
         self.prefill_graph_after = prefill_graph_after
         if max_prefill_graphs < 0:
             raise ValueError(f"max_prefill_graphs must be >= 0 (0: every prefill eager); got {max_prefill_graphs}")
-        # (num_tokens, num_seqs, max_seqlen_q) -> (graph, staged inputs, logits): decode buckets are (bs, bs, 1)
-        self._graphs: dict[tuple[int, int, int], tuple] = {}
-        self._prefill_seen: dict[tuple[int, int, int], int] = {}  # prefill bucket -> steps that fell into it
+        # (num_tokens, num_seqs, max_seqlen_q, block-table columns) -> (graph, staged inputs, logits): decode keys are
+        # (bs, bs, 1, one of _decode_widths), prefill keys (token bucket, sequence bucket, bound, _max_blocks_per_seq)
+        self._graphs: dict[tuple[int, int, int, int], tuple] = {}
+        self._prefill_seen: dict[tuple[int, int, int, int], int] = {}  # prefill bucket -> steps that fell into it
         # prefill bucket -> host ms of launching its forward eagerly / device ms of its second replay / replays
-        self._prefill_host_ms: dict[tuple[int, int, int], float] = {}
-        self._replay_ms: dict[tuple[int, int, int], float] = {}
-        self._replay_events: dict[tuple[int, int, int], tuple] = {}
-        self._replays: dict[tuple[int, int, int], int] = {}
+        self._prefill_host_ms: dict[tuple[int, int, int, int], float] = {}
+        self._replay_ms: dict[tuple[int, int, int, int], float] = {}
+        self._replay_events: dict[tuple[int, int, int, int], tuple] = {}
+        self._replays: dict[tuple[int, int, int, int], int] = {}
         self._graph_pool = None
         # One side stream for every capture's warm-up: torch keeps a cuBLAS workspace per (handle, stream) for the
         # life of the process, so a new stream per capture held ~32 MB more each (SmolLM2-135M, int4, on the H200:
@@ -126,8 +144,11 @@ class TorchBackend:
         # each graph holds its logits ([sequences, vocab]) and staged inputs, and keys are many (token bucket x
         # sequence bucket x bound).
         self.max_prefill_graphs = max_prefill_graphs
-        # Decode block tables are padded to the longest sequence the engine allows, so one graph serves every step.
+        # Prefill block tables are padded to the longest sequence the engine allows; a decode step's to the narrowest
+        # of a few widths that holds it: the decode attention takes its split count from the table's width (a shape,
+        # so that a graph replays it), and a table as wide as max_model_len ran mostly empty splits at short contexts.
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self._decode_widths = _decode_graph_widths(self.max_model_len, block_size, decode_graph_widths)
 
     def _default_num_blocks(self, fraction: float) -> int:
         # Enough for DEFAULT_SEQS full-length sequences, but on a GPU no more than `fraction` of free memory.
@@ -166,8 +187,8 @@ class TorchBackend:
     def capture(self, batch_sizes=None, prefill_tokens=()) -> None:
         """Capture graphs ahead of time, as a server does at start-up (else a decode bucket is captured at its first
         use, a prefill bucket at its ``prefill_graph_after``-th): decode for ``batch_sizes`` (default: all of
-        ``graph_batch_sizes``), and the prefill of one prompt for the token buckets ``prefill_tokens`` (values of
-        ``prefill_graph_tokens``). Largest first, sharing one memory pool."""
+        ``graph_batch_sizes``, each at every decode table width), and the prefill of one prompt for the token buckets
+        ``prefill_tokens`` (values of ``prefill_graph_tokens``). Largest first, sharing one memory pool."""
         if not self.cuda_graphs:
             raise ValueError("capture() needs cuda_graphs (a CUDA device)")
         unknown = sorted(set(prefill_tokens) - set(self.prefill_graph_tokens))
@@ -175,16 +196,19 @@ class TorchBackend:
             raise ValueError(f"prefill_tokens {unknown} are not buckets of prefill_graph_tokens "
                              f"{self.prefill_graph_tokens}")
         for t in sorted(prefill_tokens, reverse=True):
-            self._graph_for((t, 2, t))  # _prefill_bucket's key of one prompt of (t's bucket of) tokens
+            # _prefill_bucket's key of one prompt of (t's bucket of) tokens
+            self._graph_for((t, 2, t, self._max_blocks_per_seq))
         for bs in sorted(batch_sizes or self.graph_batch_sizes, reverse=True):
-            self._graph_for((bs, bs, 1))
+            for blocks in reversed(self._decode_widths):
+                self._graph_for((bs, bs, 1, blocks))
 
-    def _prefill_bucket(self, batch: Batch) -> tuple[int, int, int] | None:
+    def _prefill_bucket(self, batch: Batch) -> tuple[int, int, int, int] | None:
         """The graph key of a prefill ``batch``: its tokens rounded up to a bucket, its sequences plus one (the owner
         of the padding tokens) rounded up to a power of two, and the longest sequence's new tokens (padding sequences
         included) rounded up to a bucket: the bound ``max_seqlen_q`` the graph is captured with, which picks the
         attention's tiles as the eager step's own value would (so a batch of short prompts keeps the short-prompt
-        tiles). None (eager): longer than the largest bucket, or padding the spare sequences cannot hold."""
+        tiles); and the full block-table width. None (eager): longer than the largest bucket, or padding the spare
+        sequences cannot hold."""
         T, S = int(batch.input_ids.shape[0]), batch.num_seqs
         tokens = self._round_up(T)
         if tokens is None:
@@ -194,13 +218,14 @@ class TorchBackend:
         # the padding tokens fit the spare sequences' block-table rows unless max_model_len is tiny
         if per_padding_seq > self._max_blocks_per_seq * self.block_size:
             return None
-        return tokens, seqs, self._round_up(max(batch.max_seqlen_q, per_padding_seq, 2))  # <= tokens
+        bound = self._round_up(max(batch.max_seqlen_q, per_padding_seq, 2))  # <= tokens
+        return tokens, seqs, bound, self._max_blocks_per_seq
 
     def _round_up(self, n: int) -> int | None:
         i = bisect.bisect_left(self.prefill_graph_tokens, n)
         return self.prefill_graph_tokens[i] if i < len(self.prefill_graph_tokens) else None
 
-    def _prefill_graph(self, batch: Batch, key: tuple[int, int, int]) -> torch.Tensor:
+    def _prefill_graph(self, batch: Batch, key: tuple[int, int, int, int]) -> torch.Tensor:
         seen = self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
         if key not in self._graphs and (seen < self.prefill_graph_after
                                         or self._num_prefill_graphs() >= self.max_prefill_graphs):
@@ -228,7 +253,7 @@ class TorchBackend:
     def _num_prefill_graphs(self) -> int:
         return sum(1 for key in self._graphs if key[2] > 1)  # a decode key's bound max_seqlen_q is 1
 
-    def _replay_loses(self, key: tuple[int, int, int]) -> bool:
+    def _replay_loses(self, key: tuple[int, int, int, int]) -> bool:
         """Whether a padded step of this prefill bucket runs eagerly: its replay (device time of the staged copy and
         the replay, its second) took at least what launching the forward eagerly takes the host (the warm-up before
         the capture). Then the step is GPU-bound, the eager forward costs its GPU time alone, and a replay adds the
@@ -240,14 +265,13 @@ class TorchBackend:
             del self._replay_events[key]
         return self._replay_ms.get(key, 0.0) >= self._prefill_host_ms.get(key, float("inf"))
 
-    def _graph_for(self, key: tuple[int, int, int]):
+    def _graph_for(self, key: tuple[int, int, int, int]):
         if key in self._graphs:
             return self._graphs[key]
         dev = self.device
-        num_tokens, num_seqs, max_seqlen_q = key
+        num_tokens, num_seqs, max_seqlen_q, blocks = key
         # all padding: capture writes no cache slot
-        staged = StagedBatch(num_tokens, num_seqs, self._max_blocks_per_seq, dev, max_seqlen_q,
-                             self._max_blocks_per_seq * self.block_size)
+        staged = StagedBatch(num_tokens, num_seqs, blocks, dev, max_seqlen_q, blocks * self.block_size)
         static = staged.device_batch
         # Warm up on a side stream (allocator and Triton JIT settle), then capture.
         if self._warmup_stream is None:
@@ -269,11 +293,16 @@ class TorchBackend:
         self._graphs[key] = (graph, staged, logits)
         return self._graphs[key]
 
+    def _decode_key(self, batch: Batch) -> tuple[int, int, int, int]:
+        """A decode step's graph key: its sequences rounded up to a batch bucket, its block table's width to the
+        narrowest of ``_decode_widths`` that holds it."""
+        bs = self.graph_batch_sizes[bisect.bisect_left(self.graph_batch_sizes, batch.num_seqs)]
+        return bs, bs, 1, self._decode_widths[bisect.bisect_left(self._decode_widths, batch.block_table.shape[1])]
+
     def _decode_graph(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         S = batch.num_seqs
-        bs = next(b for b in self.graph_batch_sizes if b >= S)
         try:
-            graph, staged, logits = self._graph_for((bs, bs, 1))
+            graph, staged, logits = self._graph_for(self._decode_key(batch))
         except RuntimeError as e:  # a kernel that syncs or allocates during capture: run eagerly from now on
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
             self.cuda_graphs = False

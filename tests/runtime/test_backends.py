@@ -203,14 +203,15 @@ def test_prefill_graph_buckets():
 
 def test_prefill_bucket_key(tiny_model):
     backend = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(16, 64))
-    assert backend._prefill_bucket(prefill_batch([3, 6], [0, 4])) == (16, 4, 16)
-    assert backend._prefill_bucket(prefill_batch([16])) == (16, 2, 16)
-    assert backend._prefill_bucket(prefill_batch([17])) == (64, 2, 64)
+    W = backend._max_blocks_per_seq  # a prefill graph's block table is as wide as max_model_len
+    assert backend._prefill_bucket(prefill_batch([3, 6], [0, 4])) == (16, 4, 16, W)
+    assert backend._prefill_bucket(prefill_batch([16])) == (16, 2, 16, W)
+    assert backend._prefill_bucket(prefill_batch([17])) == (64, 2, 64, W)
     assert backend._prefill_bucket(prefill_batch([65])) is None  # eager
     # the bound on a sequence's new tokens: the longest prompt's bucket (five of 10 tokens: 14 padding tokens in 3
     # spare sequences), unless a padding sequence is longer (three of 10: 34 padding tokens in the one spare)
-    assert backend._prefill_bucket(prefill_batch([10] * 5)) == (64, 8, 16)
-    assert backend._prefill_bucket(prefill_batch([10] * 3)) == (64, 4, 64)
+    assert backend._prefill_bucket(prefill_batch([10] * 5)) == (64, 8, 16, W)
+    assert backend._prefill_bucket(prefill_batch([10] * 3)) == (64, 4, 64, W)
     short = TorchBackend(tiny_model, num_blocks=16, block_size=4, prefill_graph_tokens=(64,), max_model_len=8)
     assert short._prefill_bucket(prefill_batch([3, 6], [0, 4])) is None  # 55 in 2 rows of 8
     with pytest.raises(ValueError, match="prefill_graph_after"):
@@ -223,7 +224,7 @@ def test_replay_loses_where_launching_eagerly_is_faster(tiny_model):
     """The rule that sends a prefill bucket's padded steps back to eager: its measured replay against the host time
     of launching its forward eagerly (no measurement yet: replay)."""
     backend = TorchBackend(tiny_model, num_blocks=4, block_size=4)
-    key = (64, 2, 64)
+    key = (64, 2, 64, backend._max_blocks_per_seq)
     assert not backend._replay_loses(key)
     backend._prefill_host_ms[key] = 12.0  # the warm-up's launches before the capture
     assert not backend._replay_loses(key)  # replay not timed yet
@@ -241,3 +242,21 @@ def test_cpu_backend_takes_no_device_tokens(tiny_model):
     assert backend.supports_device_tokens is False
     assert Generator(backend).pipeline is False
 
+
+
+def test_decode_graph_widths(tiny_model):
+    """A decode step's table is padded to the narrowest width that holds it: 512 tokens, then 4x wider, then
+    max_model_len (the decode attention's split count follows the width: dev-logs/h200/decode_trim_splits.md)."""
+    from export.runtime.backends import _decode_graph_widths
+
+    assert _decode_graph_widths(8192, 16) == (32, 128, 512)
+    assert _decode_graph_widths(2208, 16) == (32, 128, 138)
+    assert _decode_graph_widths(512, 16) == (32,) and _decode_graph_widths(513, 16) == (32, 33)
+    assert _decode_graph_widths(64, 4, (8, 32)) == (2, 8, 16)
+    backend = TorchBackend(tiny_model, num_blocks=64, block_size=4, max_model_len=64, decode_graph_widths=(8, 32),
+                           graph_batch_sizes=(1, 2, 4))
+    for lens, key in (([1], (1, 1, 1, 2)), ([8, 3], (2, 2, 1, 2)), ([9], (1, 1, 1, 8)), ([3, 30, 2], (4, 4, 1, 8)),
+                      ([33], (1, 1, 1, 16)), ([64], (1, 1, 1, 16))):
+        batch = prefill_batch([1] * len(lens), [n - 1 for n in lens])  # one new token after n - 1 cached
+        assert batch.block_table.shape[1] == -(-max(lens) // 4)
+        assert backend._decode_key(batch) == key, (lens, backend._decode_key(batch))

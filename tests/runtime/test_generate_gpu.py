@@ -89,7 +89,8 @@ def test_cuda_graph_decode_and_prefill_equal_eager(tiny_dir):
     decode_keys = [k for k in graphs._graphs if k[2] == 1]
     assert len(decode_keys) >= 3, f"graph buckets used: {sorted(graphs._graphs)}"
     # 21 tokens in 4 prompts (the longest 13): 32 tokens, 8 sequences, at most 16 new tokens in one
-    assert (32, 8, 16) in graphs._graphs, f"the prefill (21 tokens, 4 prompts) has no graph: {sorted(graphs._graphs)}"
+    assert (32, 8, 16, graphs._max_blocks_per_seq) in graphs._graphs, \
+        f"the prefill (21 tokens, 4 prompts) has no graph: {sorted(graphs._graphs)}"
     for a, b in zip(g, e):
         # Same kernels on the same rows (padding only adds rows), so the tokens must agree; a flip would need an
         # fp16 near-tie within a GEMM's reordering error, which 64 tokens of this model do not have.
@@ -133,8 +134,9 @@ def test_cuda_graph_prefill_is_the_eager_forward_of_the_padded_batch(tiny_dir, q
         for (k, v), (k2, v2) in zip(graphs.kv_cache, eager.kv_cache):
             assert torch.equal(k, k2) and torch.equal(v, v2), f"{quant}: the caches differ after key {key}"
     # eager at a bucket's first use, captured at its second (prefill_graph_after=2), replayed after
-    assert runs == [((16, 4, 16), False, False), ((16, 4, 16), False, True), ((16, 4, 16), True, True),
-                    ((48, 2, 48), False, False), ((48, 2, 48), False, True)], runs
+    W = graphs._max_blocks_per_seq
+    assert runs == [((16, 4, 16, W), False, False), ((16, 4, 16, W), False, True), ((16, 4, 16, W), True, True),
+                    ((48, 2, 48, W), False, False), ((48, 2, 48, W), False, True)], runs
 
 
 def test_capture_ahead_of_time(tiny_dir):
@@ -147,11 +149,11 @@ def test_capture_ahead_of_time(tiny_dir):
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
     backend = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64)
     backend.capture(batch_sizes=(1, 2), prefill_tokens=(16, 48))
-    assert sorted(backend._graphs) == [(1, 1, 1), (2, 2, 1), (16, 2, 16), (48, 2, 48)]
+    assert sorted(backend._graphs) == [(1, 1, 1, 16), (2, 2, 1, 16), (16, 2, 16, 16), (48, 2, 48, 16)]  # 64 tokens
     eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
     batch = prefill_batch([12])
     got = backend.forward(batch)
-    assert backend._prefill_seen[(16, 2, 16)] == 1  # replayed at its first use
+    assert backend._prefill_seen[(16, 2, 16, 16)] == 1  # replayed at its first use
     want = eager.forward(pad_batch(batch, 16, 2, backend._max_blocks_per_seq, 16, 64))[:1]
     assert torch.equal(got, want)  # the eager forward of the padded batch (see the test above)
     with pytest.raises(ValueError, match="not buckets"):
@@ -170,7 +172,7 @@ def test_gpu_bound_prefill_bucket_runs_padded_steps_eagerly(tiny_dir):
     eager = TorchBackend(model, num_blocks=64, block_size=4, max_model_len=64, cuda_graphs=False)
     padded = prefill_batch([12])  # 12 tokens: bucket (16, 2, 16), padded
     full = prefill_batch([16], block_offset=8)  # 16 tokens: the same bucket, no padding
-    key = (16, 2, 16)
+    key = (16, 2, 16, 16)
     for _ in range(2):  # capture, then the timed second replay
         graphs.forward(padded)
     torch.cuda.synchronize()
@@ -210,6 +212,36 @@ def test_prefill_graphs_are_capped(tiny_dir):
         torch.cuda.synchronize()
         used.append(torch.cuda.memory_allocated())
     prefill_keys = sorted(k for k in graphs._graphs if k[2] > 1)
-    assert prefill_keys == [(16, 2, 16), (32, 2, 32)] and (2, 2, 1) in graphs._graphs
+    assert prefill_keys == [(16, 2, 16, 16), (32, 2, 32, 16)] and (2, 2, 1, 16) in graphs._graphs
     assert used[2] == used[1], "a step past the cap kept memory (captured?)"
     assert used[1] - used[0] < 2**20, f"the second capture held {(used[1] - used[0]) / 2**20:.1f} MiB"
+
+
+def test_decode_graphs_by_table_width_equal_eager(tiny_dir):
+    """Decode steps replay the graph of the narrowest table width that holds them (here 8, 32 and 64 tokens): a
+    generation that crosses two widths uses three graphs and gives the eager run's tokens; and the logits of a
+    step replayed at a narrow width equal, bit for bit, the eager forward of that step padded to it."""
+    from export.model import LlamaModel
+    from export.runtime.backends import pad_decode_batch
+    from tests.helpers import prefill_batch
+
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float16, device="cuda")
+    kw = dict(num_blocks=64, block_size=4, max_model_len=64)
+    graphs = TorchBackend(model, decode_graph_widths=(8, 32), **kw)
+    eager = TorchBackend(model, cuda_graphs=False, **kw)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    g = Generator(graphs).generate([PROMPTS[0]], params)[0]  # 5 + 40 tokens: tables of 2, 8 and 12 blocks
+    e = Generator(eager).generate([PROMPTS[0]], params)[0]
+    assert sorted(k[3] for k in graphs._graphs if k[2] == 1) == [2, 8, 16], sorted(graphs._graphs)
+    assert g.token_ids == e.token_ids
+    torch.manual_seed(0)
+    for (k, v), (k2, v2) in zip(graphs.kv_cache, eager.kv_cache):  # the same random history in both caches
+        k.normal_()
+        v.normal_()
+        k2.copy_(k)
+        v2.copy_(v)
+    step = prefill_batch([1, 1], [6, 2])  # two decode tokens after 6 and 2 cached: a table of 2 blocks
+    assert graphs._decode_key(step) == (2, 2, 1, 2)
+    got = graphs.forward(step)
+    want = eager.forward(pad_decode_batch(step, 2, 2))
+    assert torch.equal(got, want)
