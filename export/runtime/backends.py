@@ -5,7 +5,7 @@ sequence's last new token, ``[S, vocab]``. Attributes the loop reads: ``device``
 ``block_size``, ``max_model_len`` and ``config`` (for ``eos_token_id``).
 
 The torch backend runs decode steps through CUDA graphs, one per batch-size bucket (1, 2, 4, 8, ...) and block-table
-width (1024 tokens, 4096, 16384, ... and ``max_model_len``): the step's inputs are copied into static buffers padded to
+width (2048 tokens, 8192, 32768, ... and ``max_model_len``): the step's inputs are copied into static buffers padded to
 the bucket (padding rows write no cache slot and attend to one token of block 0) and the graph replays the whole model
 as one launch, which removes the per-kernel launch overhead that dominates batch-1 decode. Prefill steps of up to
 ``max(prefill_graph_tokens)`` tokens replay a graph too, one per (token bucket, sequence bucket), padded the same way
@@ -60,11 +60,12 @@ def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 # Block-table widths (tokens) decode steps are padded to, below max_model_len (always the last): the decode attention
 # takes its split count from the table's width, and at a width of 8192 tokens a 512-token context took 6.1 us a layer
 # (SmolLM2-135M's shape) and 11.3 (Llama-3-8B's) against 4.0-4.7 / 6.7-7.4 at 512-2208 on the lent H200
-# (dev-logs/h200/decode_trim_splits.md). Four times wider each; 1024 first: of 512 / 1024 / 2048 first, the one whose
-# worst decode step against tables of max_model_len (8192) was least slow: 1.02x (SmolLM2, bs 8), while bs 1 steps at
-# 128-2000 tokens ran 0.91-0.98x (dev-logs/h200/decode_width_buckets.md). A model of 8192 tokens has 3 decode graphs
-# per batch bucket.
-DEFAULT_DECODE_GRAPH_WIDTHS = (1024, 4096, 16384, 65536)
+# (dev-logs/h200/decode_trim_splits.md). Four times wider each, 2048 first: with max_model_len 8192, bs 1 decode steps
+# at 128-1000 tokens ran 0.91-0.94x of tables of max_model_len, bs 8 1.00x, and one row 1.03x (SmolLM2, bs 1 x 2000);
+# 1024 first measured as well there, but at bench_e2e's max_model_len (2208) it took a 512-token step from 17 splits
+# to 8 and SmolLM2's decode step 3-6% slower (dev-logs/h200/decode_width_buckets.md). A model of 8192 tokens has 2
+# decode graphs per batch bucket.
+DEFAULT_DECODE_GRAPH_WIDTHS = (2048, 8192, 32768, 131072)
 
 
 def _decode_graph_widths(max_model_len: int, block_size: int, widths=DEFAULT_DECODE_GRAPH_WIDTHS) -> tuple[int, ...]:

@@ -245,13 +245,14 @@ def test_cpu_backend_takes_no_device_tokens(tiny_model):
 
 
 def test_decode_graph_widths(tiny_model):
-    """A decode step's table is padded to the narrowest width that holds it: 1024 tokens, then 4x wider, then
+    """A decode step's table is padded to the narrowest width that holds it: 2048 tokens, then 4x wider, then
     max_model_len (the decode attention's split count follows the width: dev-logs/h200/decode_trim_splits.md)."""
     from export.runtime.backends import _decode_graph_widths
 
-    assert _decode_graph_widths(8192, 16) == (64, 256, 512)
-    assert _decode_graph_widths(2208, 16) == (64, 138)
-    assert _decode_graph_widths(1024, 16) == (64,) and _decode_graph_widths(1025, 16) == (64, 65)
+    assert _decode_graph_widths(8192, 16) == (128, 512)
+    assert _decode_graph_widths(32768, 16) == (128, 512, 2048)
+    assert _decode_graph_widths(2208, 16) == (128, 138)
+    assert _decode_graph_widths(2048, 16) == (128,) and _decode_graph_widths(2049, 16) == (128, 129)
     assert _decode_graph_widths(64, 4, (8, 32)) == (2, 8, 16)
     backend = TorchBackend(tiny_model, num_blocks=64, block_size=4, max_model_len=64, decode_graph_widths=(8, 32),
                            graph_batch_sizes=(1, 2, 4))
