@@ -43,6 +43,16 @@ def fp16_error(hf32, hf16, prompt, toks):
     return float((hf16(ids).logits.float() - hf32(ids).logits.float()).abs().max())
 
 
+def _same_random_caches(a, b):
+    """The same random history in both backends' KV caches (seeded)."""
+    torch.manual_seed(0)
+    for (k, v), (k2, v2) in zip(a.kv_cache, b.kv_cache):
+        k.normal_()
+        v.normal_()
+        k2.copy_(k)
+        v2.copy_(v)
+
+
 def check_tokens(ours, want, want_logits, tol, what):
     for j, (a, b) in enumerate(zip(ours, want)):
         if a != b:
@@ -113,12 +123,7 @@ def test_cuda_graph_prefill_is_the_eager_forward_of_the_padded_batch(tiny_dir, q
     bs = 4
     graphs = TorchBackend(model, num_blocks=64, block_size=bs, max_model_len=64)  # prefill_graph_after=2 (default)
     eager = TorchBackend(model, num_blocks=64, block_size=bs, max_model_len=64, cuda_graphs=False)
-    torch.manual_seed(0)
-    for (k, v), (k2, v2) in zip(graphs.kv_cache, eager.kv_cache):  # the same random history in both caches
-        k.normal_()
-        v.normal_()
-        k2.copy_(k)
-        v2.copy_(v)
+    _same_random_caches(graphs, eager)
     a = prefill_batch([3, 9], [4, 0], bs)  # 12 tokens, 2 sequences: bucket (16, 4, 16)
     b = prefill_batch([2, 1, 2], [0, 7, 0], bs, block_offset=10)  # 5 tokens, 3 sequences: the same bucket
     c = prefill_batch([40], block_size=bs, block_offset=20)  # 40 tokens: bucket (48, 2, 48)
@@ -234,12 +239,7 @@ def test_decode_graphs_by_table_width_equal_eager(tiny_dir):
     e = Generator(eager).generate([PROMPTS[0]], params)[0]
     assert sorted(k[3] for k in graphs._graphs if k[2] == 1) == [2, 8, 16], sorted(graphs._graphs)
     assert g.token_ids == e.token_ids
-    torch.manual_seed(0)
-    for (k, v), (k2, v2) in zip(graphs.kv_cache, eager.kv_cache):  # the same random history in both caches
-        k.normal_()
-        v.normal_()
-        k2.copy_(k)
-        v2.copy_(v)
+    _same_random_caches(graphs, eager)
     step = prefill_batch([1, 1], [6, 2])  # two decode tokens after 6 and 2 cached: a table of 2 blocks
     assert graphs._decode_key(step) == (2, 2, 1, 2)
     got = graphs.forward(step)
