@@ -143,9 +143,9 @@ class TorchBackend:
         # life of the process, so a new stream per capture held ~32 MB more each (SmolLM2-135M, int4, on the H200:
         # dev-logs/h200/prefill_graph_mem.md).
         self._warmup_stream = None
-        # Prefill graphs kept at most (decode has its own, one per graph batch size); past it new keys run eagerly:
-        # each graph holds its logits ([sequences, vocab]) and staged inputs, and keys are many (token bucket x
-        # sequence bucket x bound).
+        # Prefill graphs kept at most (decode has its own: one per batch bucket and width); past it new keys run
+        # eagerly: each graph holds its logits ([sequences, vocab]) and staged inputs, and keys are many (token bucket
+        # x sequence bucket x bound).
         self.max_prefill_graphs = max_prefill_graphs
         # Prefill block tables are padded to the longest sequence the engine allows; a decode step's to the narrowest
         # of a few widths that holds it: the decode attention takes its split count from the table's width (a shape,
