@@ -284,18 +284,19 @@ def _cache_entries(cache) -> Optional[int]:
 
 def may_rewrite_timing_cache(path: Path, loaded: bytes, entries: Optional[int]) -> bool:
     """Whether the build may replace ``path`` with its timing cache: a new or empty file, a file TensorRT read timings
-    from, or one in our own cache directory. A file TensorRT read nothing from may be anything (a checkpoint named by
-    mistake) and is never replaced."""
+    from, or our own default timing cache (``trt_timing.cache`` in tritrt's cache directory: another TensorRT's). A
+    file TensorRT read nothing from may be anything (a checkpoint named by mistake) and is never replaced; only the
+    default file's exact path counts as ours, since ``$TRITRT_CACHE`` may name a directory with the user's files."""
     if not loaded or (entries or 0) > 0:
         return True
-    return _default_cache_dir() in Path(path).resolve().parents
+    return Path(path).resolve() == _our_timing_cache().resolve()
 
 
-def _default_cache_dir() -> Path:
-    return cache_dir().resolve()
+def _our_timing_cache() -> Path:
+    return cache_dir().resolve() / "trt_timing.cache"
 
 
 def default_timing_cache() -> Path:
     """``$TRITRT_TIMING_CACHE``, else ``trt_timing.cache`` in tritrt's cache directory (``$TRITRT_CACHE`` or
     ``~/.cache/tritrt``)."""
-    return Path(os.environ.get("TRITRT_TIMING_CACHE", _default_cache_dir() / "trt_timing.cache"))
+    return Path(os.environ.get("TRITRT_TIMING_CACHE", _our_timing_cache()))

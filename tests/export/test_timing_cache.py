@@ -95,12 +95,21 @@ def test_check_accepts_a_new_or_regular_file(tmp_path):
 ])
 def test_rewrite_rule_outside_our_cache_dir(tmp_path, monkeypatch, loaded, entries, rewrite):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TRITRT_CACHE", raising=False)
     assert may_rewrite_timing_cache(tmp_path / "trt.cache", loaded, entries) is rewrite
 
 
 def test_rewrite_rule_in_our_cache_dir(tmp_path, monkeypatch):
-    """~/.cache/tritrt is ours: a cache there that this TensorRT cannot read (another version's) is replaced."""
+    """~/.cache/tritrt/trt_timing.cache is ours: a cache there that this TensorRT cannot read (another version's) is
+    replaced; no other file is, in the cache directory either, nor beside a $TRITRT_CACHE that names the user's own
+    directory."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TRITRT_CACHE", raising=False)
     ours = tmp_path / "home" / ".cache" / "tritrt" / "trt_timing.cache"
     assert may_rewrite_timing_cache(ours, b"older TensorRT's cache", 0)
     assert not may_rewrite_timing_cache(tmp_path / "home" / "trt_timing.cache", b"older TensorRT's cache", 0)
+    converted = tmp_path / "home" / ".cache" / "tritrt" / "gguf" / "m" / "model.safetensors"
+    assert not may_rewrite_timing_cache(converted, b"weights", 0)
+    monkeypatch.setenv("TRITRT_CACHE", str(tmp_path / "home"))  # the user's home as the cache directory
+    assert may_rewrite_timing_cache(tmp_path / "home" / "trt_timing.cache", b"older TensorRT's cache", 0)
+    assert not may_rewrite_timing_cache(tmp_path / "home" / "weights.bin", b"weights", 0)
