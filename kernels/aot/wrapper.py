@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from .cache import default_root
-from .files import write_atomic
 from .compile import AotError, _unwrap
+from .files import write_atomic
 
 
 def make_entry(inner, entry_name: str, params: list[str], feed: dict[str, str], root=None):
