@@ -26,12 +26,23 @@ from ._launch import LaunchConfig
 from ._utils import check_device, pdl_enter
 from .prefill_attention import LOG2E
 
+# The base split rule (decode_num_splits; the one-launch kernel's, kernels.paged_attention, whose grid it sizes):
 TARGET_PROGRAMS = 264  # ~2 resident programs per SM on a 132-SM H100; a constant, not a device query (AOT rule)
 # Below this a split's fixed cost (q load, merge) outweighs the parallelism it adds. H100, 32 layers' calls in one graph
 # (benchmarks/results/dev-logs/h100/bench_attention_sweep_small.md), table 137 blocks wide: bs 1 x 2k 12.5 -> 10.2 us
 # at 128 (16 splits) against 256 (8), bs 1 x 512 6.7 -> 7.1 us.
 MIN_SPLIT_TOKENS = 128
+# The decode kernel's own launches (decode_launch_splits) take more: up to WIDE_TARGET_PROGRAMS programs, splits of one
+# BLOCK_N chunk of the table's width, as long as the merge stays one pass (its [heads, splits, D] tile, MERGE_TILE,
+# holds every query head of the KV head), never fewer than the base rule. A program's chunks run one after another,
+# each a round trip to memory, and since the kernel skips the splits a short sequence leaves empty, a split count that
+# suits the table's longest sequence costs the short ones little. H200, 30 layers' calls in one graph, read off the
+# SmolLM2-135M and Llama-3-8B head shapes at bs 1 / 8 x 128 / 512 / 2000 tokens, table width 2048
+# (benchmarks/results/dev-logs/h200/decode_attention_splits.md): SmolLM2 bs 1 x 2000 6.0 -> 5.0 us (32 splits, 16
+# before), 8B bs 8 x 2000 26.9 -> 21.7 (8, 5 before); 8B bs 1 at 32 splits (two merge passes) 0.81x of 16: the cap.
+WIDE_TARGET_PROGRAMS = 512
 MAX_SPLITS = 64
+DECODE_BLOCK_N = 64  # keys per chunk
 # fp32 elements of one merge tile [heads, splits, D]: 64 registers a thread at 4 warps, what one head of 64 splits at
 # D 128 always took; fewer splits merge several heads per load.
 MERGE_TILE = 8192
@@ -75,7 +86,15 @@ def _decode_attention_program(
     if q_end <= q_row:
         return  # no new token for this sequence (every split returns, so the counter is untouched)
 
-    chunks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    # Equal runs of BLOCK_N chunks; the grid's split count is a shape (the table's width), the sequence's length a
+    # value, so a short sequence in a wide table leaves trailing splits without a chunk: those return here, before any
+    # store or the counter, and the merge reads only the `used` splits' partials. The runs are those of the kernel
+    # that ran its empty splits too, so the output is the same bit for bit at equal splits; when one split holds every
+    # chunk it writes the output itself (the merge of one partial was that partial).
+    chunks = tl.maximum(tl.cdiv(kv_len, BLOCK_N), 1)
+    chunks_per_split = tl.cdiv(chunks, num_splits)
+    if split * chunks_per_split >= chunks:
+        return
     lo = split * chunks_per_split * BLOCK_N
     hi = tl.minimum(lo + chunks_per_split * BLOCK_N, kv_len)
 
@@ -120,9 +139,9 @@ def _decode_attention_program(
         m_i = m_new
 
     o_ptrs = o_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
-    has_keys = l_i > 0  # an empty split (kv_len shorter than the splits) has no keys
+    has_keys = l_i > 0  # no keys: an empty sequence (kv_len 0)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if num_splits == 1:
+    if chunks_per_split >= chunks:  # one split used
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
         # Scratch rows are indexed by query head: [seq, Hq, MAX_SPLITS(, D)].
@@ -134,12 +153,13 @@ def _decode_attention_program(
         tl.debug_barrier()
         counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == num_splits - 1:
+        used = tl.cdiv(chunks, chunks_per_split)
+        if arrived == used - 1:
             # All splits' partials of MERGE_HEADS heads in one [heads, splits, D] load (independent loads, issued
             # together): a loop over splits, or over heads with a store between, pays one L2 round trip each
             # (~20 us at 33 splits on H200, first sweep; 4 heads in turn were ~3 us of a bs 1 x 512 decode call).
             offs_s = tl.arange(0, SPLITS_POW2)
-            smask = offs_s < num_splits
+            smask = offs_s < used
             for h0 in tl.static_range(0, GROUP, MERGE_HEADS):
                 offs_h = h0 + tl.arange(0, MERGE_HEADS)
                 hmask = offs_h < GROUP
@@ -159,14 +179,25 @@ def _decode_attention_program(
             tl.store(counter, 0)
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU, each with >= MIN_SPLIT_TOKENS tokens.
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, target: int = TARGET_PROGRAMS,
+                      min_split: int = MIN_SPLIT_TOKENS) -> int:
+    """The base rule, splits per (sequence, KV head): enough programs to fill the GPU (``target``), each with >=
+    ``min_split`` tokens of the table's width; what the one-launch kernel computes on the device.
 
     ``max_kv_len`` is a shape bound (``block_table.shape[1] * block_size``), never a device value.
     """
-    want = triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
-    fits = max(1, max_kv_len // MIN_SPLIT_TOKENS)
+    want = triton.cdiv(target, max(1, num_seqs * num_kv_heads))
+    fits = max(1, max_kv_len // min_split)
     return max(1, min(want, fits, MAX_SPLITS))
+
+
+def decode_launch_splits(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_kv_len: int) -> int:
+    """The decode kernel's splits (``decode_attention``): the base rule's, raised toward WIDE_TARGET_PROGRAMS
+    programs of one chunk each while the merge stays one pass."""
+    base = decode_num_splits(num_seqs, num_kv_heads, max_kv_len)
+    one_pass = MERGE_TILE // (head_dim * triton.next_power_of_2(max(1, num_q_heads // num_kv_heads)))
+    wide = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, WIDE_TARGET_PROGRAMS, DECODE_BLOCK_N)
+    return max(base, min(wide, triton.next_power_of_2(one_pass + 1) // 2))
 
 
 def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -187,12 +218,13 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
     ``num_splits`` overrides the heuristic (tests use it to run the merge path on short sequences).
     """
     group = num_q_heads // num_kv_heads
-    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, max_blocks_per_seq * block_size)
+    splits = num_splits or decode_launch_splits(num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                                max_blocks_per_seq * block_size)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}; got {splits}")
     splits_pow2 = triton.next_power_of_2(splits)
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                      NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=64,
+                      NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=DECODE_BLOCK_N,
                       MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=splits_pow2,
                       PREFETCH_PAGES=True,  # +1-5% over per-iteration page loads (third H200 sweep)
                       MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),

@@ -15,7 +15,7 @@ import torch
 import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
 from kernels import attention_ref as ref
 from kernels.decode_attention import (MAX_SPLITS, alloc_decode_scratch, decode_attention,
-                                     decode_attention_launch_config, decode_num_splits)
+                                     decode_attention_launch_config, decode_launch_splits, decode_num_splits)
 from tests.helpers import assert_close_to_ref, poisoned
 
 
@@ -122,6 +122,48 @@ def test_num_splits_heuristic():
     assert decode_num_splits(1, 8, 16384) == 33  # 8 programs: split to ~264, 496 tokens each
     assert decode_num_splits(1, 8, 100) == 1  # too short to split
     assert decode_num_splits(1, 1, 1 << 20) == MAX_SPLITS
+
+
+def test_launch_splits_rule():
+    # The decode kernel's own rule: the base rule's splits, raised toward 512 programs of one 64-key chunk a split of
+    # the table's width while the merge is one pass. Head shapes (Hq, Hk, D) of SmolLM2-135M, Llama-3-8B, Llama-2-13B.
+    assert decode_launch_splits(1, 9, 3, 64, 2048) == 32  # 16 by the base rule; one pass holds 32 at D 64, group 3
+    assert decode_launch_splits(1, 32, 8, 128, 2048) == 16  # one pass holds 16 at D 128, group 4: the base rule's
+    assert decode_launch_splits(8, 32, 8, 128, 2048) == 8  # 5 by the base rule: 320 programs
+    assert decode_launch_splits(1, 40, 40, 128, 2048) == 13  # MHA: cdiv(512, 40)
+    assert decode_launch_splits(1, 9, 3, 64, 100) == 1  # one chunk and a half of width: no second split
+    for hq, hk, d in ((9, 3, 64), (32, 8, 128), (40, 40, 128), (28, 4, 128), (64, 8, 128), (32, 32, 64)):
+        for s in (1, 2, 3, 8, 24, 64, 256):
+            for width in (16, 100, 2048, 8192, 1 << 17):
+                splits = decode_launch_splits(s, hq, hk, d, width)
+                assert decode_num_splits(s, hk, width) <= splits <= MAX_SPLITS
+                if splits > decode_num_splits(s, hk, width):  # raised only where the merge stays one pass
+                    cfg = decode_attention_launch_config(s, hq, hk, d, 16, width // 16, 1.0)
+                    assert cfg.grid[2] == splits and cfg.constexprs["MERGE_HEADS"] >= hq // hk, (hq, hk, d, s, width)
+
+
+@pytest.mark.interpreter
+def test_trailing_splits_without_keys_skip_the_scratch_interpreter():
+    # 8 splits of a table 50 blocks of 16 wide: 1, 64 and 65 keys (1, 1 and 2 chunks of 64) use 1, 1 and 2 splits
+    # (the first two write the output directly), 700 keys (11 chunks, runs of 2) 6; the splits past those return
+    # before any store: their scratch rows stay as they were. The output is the reference's either way.
+    torch.manual_seed(11)
+    seq_lens = [1, 64, 65, 700]
+    k_cache, v_cache, block_table, seq_lens_t = make_paged_cache(seq_lens, 16, 2, 16, torch.float16)
+    s, hq = len(seq_lens), 4
+    q = torch.randn(s, hq, 16).half()
+    cu = torch.arange(s + 1, dtype=torch.int32)
+    part_o, part_lse, counter = alloc_decode_scratch(s, hq, 2, 16, "cpu")
+    part_lse.fill_(123.0)
+    out = decode_attention(q, k_cache, v_cache, block_table, seq_lens_t, cu, 0.25, scratch=(part_o, part_lse, counter),
+                           num_splits=8)
+    want = ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens_t, cu, 1, 0.25)
+    base = ref.paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens_t, cu, 1, 0.25, fp32=False)
+    assert_close_to_ref(out, want, baseline=base, factor=2.0, atol=torch.finfo(torch.float16).eps / 2)
+    ran = part_lse[:, :, :8] != 123.0
+    for i, used in enumerate((0, 0, 2, 6)):
+        assert ran[i, :, :used].all() and not ran[i, :, used:].any(), (i, ran[i].sum(-1))
+    assert int(counter.abs().sum()) == 0
 
 
 def test_paged_attention_op_errors():

@@ -75,16 +75,23 @@ def test_decode_splits_match_the_torch_heuristic_interpreter(num_seqs, width, ma
     # width * block_size) from the host. Splits that ran overwrote their part_lse entry (2 KV heads: 132 programs
     # wanted per head; 200 blocks of 4 = 800 tokens of width: 6 splits fit, 4 with the cap; 40 sequences x 2 heads
     # fill the target: 1 split, the output written directly, the scratch unused).
+    # Splits that ran overwrote their part_lse entry; a split runs if its run of 64-key chunks is not empty. 351 keys
+    # are 6 chunks: one a split at 6 splits, runs of 2 (3 splits used, the 4th left out) at 4; 320 keys in a table of
+    # 80 blocks of 4 are 5 chunks, runs of 3 at 2 splits; 40 sequences x 2 heads fill the target: 1 split, the output
+    # written directly, the scratch unused.
     assert min(decode_num_splits(num_seqs, 2, width * 4), max_splits) == splits
     torch.manual_seed(num_seqs + width)
-    scratch, table = _check([1] * num_seqs, [150] * num_seqs, 4, 4, 2, 16, torch.float16, width=width,
+    ctx = min(350, width * 4 - 1)
+    scratch, table = _check([1] * num_seqs, [ctx] * num_seqs, 4, 4, 2, 16, torch.float16, width=width,
                             max_splits=max_splits)
-    want = min(decode_num_splits(num_seqs, 2, table.shape[1] * 4), max_splits)
+    chunks = -(-(ctx + 1) // 64)
+    used = -(-chunks // -(-chunks // splits))
+    assert used == {6: 6, 4: 3, 2: 2, 1: 1}[splits]
     ran = (scratch[1] != UNTOUCHED).reshape(num_seqs * 4, max_splits)
-    if want == 1:  # one split writes the output directly
+    if used == 1:  # one split writes the output directly
         assert not ran.any()
     else:
-        assert ran[:, :want].all() and not ran[:, want:].any(), (want, ran.sum(1))
+        assert ran[:, :used].all() and not ran[:, used:].any(), (used, ran.sum(1))
 
 
 @pytest.mark.interpreter
