@@ -11,8 +11,10 @@ Grid (AOT rule: shapes only): ``(cdiv(T, BLOCK_M) + 2 * S + cdiv(TARGET_PROGRAMS
 ``cdiv(T, BLOCK_M) + S`` columns exactly as the prefill kernel does; the rest exit. Decode uses ``S * splits`` columns
 (split fastest) and the first ``Hk`` rows, where ``splits`` is ``decode_num_splits``'s choice, computed in the kernel
 from ``S`` and the block table's width (its row stride: the width of a contiguous table), then capped at
-``MAX_SPLITS`` (the scratch's split dimension): the torch path makes the same choice, so both run the same splits
-unless the cap binds. ``S * splits <= S + TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them.
+``MAX_SPLITS`` (the scratch's split dimension): the base rule, which the torch path's decode kernel raises where its
+merge stays one pass (``decode_launch_splits``; the engine's grid and scratch are sized by the base rule and the cap).
+``S * splits <= S + TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them. As in the decode kernel,
+splits a short sequence leaves without keys return at once.
 
 One kernel has one set of launch parameters and one shared-memory size for both programs, so ``q_hint`` chooses them
 (``Q_HINTS``): the prefill kernel's for prefill, the decode kernel's for decode. The plugin offers both as tactics,
