@@ -71,14 +71,13 @@ def test_one_launch_interpreter(q_lens, ctx_lens, q_hint):
 @pytest.mark.parametrize("num_seqs,width,max_splits,splits", [(1, 200, 16, 6), (1, 200, 4, 4), (3, 80, 16, 2),
                                                                (40, 40, 16, 1)])
 def test_decode_splits_match_the_torch_heuristic_interpreter(num_seqs, width, max_splits, splits):
-    # The kernel chooses its splits on the device; the torch path's decode kernel takes decode_num_splits(S, Hk,
-    # width * block_size) from the host. Splits that ran overwrote their part_lse entry (2 KV heads: 132 programs
-    # wanted per head; 200 blocks of 4 = 800 tokens of width: 6 splits fit, 4 with the cap; 40 sequences x 2 heads
-    # fill the target: 1 split, the output written directly, the scratch unused).
-    # Splits that ran overwrote their part_lse entry; a split runs if its run of 64-key chunks is not empty. 351 keys
-    # are 6 chunks: one a split at 6 splits, runs of 2 (3 splits used, the 4th left out) at 4; 320 keys in a table of
-    # 80 blocks of 4 are 5 chunks, runs of 3 at 2 splits; 40 sequences x 2 heads fill the target: 1 split, the output
-    # written directly, the scratch unused.
+    # The kernel chooses its splits on the device by the base rule, decode_num_splits(S, Hk, width * block_size)
+    # (2 KV heads: 132 programs wanted per head; 200 blocks of 4 = 800 tokens of width: 6 splits fit, 4 with the cap;
+    # 40 sequences x 2 heads fill the target: 1 split), which the torch path's decode kernel raises where its merge
+    # stays one pass (decode_launch_splits). Splits that ran overwrote their part_lse entry; a split runs if its run of
+    # 64-key chunks is not empty. 351 keys are 6 chunks: one a split at 6 splits, runs of 2 (3 splits used, the 4th
+    # left out) at 4; 320 keys in a table of 80 blocks of 4 are 5 chunks, runs of 3 at 2 splits; one split writes the
+    # output directly, the scratch unused.
     assert min(decode_num_splits(num_seqs, 2, width * 4), max_splits) == splits
     torch.manual_seed(num_seqs + width)
     ctx = min(350, width * 4 - 1)
