@@ -194,13 +194,21 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, target:
     return max(1, min(want, fits, MAX_SPLITS))
 
 
+def merge_heads(group: int, splits: int, head_dim: int) -> int:
+    """Query heads the merge loads at once (the ``MERGE_HEADS`` constexpr): its [heads, splits, D] tile within
+    MERGE_TILE; the merge takes one pass over the KV head's ``group`` heads when this is at least ``group``."""
+    return min(triton.next_power_of_2(group), max(1, MERGE_TILE // (triton.next_power_of_2(splits) * head_dim)))
+
+
 def decode_launch_splits(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_kv_len: int) -> int:
     """The decode kernel's splits (``decode_attention``): the base rule's, raised toward WIDE_TARGET_PROGRAMS
     programs of one chunk each while the merge stays one pass."""
     base = decode_num_splits(num_seqs, num_kv_heads, max_kv_len)
-    one_pass = MERGE_TILE // (head_dim * triton.next_power_of_2(max(1, num_q_heads // num_kv_heads)))
-    wide = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, WIDE_TARGET_PROGRAMS, DECODE_BLOCK_N)
-    return max(base, min(wide, triton.next_power_of_2(one_pass + 1) // 2))
+    splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, WIDE_TARGET_PROGRAMS, DECODE_BLOCK_N)
+    group = num_q_heads // num_kv_heads
+    while splits > base and merge_heads(group, splits, head_dim) < group:
+        splits = triton.next_power_of_2(splits) // 2  # the widest split count of the next narrower merge tile
+    return max(base, splits)
 
 
 def decode_scratch_shapes(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -230,7 +238,7 @@ def decode_attention_launch_config(num_seqs: int, num_q_heads: int, num_kv_heads
                       NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=DECODE_BLOCK_N,
                       MAX_SPLITS=MAX_SPLITS, SPLITS_POW2=splits_pow2,
                       PREFETCH_PAGES=True,  # +1-5% over per-iteration page loads (third H200 sweep)
-                      MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),
+                      MERGE_HEADS=merge_heads(group, splits, head_dim),
                       PDL=False)
     # 4 warps, 2 stages (64 KB of K/V tiles in flight per program, 3 programs per SM): 4157 GB/s vs 3286 with 3
     # stages at bs 64 x 4k on H200 (first sweep).

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device
-from .decode_attention import (MERGE_TILE, MIN_SPLIT_TOKENS, TARGET_PROGRAMS, _decode_attention_program,
+from .decode_attention import (MIN_SPLIT_TOKENS, TARGET_PROGRAMS, _decode_attention_program, merge_heads,
                                alloc_decode_scratch)
 from .prefill_attention import LOG2E, _prefill_attention_program, _tile_config
 
@@ -130,7 +130,7 @@ def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: i
                       PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SEQ_CHUNK=64,
                       BLOCK_G=max(16, triton.next_power_of_2(group)), DECODE_BLOCK_N=64, MAX_SPLITS=max_splits,
                       SPLITS_POW2=splits_pow2,
-                      MERGE_HEADS=min(triton.next_power_of_2(group), max(1, MERGE_TILE // (splits_pow2 * head_dim))),
+                      MERGE_HEADS=merge_heads(group, max_splits, head_dim),
                       TARGET=TARGET_PROGRAMS, MIN_SPLIT=MIN_SPLIT_TOKENS)
     grid = paged_attention_grid(num_tokens, num_seqs, num_q_heads, num_kv_heads, block_m)
     return LaunchConfig(_paged_attention_kernel, grid, constexprs, num_warps=warps, num_stages=stages)
