@@ -28,7 +28,7 @@ from ._launch import LaunchConfig
 from ._utils import check_device, pdl_enter
 from .prefill_attention import LOG2E
 
-# The base split rule (decode_num_splits; the one-launch kernel's, kernels.paged_attention, whose grid it sizes):
+# The base split rule (decode_num_splits):
 TARGET_PROGRAMS = 264  # ~2 resident programs per SM on a 132-SM H100; a constant, not a device query (AOT rule)
 # Below this a split's fixed cost (q load, merge) outweighs the parallelism it adds. H100, 32 layers' calls in one graph
 # (benchmarks/results/dev-logs/h100/bench_attention_sweep_small.md), table 137 blocks wide: bs 1 x 2k 12.5 -> 10.2 us
@@ -185,7 +185,8 @@ def _decode_attention_program(
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, target: int = TARGET_PROGRAMS,
                       min_split: int = MIN_SPLIT_TOKENS) -> int:
     """The base rule, splits per (sequence, KV head): enough programs to fill the GPU (``target``), each with >=
-    ``min_split`` tokens of the table's width; what the one-launch kernel computes on the device.
+    ``min_split`` tokens of the table's width (the one-launch kernel computes it on the device with the wide target
+    and one-chunk splits: ``kernels.paged_attention.one_launch_splits``).
 
     ``max_kv_len`` is a shape bound (``block_table.shape[1] * block_size``), never a device value.
     """

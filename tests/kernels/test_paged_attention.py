@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kernels import attention_ref as ref
-from kernels.decode_attention import decode_num_splits
-from kernels.paged_attention import paged_attention_grid, paged_attention_one_launch, paged_attention_scratch
+from kernels.paged_attention import (one_launch_splits, paged_attention_grid, paged_attention_one_launch,
+                                     paged_attention_scratch)
 from tests.helpers import assert_close_to_ref, poisoned
 from tests.kernels.test_decode_attention import make_paged_cache
 
@@ -68,24 +68,24 @@ def test_one_launch_interpreter(q_lens, ctx_lens, q_hint):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_seqs,width,max_splits,splits", [(1, 200, 16, 6), (1, 200, 4, 4), (3, 80, 16, 2),
-                                                               (40, 40, 16, 1)])
+@pytest.mark.parametrize("num_seqs,width,max_splits,splits", [(1, 200, 16, 12), (1, 200, 4, 4), (3, 80, 16, 5),
+                                                               (40, 40, 16, 2), (2, 8, 16, 1)])
 def test_decode_splits_match_the_torch_heuristic_interpreter(num_seqs, width, max_splits, splits):
-    # The kernel chooses its splits on the device by the base rule, decode_num_splits(S, Hk, width * block_size)
-    # (2 KV heads: 132 programs wanted per head; 200 blocks of 4 = 800 tokens of width: 6 splits fit, 4 with the cap;
-    # 40 sequences x 2 heads fill the target: 1 split), which the torch path's decode kernel raises where its merge
-    # stays one pass (decode_launch_splits). Splits that ran overwrote their part_lse entry; a split runs if its run of
-    # 64-key chunks is not empty. 351 keys are 6 chunks: one a split at 6 splits, runs of 2 (3 splits used, the 4th
-    # left out) at 4; 320 keys in a table of 80 blocks of 4 are 5 chunks, runs of 3 at 2 splits; one split writes the
-    # output directly, the scratch unused.
-    assert min(decode_num_splits(num_seqs, 2, width * 4), max_splits) == splits
+    # The kernel chooses its splits on the device by one_launch_splits(S, Hk, width * block_size, max_splits): the
+    # torch decode kernel's wide rule (512 programs, 64-key splits), capped. 2 KV heads: 256 programs wanted per head;
+    # 200 blocks of 4 = 800 tokens of width: 12 splits fit, 4 with the cap; 3 sequences, 80 blocks: 5 fit; 40
+    # sequences want 7 and 160 tokens fit 2; 32 tokens fit 1. Splits that ran overwrote their part_lse entry; a split
+    # runs if its run of 64-key chunks is not empty. 351 keys are 6 chunks: one a split at 12 splits (6 used), runs
+    # of 2 at 4 (3 used); 320 keys are 5 chunks, one a split at 5; 160 keys are 3 chunks, runs of 2 at 2; one split
+    # writes the output directly, the scratch unused. (The base rule, before: 6 / 4 / 2 / 1 / 1 splits.)
+    assert one_launch_splits(num_seqs, 2, width * 4, max_splits) == splits
     torch.manual_seed(num_seqs + width)
     ctx = min(350, width * 4 - 1)
     scratch, table = _check([1] * num_seqs, [ctx] * num_seqs, 4, 4, 2, 16, torch.float16, width=width,
                             max_splits=max_splits)
     chunks = -(-(ctx + 1) // 64)
     used = -(-chunks // -(-chunks // splits))
-    assert used == {6: 6, 4: 3, 2: 2, 1: 1}[splits]
+    assert used == {12: 6, 4: 3, 5: 5, 2: 2, 1: 1}[splits]
     ran = (scratch[1] != UNTOUCHED).reshape(num_seqs * 4, max_splits)
     if used == 1:  # one split writes the output directly
         assert not ran.any()
@@ -149,10 +149,11 @@ def test_importing_the_specs_imports_no_triton():
 
 
 def test_grid_holds_every_decode_program():
-    # S * splits <= S + cdiv(264, Hk) for any S: the grid's columns beyond the prefill tiles always hold them.
+    # S * splits <= S + cdiv(512, Hk) for any S (and any cap up to 64): the grid's columns beyond the prefill tiles
+    # always hold them.
     for hk in (1, 2, 8, 32):
         for s in range(1, 300):
-            splits = decode_num_splits(s, hk, 1 << 20)
+            splits = one_launch_splits(s, hk, 1 << 20, 64)
             cols, rows = paged_attention_grid(s, s, hk * 4, hk, 64)
             assert s * splits <= cols and rows >= hk, (hk, s, splits, cols)
 

@@ -9,8 +9,8 @@ The decode program's scratch is explicit: ``part_o [S, Hq, max_splits, D]`` and 
 fp32 (any contents) and ``counter [S, Hk]`` int32, zeros, which the kernel leaves at zero. They are inputs with
 aliased outputs (written in place, like the KV cache), so an engine threads one set through its layers: the graph
 inputs ``attn_part_o`` / ``attn_part_lse`` / ``attn_counter`` of ``export.onnx_export``, the counter zeroed once by
-the runtime. ``max_splits`` caps the decode splits (the base rule, ``kernels.decode_attention.decode_num_splits``,
-from S and the block table's width) and sizes the scratch.
+the runtime. ``max_splits`` caps the decode splits (``kernels.paged_attention.one_launch_splits``, from S and the
+block table's width) and sizes the scratch.
 
 One kernel has one launch configuration for both programs: ``q_hint`` (also the autotune tactic, so TensorRT times
 both on each optimization profile) picks the prefill kernel's (128) or the decode kernel's (1); both are correct for
