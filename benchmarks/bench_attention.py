@@ -238,8 +238,8 @@ def bench_one_launch(rows_out):
     device, launched for either q_hint) against the kernel the torch op picks on the host for the same step
     (``decode_attention`` when every sequence has one new token, else ``paged_prefill_attention``), same inputs, each
     in CUDA graphs over rotating input sets. fp16, 32q/8kv d128, block 16, each table 8 blocks wider than its context
-    (the table's width sets the decode splits of both: the one-launch kernel's by the base rule, the decode kernel's
-    by ``decode_launch_splits``, which may take more).
+    (the table's width sets the decode splits of both: the one-launch kernel's by ``one_launch_splits``, the decode
+    kernel's by ``decode_launch_splits``, which may take more).
     ``bench_plugin_layer`` judges bs 1 x 512 inside a layer; these are the other shapes."""
     from kernels.paged_attention import paged_attention_one_launch, paged_attention_scratch
     from kernels.prefill_attention import paged_prefill_attention

@@ -185,8 +185,8 @@ def _decode_attention_program(
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, target: int = TARGET_PROGRAMS,
                       min_split: int = MIN_SPLIT_TOKENS) -> int:
     """The base rule, splits per (sequence, KV head): enough programs to fill the GPU (``target``), each with >=
-    ``min_split`` tokens of the table's width (the one-launch kernel computes it on the device with the wide target
-    and one-chunk splits: ``kernels.paged_attention.one_launch_splits``).
+    ``min_split`` tokens of the table's width (the one-launch kernel computes it on the device with one-chunk
+    splits: ``kernels.paged_attention.one_launch_splits``).
 
     ``max_kv_len`` is a shape bound (``block_table.shape[1] * block_size``), never a device value.
     """

@@ -7,14 +7,12 @@ this kernel makes the same choice on the device: when every sequence has at most
 ``kernels.decode_attention``; otherwise the flash prefill program of ``kernels.prefill_attention``. Both are the torch
 path's own code (called, not copied); only the program-id mapping is this file's.
 
-Grid (AOT rule: shapes only): ``(cdiv(T, BLOCK_M) + 2 * S + cdiv(WIDE_TARGET_PROGRAMS, Hk), Hq)``. Prefill uses
-the first ``cdiv(T, BLOCK_M) + S`` columns exactly as the prefill kernel does; the rest exit. Decode uses ``S * splits``
-columns (split fastest) and the first ``Hk`` rows, where ``splits`` is ``one_launch_splits``' choice, computed in the
-kernel from ``S`` and the block table's width (its row stride: the width of a contiguous table): the decode kernel's
-wide rule (``WIDE_TARGET_PROGRAMS`` programs, splits of one ``DECODE_BLOCK_N`` chunk of the width) capped at
-``MAX_SPLITS`` (the scratch's split dimension). The merge tile is sized for ``MAX_SPLITS`` whatever the count, so
-the passes it takes do not depend on it, and the torch decode kernel's one-pass cap has nothing to guard here.
-``S * splits <= S + WIDE_TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them. As in the decode
+Grid (AOT rule: shapes only): ``(cdiv(T, BLOCK_M) + 2 * S + cdiv(TARGET_PROGRAMS, Hk), Hq)``. Prefill uses the first
+``cdiv(T, BLOCK_M) + S`` columns exactly as the prefill kernel does; the rest exit. Decode uses ``S * splits`` columns
+(split fastest) and the first ``Hk`` rows, where ``splits`` is ``one_launch_splits``' choice, computed in the kernel
+from ``S`` and the block table's width (its row stride: the width of a contiguous table): the base rule's program
+target with splits as short as one ``DECODE_BLOCK_N`` chunk of the width, capped at ``MAX_SPLITS`` (the scratch's split
+dimension). ``S * splits <= S + TARGET_PROGRAMS / Hk`` by that rule, so the grid always holds them. As in the decode
 kernel, splits a short sequence leaves without keys return at once.
 
 One kernel has one set of launch parameters and one shared-memory size for both programs, so ``q_hint`` chooses them
@@ -40,7 +38,7 @@ import triton.language as tl
 
 from ._launch import LaunchConfig
 from ._utils import check_device
-from .decode_attention import (DECODE_BLOCK_N, WIDE_TARGET_PROGRAMS, _decode_attention_program, alloc_decode_scratch,
+from .decode_attention import (DECODE_BLOCK_N, TARGET_PROGRAMS, _decode_attention_program, alloc_decode_scratch,
                                decode_num_splits, merge_heads)
 from .prefill_attention import LOG2E, _prefill_attention_program, _tile_config
 
@@ -111,20 +109,25 @@ def _launch_tiles(head_dim: int, q_hint: int) -> tuple[int, int, int, int]:
 
 def one_launch_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int,
                       max_splits: int = DEFAULT_MAX_SPLITS) -> int:
-    """The decode splits the kernel computes on the device: the decode kernel's wide rule (``WIDE_TARGET_PROGRAMS``
-    programs, splits of at least one ``DECODE_BLOCK_N`` chunk of ``max_kv_len``, the table's width in tokens), capped
-    at the scratch's ``max_splits``. It was the base rule (``decode_num_splits``' defaults) up to 5dd31d7, where H200
-    ``benchmarks/bench_attention.py --one-launch`` ran decode bs 1 x 512 in 7.56 us against the torch decode kernel's
-    6.38, bs 8 x 2048 in 36.7 against 27.9 (``benchmarks/results/dev-logs/h200/one_launch_wide_splits.md``)."""
-    return min(decode_num_splits(num_seqs, num_kv_heads, max_kv_len, WIDE_TARGET_PROGRAMS, DECODE_BLOCK_N),
-               max_splits)
+    """The decode splits the kernel computes on the device: ``decode_num_splits`` toward ``TARGET_PROGRAMS`` programs
+    with splits of at least one ``DECODE_BLOCK_N`` chunk of ``max_kv_len`` (the table's width in tokens), capped at
+    the scratch's ``max_splits``.
+
+    Not the torch decode kernel's rule (``decode_launch_splits``, toward 512 programs): this kernel's shared memory is
+    sized for the prefill program's tiles too, so fewer of its programs share an SM. H200, the one-launch kernel alone
+    (q_hint 1) in CUDA graphs, 111 (heads, batch, context, table width) rows of 5 head shapes where the rules differ
+    (``benchmarks/results/dev-logs/h200/one_launch_splits.md``): the 512-program rule against the base rule (128-token
+    splits) 46 rows faster but 35 slower (down to 0.80x: Llama-3.2-1B bs 16 x 2048, mid-length rows past one wave of
+    programs); this rule, where it matched a timed count, 17 faster (bs 1-4 at 128-512 tokens 1.08-1.25x), 3 slower
+    (0.947-0.98x)."""
+    return min(decode_num_splits(num_seqs, num_kv_heads, max_kv_len, TARGET_PROGRAMS, DECODE_BLOCK_N), max_splits)
 
 
 def paged_attention_grid(num_tokens, num_seqs, num_q_heads: int, num_kv_heads: int, block_m: int,
                          cdiv=triton.cdiv) -> tuple:
     """The launch grid for prefill tiles of ``block_m`` rows. ``num_tokens`` / ``num_seqs`` may be shape expressions,
     with a ``cdiv`` that takes them (the plugin spec passes ``trt_plugins.specs.cdiv``)."""
-    return (cdiv(num_tokens, block_m) + num_seqs * 2 + -(-WIDE_TARGET_PROGRAMS // num_kv_heads), num_q_heads)
+    return (cdiv(num_tokens, block_m) + num_seqs * 2 + -(-TARGET_PROGRAMS // num_kv_heads), num_q_heads)
 
 
 @functools.lru_cache(maxsize=512)  # pure, so cacheable: keeps per-call host overhead low
@@ -143,7 +146,7 @@ def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: i
                       BLOCK_G=max(16, triton.next_power_of_2(group)), DECODE_BLOCK_N=64, MAX_SPLITS=max_splits,
                       SPLITS_POW2=splits_pow2,
                       MERGE_HEADS=merge_heads(group, max_splits, head_dim),
-                      TARGET=WIDE_TARGET_PROGRAMS, MIN_SPLIT=DECODE_BLOCK_N)
+                      TARGET=TARGET_PROGRAMS, MIN_SPLIT=DECODE_BLOCK_N)
     grid = paged_attention_grid(num_tokens, num_seqs, num_q_heads, num_kv_heads, block_m)
     return LaunchConfig(_paged_attention_kernel, grid, constexprs, num_warps=warps, num_stages=stages)
 

@@ -71,10 +71,10 @@ def test_one_launch_interpreter(q_lens, ctx_lens, q_hint):
 @pytest.mark.parametrize("num_seqs,width,max_splits,splits", [(1, 200, 16, 12), (1, 200, 4, 4), (3, 80, 16, 5),
                                                                (40, 40, 16, 2), (2, 8, 16, 1)])
 def test_decode_splits_match_the_torch_heuristic_interpreter(num_seqs, width, max_splits, splits):
-    # The kernel chooses its splits on the device by one_launch_splits(S, Hk, width * block_size, max_splits): the
-    # torch decode kernel's wide rule (512 programs, 64-key splits), capped. 2 KV heads: 256 programs wanted per head;
-    # 200 blocks of 4 = 800 tokens of width: 12 splits fit, 4 with the cap; 3 sequences, 80 blocks: 5 fit; 40
-    # sequences want 7 and 160 tokens fit 2; 32 tokens fit 1. Splits that ran overwrote their part_lse entry; a split
+    # The kernel chooses its splits on the device by one_launch_splits(S, Hk, width * block_size, max_splits): toward
+    # 264 programs, splits of 64 keys or more, capped. 2 KV heads: 132 programs wanted per head; 200 blocks of 4 = 800
+    # tokens of width: 12 splits fit, 4 with the cap; 3 sequences, 80 blocks: 5 fit; 40 sequences want 4 and 160
+    # tokens fit 2; 32 tokens fit 1. Splits that ran overwrote their part_lse entry; a split
     # runs if its run of 64-key chunks is not empty. 351 keys are 6 chunks: one a split at 12 splits (6 used), runs
     # of 2 at 4 (3 used); 320 keys are 5 chunks, one a split at 5; 160 keys are 3 chunks, runs of 2 at 2; one split
     # writes the output directly, the scratch unused. (The base rule, before: 6 / 4 / 2 / 1 / 1 splits.)
@@ -149,7 +149,7 @@ def test_importing_the_specs_imports_no_triton():
 
 
 def test_grid_holds_every_decode_program():
-    # S * splits <= S + cdiv(512, Hk) for any S (and any cap up to 64): the grid's columns beyond the prefill tiles
+    # S * splits <= S + cdiv(264, Hk) for any S (and any cap up to 64): the grid's columns beyond the prefill tiles
     # always hold them.
     for hk in (1, 2, 8, 32):
         for s in range(1, 300):
