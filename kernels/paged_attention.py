@@ -114,12 +114,12 @@ def one_launch_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int,
     the scratch's ``max_splits``.
 
     Not the torch decode kernel's rule (``decode_launch_splits``, toward 512 programs): this kernel's shared memory is
-    sized for the prefill program's tiles too, so fewer of its programs share an SM. H200, the one-launch kernel alone
-    (q_hint 1) in CUDA graphs, 111 (heads, batch, context, table width) rows of 5 head shapes where the rules differ
-    (``benchmarks/results/dev-logs/h200/one_launch_splits.md``): the 512-program rule against the base rule (128-token
-    splits) 46 rows faster but 35 slower (down to 0.80x: Llama-3.2-1B bs 16 x 2048, mid-length rows past one wave of
-    programs); this rule, where it matched a timed count, 17 faster (bs 1-4 at 128-512 tokens 1.08-1.25x), 3 slower
-    (0.947-0.98x)."""
+    sized for the prefill program's tiles too, and past one wave of programs it lost. H200, the kernel alone (q_hint
+    1) in CUDA graphs against the base rule (128-token splits), rows where the rules differ
+    (``benchmarks/results/dev-logs/h200/one_launch_splits.md``): the 512-program rule 46 of 111 rows faster, 35 slower
+    (down to 0.80x); this rule, read off 5 head shapes, 24 of 31 changed rows faster (up to 1.29x: bs 1-4 at
+    128-512 tokens), 5 slower (0.87-0.98x); judged on 5 others, 25 of 34 faster, 6 slower (0.88-0.98x). Never
+    passing 264 programs (floor, not ceiling) lost up to 0.68x on the D = 64 heads."""
     return min(decode_num_splits(num_seqs, num_kv_heads, max_kv_len, TARGET_PROGRAMS, DECODE_BLOCK_N), max_splits)
 
 
