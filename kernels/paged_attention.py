@@ -93,10 +93,14 @@ def _paged_attention_kernel(
 
 
 # q_hint -> how the launch is tuned. 128 (prefill, the default): the prefill kernel's tiles, warps and stages. 1
-# (decode): the decode kernel's 4 warps / 2 stages and a small prefill tile, so that the kernel's shared memory is
-# about the decode kernel's (three of its programs share an SM); with the prefill tiles one program per SM fits and
-# decode steps of bs 8-128 x 512 ran at 0.61-0.65x the decode kernel (H100, benchmarks/results/h100/
+# (decode): the decode kernel's 4 warps / 2 stages and a 64 x 64 prefill tile; with the prefill tiles one program per
+# SM fits and decode steps of bs 8-128 x 512 ran at 0.61-0.65x the decode kernel (H100, benchmarks/results/h100/
 # bench_attention_one_launch.md at 154d2dc; dev-logs/h100/attention_tiles.md). Either is correct for any step.
+# Shared memory (sm_90, fp16, Triton 3.6): q_hint 1 takes 80 KB at head dim 128 (40 KB at 64), the torch path's decode
+# kernel 22.5 KB, so at D = 128 two programs share an SM where the decode kernel fits more. 16 x 32 prefill tiles, 2
+# stages (38 KB) ran decode at D = 128 and bs 8-128 1.10-1.26x faster on 9 of 10 rows, but bs 1 down to 0.90x, and
+# SmolLM2's heads (D = 64) 0.93-1.01x; 1 stage (22.5 KB) lost on most rows (H200, benchmarks/results/dev-logs/h200/
+# one_launch_q1_tiles.md). Not changed: one tactic serves every batch size of an engine's decode profile.
 Q_HINTS = (1, 128)
 
 
