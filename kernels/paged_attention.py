@@ -147,8 +147,8 @@ def paged_attention_launch_config(num_tokens: int, num_seqs: int, num_q_heads: i
     splits_pow2 = triton.next_power_of_2(max_splits)
     constexprs = dict(QK_SCALE=float(scale) * LOG2E, GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                       PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SEQ_CHUNK=64,
-                      BLOCK_G=max(16, triton.next_power_of_2(group)), DECODE_BLOCK_N=DECODE_BLOCK_N, MAX_SPLITS=max_splits,
-                      SPLITS_POW2=splits_pow2,
+                      BLOCK_G=max(16, triton.next_power_of_2(group)), DECODE_BLOCK_N=DECODE_BLOCK_N,
+                      MAX_SPLITS=max_splits, SPLITS_POW2=splits_pow2,
                       MERGE_HEADS=merge_heads(group, max_splits, head_dim),
                       TARGET=TARGET_PROGRAMS, MIN_SPLIT=DECODE_BLOCK_N)
     grid = paged_attention_grid(num_tokens, num_seqs, num_q_heads, num_kv_heads, block_m)
