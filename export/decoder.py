@@ -89,7 +89,8 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
     residual = None
     for i, caches in enumerate(kv_cache):
         p = f"layers.{i}."
-        # The first norm has nothing to add; every later one fuses the residual add into the norm.
+        # The first norm has nothing to add; every later one fuses the residual add into the norm. (The norm inside
+        # the next GEMV's prologue lost at every shape but SmolLM2's at bs 1: dev-logs/h200/norm_in_gemv.md.)
         if residual is None:
             h, residual = ops.rms_norm(x, p + "attn_norm", eps), x
         else:
