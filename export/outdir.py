@@ -2,9 +2,10 @@
 
 ``check_out`` refuses, before anything is created: an OUT that is a file, a mount point, the current directory (or one
 above it), one that overlaps the checkpoint, one on a read-only or unwritable disk, and an existing directory that is
-neither empty nor a previous output of ours. "Ours" means ``build.json`` has the ``tritrt_version`` key and every entry
-of OUT is one that build.json lists (plus ``kernels/`` and ``model.engine``): a file a user dropped into an old OUT
-makes it theirs again. There is no ``--force``: what is refused is for the user to move or delete.
+neither empty nor a previous output of ours. "Ours" means ``build.json`` has the ``tritrt_version`` key, every entry
+of OUT is one that build.json lists (plus ``kernels/`` and ``model.engine``), and every entry of ``kernels/`` one that
+its ``manifest.json`` lists: a file a user dropped into an old OUT makes it theirs again. There is no ``--force``:
+what is refused is for the user to move or delete.
 
 ``WorkDir`` is the build's temp dir beside OUT, ``.OUT.tmp-<pid>-<random>``, locked (``flock``) while the build runs.
 ``commit`` re-checks OUT and swaps the two atomically (``renameat2(RENAME_EXCHANGE)``; elsewhere OUT is first moved to
@@ -52,10 +53,30 @@ def our_output(out: Path) -> tuple[bool, str]:
         return False, f"its build.json lacks the '{MARKER_KEY}' key"
     listed = {f.split("/")[0] for f in build.get("files", []) if isinstance(f, str)}
     foreign = sorted(p.name for p in out.iterdir() if p.name not in listed and not _ALWAYS_OURS.match(p.name))
+    kernels = out / "kernels"
+    if os.path.lexists(kernels):
+        foreign += _foreign_kernels(kernels)
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         return False, f"it holds files that export.build did not write ({', '.join(foreign[:3])}{more})"
     return True, ""
+
+
+def _foreign_kernels(kernels: Path) -> list[str]:
+    """Entries of OUT/kernels that its manifest.json does not list: the build writes only the manifest and the files
+    it names there, so anything else (a user's notes, another SM's ``sm_XX/`` from ``python -m trt_plugins.aot``) is
+    not ours."""
+    if kernels.is_symlink() or not kernels.is_dir():
+        return ["kernels (not the directory export.build writes)"]
+    try:
+        manifest = json.loads((kernels / "manifest.json").read_text())
+        listed = {"manifest.json"} | {e[k] for e in manifest["kernels"] for k in ("ptx", "trt_ptx", "cubin")}
+    except FileNotFoundError:
+        listed = set()
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["kernels/manifest.json (unreadable)"]
+    return sorted(f"kernels/{p.name}" for p in kernels.iterdir()
+                  if p.name not in listed or p.is_symlink() or not p.is_file())
 
 
 def _first_existing(path: Path) -> Path:

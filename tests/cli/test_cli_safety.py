@@ -84,6 +84,28 @@ def test_our_out_with_a_user_file_added_is_refused(tiny_llama_dir, tmp_path):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("extra", ["kernels/my_notes.txt", "kernels/sm_80/mine.cubin"])
+def test_a_user_file_in_our_kernels_dir_is_refused(tiny_llama_dir, tmp_path, extra):
+    """kernels/ is ours only as far as its manifest.json goes: a file or an ``sm_XX/`` folder (what ``python -m
+    trt_plugins.aot --sm 80,90 --out OUT/kernels`` writes) that a user added there would be deleted with the old OUT."""
+    out = build_out(tiny_llama_dir, tmp_path / "out")
+    kernels = out / "kernels"  # what a build that compiled kernels leaves (the CLI tests' builds skip the compile)
+    kernels.mkdir()
+    (kernels / "manifest.json").write_text(json.dumps({"kernels": [{"ptx": "k.ptx", "trt_ptx": "k.trt.ptx",
+                                                                    "cubin": "k.cubin"}]}))
+    for name in ("k.ptx", "k.trt.ptx", "k.cubin"):
+        (kernels / name).write_text("built")
+    from export.outdir import our_output
+
+    assert our_output(out) == (True, "")  # the manifest's own files: still ours
+    (out / extra).parent.mkdir(exist_ok=True)
+    (out / extra).write_text("the user's")
+    before = tree(tmp_path)
+    assert_refused(cli("build", "--checkpoint", tiny_llama_dir, "--out", out),
+                   f"holds files that export.build did not write ({'/'.join(extra.split('/')[:2])})")
+    assert tree(tmp_path) == before
+
+
 def test_our_out_is_replaced_and_an_empty_dir_is_used(tiny_llama_dir, tmp_path):
     out = build_out(tiny_llama_dir, tmp_path / "out")
     assert json.loads((out / "build.json").read_text())["quant"] == "none"
