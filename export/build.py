@@ -201,6 +201,8 @@ def plan_build(args) -> Plan:
     ckpt_dir = None
     if source is not None:
         ckpt_dir = _checkpoint_dir(source)
+        if ckpt_dir.resolve() != Path(source).resolve():  # a .gguf converted to a folder: OUT must not overlap that either
+            check_out(out, ckpt_dir)
         hf = read_hf_config(ckpt_dir)
         config = LlamaConfig.from_hf(hf, str(ckpt_dir / "config.json"))
         check_weight_files(ckpt_dir)

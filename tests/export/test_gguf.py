@@ -231,6 +231,23 @@ def test_cache_converts_once_and_again_after_a_change(tiny_dirs, tmp_path, monke
     assert eg.checkpoint_dir(tiny_dirs("llama")) == tiny_dirs("llama"), "a directory passes through"
 
 
+def test_out_inside_the_converted_checkpoint_is_refused_before_the_build(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """--out inside the folder a .gguf is converted to overlaps what the build reads: refused before any work, as any
+    OUT overlapping a checkpoint is (the check once saw only the .gguf file, and the overlap surfaced at the swap, after
+    the whole build, with a temp dir left in the cache had the build been killed)."""
+    from export import build as B
+
+    monkeypatch.setenv("TRITRT_CACHE", str(tmp_path / "cache"))
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "m.gguf")
+    converted = eg.checkpoint_dir(src)
+    before = sorted(p.name for p in converted.iterdir())
+    monkeypatch.setattr(B, "WorkDir", lambda *a, **k: pytest.fail("the build started"))
+    rc = B.main(["--checkpoint", str(src), "--out", str(converted / "out"), "--no-engine"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "overlaps the checkpoint" in err, err
+    assert sorted(p.name for p in converted.iterdir()) == before
+
+
 def test_cache_keeps_the_first_of_two_concurrent_conversions(tiny_dirs, tmp_path):
     src = write_gguf(tiny_dirs("llama"), tmp_path / "m.gguf")
     dest = tmp_path / "cache" / "m"
