@@ -7,7 +7,7 @@ import torch
 
 from tests.trt_plugins.cases import CASES, fp32_reference, make_case
 from trt_plugins.reference import run_reference
-from trt_plugins.specs import SPECS
+from trt_plugins.specs import SPECS, dtype_name, torch_dtype
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -19,9 +19,11 @@ def test_reference_equals_the_kernels_reference(case):
     want = fp32_reference(op, ins, attrs)
     spec = SPECS[op]
     assert len(outs) == len(spec.outputs)
+    declared = spec.output_dtypes({n: dtype_name(t.dtype) for n, t in zip(spec.inputs, ins)}, spec.full_attrs(attrs))
     for o, w, name in zip(outs, want, spec.outputs):
-        # Both sides are the same fp32 math rounded once to the output dtype; the only difference allowed is that
-        # one rounding (the direct call may stay fp32): half an ulp of the output dtype, relative.
+        assert o.dtype == torch_dtype(declared[name]), f"{op}.{name}: {o.dtype}, the spec declares {declared[name]}"
+        # Both sides are fp32 math rounded once to the output dtype (the direct call may stay fp32 until here); where
+        # their fp32 values straddle a rounding boundary the two roundings differ by one ulp, relative.
         w = w.to(o.dtype).float()
         ulp = torch.finfo(o.dtype).eps if o.dtype.is_floating_point else 0
         assert o.shape == w.shape, name
