@@ -201,7 +201,7 @@ def plan_build(args) -> Plan:
     ckpt_dir = None
     if source is not None:
         ckpt_dir = _checkpoint_dir(source)
-        if ckpt_dir.resolve() != Path(source).resolve():  # a .gguf converted to a folder: OUT must not overlap that either
+        if ckpt_dir.resolve() != Path(source).resolve():  # a .gguf converted to a folder: no overlap with it either
             check_out(out, ckpt_dir)
         hf = read_hf_config(ckpt_dir)
         config = LlamaConfig.from_hf(hf, str(ckpt_dir / "config.json"))
@@ -248,11 +248,9 @@ def plan_build(args) -> Plan:
                 int4_method=int4_method, notes=notes)
 
 
-def _export_onnx(model, tmp: Path, args, log, progress) -> list[str]:
-    try:
-        from .onnx_export import export_onnx
-    except ImportError as e:
-        return [f"ONNX export skipped: export.onnx_export is not available ({e})"]
+def _export_onnx(model, tmp: Path, args, log, progress) -> None:
+    from .onnx_export import export_onnx
+
     for flavour in ("plugin", "reference"):
         path = tmp / f"model.{flavour}.onnx"
         t0 = time.perf_counter()
@@ -260,7 +258,6 @@ def _export_onnx(model, tmp: Path, args, log, progress) -> list[str]:
             export_onnx(model, model.config, path, flavour, block_size=args.block_size, dtype=model.dtype,
                         quant=model.quant, group_size=model.group_size if model.quant == "int4" else None)
         log(f"  {path.name} ({time.perf_counter() - t0:.1f} s)")
-    return []
 
 
 def _aot_kernels(tmp: Path, sm: int, log, progress) -> list[str]:
@@ -408,13 +405,10 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
         skipped += skip
         with progress.step("writing weights.safetensors"):
             save_weights(model.weights, tmp / "weights.safetensors")
-        skipped += _export_onnx(model, tmp, args, log, progress)
+        _export_onnx(model, tmp, args, log, progress)
         skipped += _aot_kernels(tmp, plan.sm, log, progress)
         shutil.rmtree(tmp / "_tiny_checkpoint", ignore_errors=True)
-        if any(s.startswith("ONNX") for s in skipped):
-            skipped.append("engine skipped: no ONNX to build it from")
-        else:
-            skipped += _engine(tmp, build, args, log, plan.out)
+        skipped += _engine(tmp, build, args, log, plan.out)
         # Top-level files, and the kernels by their manifest (which lists every PTX/cubin).
         build["files"] = sorted([p.name for p in tmp.iterdir() if p.is_file()] + ["build.json"] +
                                 (["kernels/manifest.json"] if (tmp / "kernels" / "manifest.json").exists() else []))

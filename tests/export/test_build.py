@@ -11,13 +11,6 @@ import torch
 from export import build as B
 from export.model import LlamaModel, make_batch
 
-HAVE_EXPORTER = True
-try:
-    import export.onnx_export  # noqa: F401
-except ImportError:  # E2's module; the build itself then skips the ONNX step
-    HAVE_EXPORTER = False
-needs_exporter = pytest.mark.skipif(not HAVE_EXPORTER, reason="export.onnx_export (E2) is not available")
-
 EXPECTED = ["build.json", "config.json", "model.plugin.onnx", "model.plugin.onnx.data", "model.reference.onnx",
             "model.reference.onnx.data", "tokenizer.json", "tokenizer_config.json", "weights.safetensors"]
 
@@ -44,7 +37,6 @@ def built(tmp_path_factory, tiny_dirs):
     return outs
 
 
-@needs_exporter
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_out_dir_contents(built, quant):
     out = built[quant]
@@ -61,7 +53,6 @@ def test_out_dir_contents(built, quant):
     assert any("AOT kernels skipped" in s for s in build["skipped"])  # interpreter on
 
 
-@needs_exporter
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_out_weights_reproduce_model(built, tiny_dirs, quant):
     """LlamaModel.from_output_dir(OUT) computes the same logits as the model built from the checkpoint: the saved
@@ -76,7 +67,6 @@ def test_out_weights_reproduce_model(built, tiny_dirs, quant):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-@needs_exporter
 @pytest.mark.parametrize("head", ["int8", "int4"])
 def test_lm_head_quant_of_a_tied_checkpoint(tmp_path, tiny_dirs, capsys, head):
     """``--lm-head-quant``: OUT's head is its own quantized copy of the tied embedding (config.json and build.json say
@@ -113,7 +103,6 @@ def test_lm_head_quant_of_a_tied_checkpoint(tmp_path, tiny_dirs, capsys, head):
     assert "PASSED" in capsys.readouterr().out
 
 
-@needs_exporter
 def test_profiles_cover_decode_and_prefill(built):
     from export.engine import profile_shapes
 
@@ -129,7 +118,6 @@ def test_profiles_cover_decode_and_prefill(built):
     assert shapes["decode"]["k_cache_1"][2] == (nb, 4, 2, 16)
 
 
-@needs_exporter
 def test_builtin_tiny_int4_default_group(tmp_path, capsys):
     """The tiny model's main job (--tiny instead of the default real model): int4 at the default group size 128."""
     out = tmp_path / "out"
@@ -224,7 +212,6 @@ def test_from_onnx_needs_an_out(tmp_path, capsys):
     assert rc != 0 and "lacks build.json" in err
 
 
-@needs_exporter
 def test_gptq_act_order_checkpoint_builds(tiny_dirs, tmp_path, capsys):
     """A GPTQ checkpoint (act order) goes through the whole build as its own int4, and OUT reproduces its model."""
     from tests.export.test_quantize import _make_quantized_checkpoint
