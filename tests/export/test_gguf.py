@@ -119,8 +119,11 @@ def test_q8_0_import_runs_in_our_model_close_to_the_original(tiny_dirs, tmp_path
     for path in (src, out):
         model = LlamaModel.from_checkpoint(path, dtype=torch.float32)
         logits.append(model(batch, model.allocate_kv_cache(2, 16), all_logits=True))
+    # Q8_0's rounding (8-bit blocks of 32) moves these logits by 0.56-0.60% of their largest (4 prompts measured);
+    # 2% allows 3x that. Not a test of the q/k row order, whose error is of the same size here: the F32 tests above
+    # check that exactly.
     err = float((logits[0] - logits[1]).abs().max())
-    assert 0 < err < 0.05 * float(logits[0].abs().max()), describe_error(logits[1], logits[0])
+    assert 0 < err < 0.02 * float(logits[0].abs().max()), describe_error(logits[1], logits[0])
 
 
 def _rope_halves(x, pos, base):
