@@ -195,7 +195,12 @@ def load_text(spec: str) -> tuple[str, str]:
     path = Path(spec)
     if not path.is_file():
         raise EvalError(f"--text {spec}: neither a shipped text ({', '.join(TEXTS)}) nor a file")
-    return path.read_text(encoding="utf-8"), str(path)
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except UnicodeDecodeError as e:
+        raise EvalError(f"--text {spec}: not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 file") from None
+    except OSError as e:
+        raise EvalError(f"--text {spec}: cannot be read ({e.strerror}); make it readable") from None
 
 
 def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
@@ -208,7 +213,10 @@ def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
 
 
 def _check_device(device: str) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise EvalError(f"--device {device}: not a device; choose cpu or cuda (or cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EvalError(f"--device {device}: no CUDA device here; use --device cpu")
     if dev.type not in ("cpu", "cuda"):
@@ -227,6 +235,9 @@ def run(args, log=print) -> dict:
     for out in args.out:
         if not (out / "build.json").is_file() or not (out / "weights.safetensors").is_file():
             raise EvalError(f"{out} is not a build output (no build.json / weights.safetensors); make one with "
+                            f"python -m export.build --out {out}")
+        if not holds_json_with(out / "build.json", ()):
+            raise EvalError(f"{out}/build.json is not a JSON object (damaged?); build {out} again with "
                             f"python -m export.build --out {out}")
     ckpt = checkpoint_dir(args.against, log_fn=log)
     if not Path(ckpt).is_dir():
@@ -305,6 +316,10 @@ def check_json_path(path: Path) -> None:
     if os.path.lexists(path) and not holds_json_with(path, ("reference", "builds")):
         raise EvalError(f"--json {path}: exists and is not an earlier export.eval result, so it is not overwritten; "
                         f"pass a new file name")
+    parent = path.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise EvalError(f"--json {path}: {parent} is not a directory this user can write to; create it or pass "
+                        f"another path")
 
 
 def main(argv=None) -> int:
@@ -320,7 +335,12 @@ def main(argv=None) -> int:
         return 2
     print(format_table(result))
     if args.json:
-        write_atomic(args.json, json.dumps(result, indent=2).encode())
+        try:
+            write_atomic(args.json, json.dumps(result, indent=2).encode())
+        except OSError as e:
+            print(f"error: --json {args.json}: not written ({e.strerror}); the table above is the result",
+                  file=sys.stderr)
+            return 2
     return 0
 
 

@@ -136,9 +136,17 @@ def test_scores_match_a_direct_computation():
     assert d["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-5)
 
 
-@pytest.mark.parametrize("case", ["no_out", "no_checkpoint", "no_text", "cuda", "window", "ours_on_cuda"])
+@pytest.mark.parametrize("case", ["no_out", "no_checkpoint", "no_text", "cuda", "window", "ours_on_cuda",
+                                  "bad_device", "text_not_utf8", "json_dir_missing", "build_json_damaged"])
 def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
+    import shutil
+
     ckpt, none, _ = builds
+    if case == "text_not_utf8":
+        (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    if case == "build_json_damaged":  # a copy of the build whose build.json was cut short
+        shutil.copytree(none, tmp_path / "damaged")
+        (tmp_path / "damaged" / "build.json").write_text('{"quant": "no')
     argv = {
         "no_out": [tmp_path / "missing", "--against", ckpt],
         "no_checkpoint": [none, "--against", tmp_path / "nope"],
@@ -146,6 +154,10 @@ def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
         "cuda": [none, "--against", ckpt, "--device", "cuda"],
         "window": [none, "--against", ckpt, "--window", "1"],
         "ours_on_cuda": [none, "--against", ckpt, "--device", "cuda", "--reference", "ours"],
+        "bad_device": [none, "--against", ckpt, "--device", "gpu0"],
+        "text_not_utf8": [none, "--against", ckpt, "--text", tmp_path / "latin1.txt"],
+        "json_dir_missing": [none, "--against", ckpt, "--json", tmp_path / "results" / "eval.json"],
+        "build_json_damaged": [tmp_path / "damaged", "--against", ckpt],
     }[case]
     if case == "ours_on_cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA (on CPU --device cuda is refused first)")
@@ -161,7 +173,10 @@ def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert {"no_out": "python -m export.build", "no_checkpoint": "no such checkpoint", "no_text": "shipped text",
-            "cuda": "--device cpu", "ours_on_cuda": "--reference hf"}[case] in lines[0]
+            "cuda": "--device cpu", "ours_on_cuda": "--reference hf", "bad_device": "choose cpu or cuda",
+            "text_not_utf8": "not UTF-8", "json_dir_missing": "create it or pass another path",
+            "build_json_damaged": "build.json is not a JSON object"}[case] in lines[0]
+    assert not (tmp_path / "results").exists()
 
 
 def test_shipped_texts_are_the_recorded_files_and_disjoint():
@@ -220,3 +235,20 @@ def test_json_replaces_an_earlier_eval_result_and_leaves_no_temp_file(builds, ca
     rc, _, err = _eval(capsys, none, "--against", ckpt, *FAST, "--json", path)
     assert rc == 0, err
     assert len(json.loads(path.read_text())["builds"]) == 1 and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_json_that_cannot_be_written_after_the_run_says_so(builds, capsys, tmp_path, monkeypatch):
+    """A --json write that fails after the evaluation (the disk filled meanwhile): one error line, exit 2, and the
+    printed table is the result; no temp file left."""
+    ckpt, none, _ = builds
+    path = tmp_path / "r.json"
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ev, "write_atomic", disk_full)
+    rc, out, err = _eval(capsys, none, "--against", ckpt, *FAST, "--json", path)
+    assert rc == 2 and "ppl" in out and "(reference)" in out
+    assert err.strip().splitlines() == [f"error: --json {path}: not written (No space left on device); the table "
+                                        "above is the result"]
+    assert list(tmp_path.iterdir()) == []
