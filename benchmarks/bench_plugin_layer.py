@@ -1,13 +1,13 @@
 """One decoder layer's decode step as the TensorRT engine runs it vs the torch path, Llama-3-8B shape, bs 1, ctx 512.
 
 "plugin": every op of the plugin graph (``export.onnx_export``'s layer: FusedAddRmsNorm, W*A16Linear qkv,
-RopeWriteKvCache, PagedAttention, W*A16Linear o, FusedAddRmsNorm, W*A16Linear gate/up with swiglu=1 on the interleaved
-weight, W*A16Linear down) is its
-plugin's AOT kernel -- the one the engine embeds for M = 1 (the GEMMs' tactic 1, which on this GPU is the kernel the
-torch op routes to: ``trt_plugins.specs.linear_kernels``) -- compiled ahead of time and launched through the CUDA driver
-(``trt_plugins.aot.run_aot``, ``kernels.aot.launcher.AotKernel``); the q/k/v slices of the qkv output, which TensorRT
-makes dense for the plugins, are copies; PagedAttention gets its decode scratch as the engine's ``attn_*`` inputs, and
-its kernel (tactic q_hint = 1, the decode profile's) takes its split-KV decode program on this step. "torch": the same
+QkvRopeWriteKvCache (q, k and v read in place from the qkv output), PagedAttention, W*A16Linear o, FusedAddRmsNorm,
+W*A16Linear gate/up with swiglu=1 on the interleaved weight, W*A16Linear down) is its plugin's AOT kernel -- the one
+the engine embeds for M = 1 (the GEMMs' tactic 1, which on this GPU is the kernel the torch op routes to:
+``trt_plugins.specs.linear_kernels``) -- compiled ahead of time and launched through the CUDA driver
+(``trt_plugins.aot.run_aot``, ``kernels.aot.launcher.AotKernel``); PagedAttention gets its decode scratch as the
+engine's ``attn_*`` inputs, and its kernel (tactic q_hint = 1, the decode profile's) takes its split-KV decode program
+on this step. "torch": the same
 layer through ``export.model.TorchOps`` (``torch.ops.tritrt.*``) with the checkpoint's gate/up layout (GEMM, then the
 SwiGLU kernel). All are captured in CUDA graphs
 (``harness.bench(cuda_graph=True)``), cycling through layer weight sets larger than L2, so the times are device time
@@ -63,8 +63,8 @@ def layer_step(ops, x, residual, positions, caches, slot_mapping, block_table, s
     on any ``DecoderOps`` backend; returns (x, residual) for the next layer. ``fused_swiglu``: the gate/up GEMM with
     SwiGLU in its epilogue on the interleaved weight ``w13_pairs`` (a fused model's layer)."""
     h, residual = ops.fused_add_rms_norm(x, residual, "attn_norm", EPS, "attn_norm")
-    q, k, v = ops.split_heads(ops.linear(h, "wqkv"), [HEADS, KV_HEADS, KV_HEADS], HEAD_DIM, "qkv_split")
-    q, caches = ops.rope_write_kv_cache(q, k, v, positions, 0, caches, slot_mapping, "rope_write_kv")
+    q, caches = ops.qkv_rope_write_kv_cache(ops.linear(h, "wqkv"), [HEADS, KV_HEADS, KV_HEADS], HEAD_DIM, positions,
+                                            0, caches, slot_mapping, "rope_write_kv")
     attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, 1, HEAD_DIM ** -0.5, "attention")
     x = ops.linear(ops.merge_heads(attn, HEADS * HEAD_DIM), "wo")
     h, residual = ops.fused_add_rms_norm(x, residual, "mlp_norm", EPS, "mlp_norm")
@@ -103,16 +103,11 @@ class PluginOps:
                              {"group_size": w.group_size, "m_hint": 1, "swiglu": 1})[0]
         return self._run("W8A16Linear", [x, w.qweight, w.scales], {"m_hint": 1, "swiglu": 1})[0]
 
-    def split_heads(self, x, heads, head_dim, name):
-        # TensorRT slices the qkv output into dense tensors for the plugins: copies here too.
-        parts = x.split([h * head_dim for h in heads], dim=-1)
-        return [part.reshape(x.shape[0], h, head_dim).contiguous() for part, h in zip(parts, heads)]
-
     def merge_heads(self, x, size):
         return x.reshape(x.shape[0], size)
 
-    def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
-        q = self._run("RopeWriteKvCache", [q, k, v, positions, self.cos_sin_cache, caches[0], caches[1], slot_mapping],
+    def qkv_rope_write_kv_cache(self, qkv, heads, head_dim, positions, layer, caches, slot_mapping, name):
+        q = self._run("QkvRopeWriteKvCache", [qkv, positions, self.cos_sin_cache, caches[0], caches[1], slot_mapping],
                       {"interleaved": 0})[0]
         return q, caches
 
@@ -128,8 +123,7 @@ class Recorder:
     """Wraps a ``DecoderOps`` backend: calls go through, and each op call (name, the bound method, its arguments) is
     kept, so that every op of the layer can then be timed alone on the inputs it really had (``per_op``)."""
 
-    TIMED = ("fused_add_rms_norm", "linear", "linear_swiglu", "split_heads", "rope_write_kv_cache", "paged_attention",
-             "swiglu")
+    TIMED = ("fused_add_rms_norm", "linear", "linear_swiglu", "qkv_rope_write_kv_cache", "paged_attention", "swiglu")
 
     def __init__(self, ops):
         self.ops, self.calls = ops, []
@@ -158,9 +152,6 @@ def per_op(make_ops, inputs, batch) -> list[tuple[str, float]]:
         traces.append(rec.calls)
     out = []
     for i, (label, _, _) in enumerate(traces[0]):
-        if label == "split_heads" and not isinstance(traces[0][i][1].__self__, PluginOps):
-            out.append((label, 0.0))  # views in the torch path: nothing to launch (an empty graph)
-            continue
         sets = [(t[i][1], *t[i][2]) for t in traces]
         out.append((label, 1e3 * bench(lambda fn, *args: fn(*args), sets, cuda_graph=True)))
     return out
@@ -266,9 +257,8 @@ def main():
                         "fused_torch_over_path: the same against torch_fused (the model's path on CUDA: SwiGLU in the "
                         "gate/up GEMM's epilogue). max_abs_diff: the plugin layer's output against torch_fused's, "
                         "torch_fused's against torch's. "
-                        "Rows other than 'layer': each op alone in a CUDA graph (split_heads: the plugin path's q/k/v "
-                        "copies, views in the torch path); their sum exceeds the layer's time by the launch gaps a "
-                        "graph overlaps.")
+                        "Rows other than 'layer': each op alone in a CUDA graph; their sum exceeds the layer's time by "
+                        "the launch gaps a graph overlaps.")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ class DecoderOps(Protocol):
         and v into layer ``layer``'s paged cache; returns (the rotated q, the caches to attend to). One op, since
         the rotated k goes nowhere but the cache: one kernel (and one plugin node) does both."""
 
+    def qkv_rope_write_kv_cache(self, qkv: Value, heads: Sequence[int], head_dim: int, positions: Value, layer: int,
+                                caches: tuple[Value, Value], slot_mapping: Value, name: str) -> tuple[Value, tuple]:
+        """``rope_write_kv_cache`` of the q, k and v of one q|k|v projection output [T, sum(heads) * D] (``heads``:
+        Hq, Hk, Hk). One method, so that a backend may read the three in place (the plugin graph's
+        QkvRopeWriteKvCache, where a Split would copy them); ``SplitQkv`` is ``split_heads``, then
+        ``rope_write_kv_cache``."""
+
     def paged_attention(self, q: Value, caches: tuple[Value, Value], block_table: Value, seq_lens: Value,
                         cu_seqlens_q: Value, max_seqlen_q: Any, scale: float, name: str) -> Value:
         """Causal attention of q [T, Hq, D] over each sequence's cached tokens -> [T, Hq, D]."""
@@ -75,6 +82,15 @@ class DecoderOps(Protocol):
 
     def lm_head(self, h: Value, weight: str) -> Value:
         """[*, hidden] -> logits [*, vocab]."""
+
+
+class SplitQkv:
+    """``DecoderOps.qkv_rope_write_kv_cache`` as the backend's ``split_heads``, then its ``rope_write_kv_cache``: for
+    backends whose split costs nothing (torch views) or that compute nothing."""
+
+    def qkv_rope_write_kv_cache(self, qkv, heads, head_dim, positions, layer, caches, slot_mapping, name):
+        q, k, v = self.split_heads(qkv, heads, head_dim, name + "_split")
+        return self.rope_write_kv_cache(q, k, v, positions, layer, caches, slot_mapping, name)
 
 
 def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value, slot_mapping: Value,
@@ -98,11 +114,15 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
         # q/k/v biases: Qwen2 always; a GPTQ import of another model may carry them too
         bias = p + "bqkv" if c.attention_bias or ops.has_weight(p + "bqkv") else None
         qkv = ops.linear(h, p + "wqkv", bias)
-        q, k, v = ops.split_heads(qkv, [c.num_heads, c.num_kv_heads, c.num_kv_heads], c.head_dim, p + "qkv_split")
+        heads = [c.num_heads, c.num_kv_heads, c.num_kv_heads]
         if getattr(c, "qk_norm", False):  # Qwen3: RMSNorm over each head of q and k, before RoPE
+            q, k, v = ops.split_heads(qkv, heads, c.head_dim, p + "qkv_split")
             q = ops.head_rms_norm(q, p + "q_norm", eps)
             k = ops.head_rms_norm(k, p + "k_norm", eps)
-        q, caches = ops.rope_write_kv_cache(q, k, v, positions, i, caches, slot_mapping, p + "rope_write_kv")
+            q, caches = ops.rope_write_kv_cache(q, k, v, positions, i, caches, slot_mapping, p + "rope_write_kv")
+        else:
+            q, caches = ops.qkv_rope_write_kv_cache(qkv, heads, c.head_dim, positions, i, caches, slot_mapping,
+                                                    p + "rope_write_kv")
         attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
                                    p + "attention")
         x = ops.linear(ops.merge_heads(attn, c.q_size), p + "wo")
@@ -120,7 +140,7 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
     return ops.lm_head(h, head)
 
 
-class NameRecorder:
+class NameRecorder(SplitQkv):
     """A ``DecoderOps`` that computes nothing and records every weight the walk asks for."""
 
     def __init__(self):

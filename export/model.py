@@ -23,7 +23,8 @@ from . import QUANT_MODES
 from .batch import Batch
 from .checkpoint import LlamaConfig, load_checkpoint
 # required_names: public here too
-from .decoder import GATE_UP_PAIRS, decoder_forward, gate_up_pairs, missing_weights, required_names  # noqa: F401
+from .decoder import (GATE_UP_PAIRS, SplitQkv, decoder_forward, gate_up_pairs, missing_weights,  # noqa: F401
+                      required_names)
 
 
 def _ops():
@@ -208,7 +209,7 @@ class LlamaModel(torch.nn.Module):
                                all_logits=all_logits)
 
 
-class TorchOps:
+class TorchOps(SplitQkv):
     """``export.decoder.DecoderOps`` on torch tensors: the ``torch.ops.tritrt`` ops' implementations called directly
     (``_ops``; CUDA: our kernels; CPU: their fp32 references); weights resolved by internal name from ``weights``."""
 

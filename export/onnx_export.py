@@ -225,9 +225,7 @@ class OnnxOps:
         return self.em.linear(x, self.w[weight], None if bias is None else self.w[bias], weight)
 
     def split_heads(self, x, heads, head_dim, name):
-        g = self.g
-        parts = g.op("Split", [x, g.const([h * head_dim for h in heads])], len(heads), axis=1, name=name)
-        return [g.op1("Reshape", [part, g.const([-1, h, head_dim])]) for part, h in zip(parts, heads)]
+        return self.em.split_heads(x, heads, head_dim, name)
 
     def merge_heads(self, x, size):
         return self.g.op1("Reshape", [x, self.g.const([-1, size])])
@@ -237,6 +235,12 @@ class OnnxOps:
         q, kc, vc = self.em.rope_write_kv_cache(q, k, v, positions, self.cos_sin, caches[0], caches[1], slot_mapping,
                                                 (f"k_cache_out_{layer}", f"v_cache_out_{layer}"), d, d,
                                                 self.c.num_kv_heads, name)  # LLaMA rotates whole heads
+        return q, (kc, vc)
+
+    def qkv_rope_write_kv_cache(self, qkv, heads, head_dim, positions, layer, caches, slot_mapping, name):
+        q, kc, vc = self.em.qkv_rope_write_kv_cache(qkv, heads, head_dim, positions, self.cos_sin, caches[0],
+                                                    caches[1], slot_mapping,
+                                                    (f"k_cache_out_{layer}", f"v_cache_out_{layer}"), name)
         return q, (kc, vc)
 
     def paged_attention(self, q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, name):

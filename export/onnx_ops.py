@@ -1,7 +1,7 @@
 """Per-op ONNX emitters, in two flavours: one ``tritrt`` plugin node, or the same math in standard ONNX ops.
 
 ``OpEmitter(builder, flavour)`` has one method per model op (``rms_norm``, ``fused_add_rms_norm``, ``swiglu``,
-``rope_write_kv_cache``, ``paged_attention``, ``linear``);
+``split_heads``, ``rope_write_kv_cache``, ``qkv_rope_write_kv_cache``, ``paged_attention``, ``linear``);
 ``export.onnx_export.OnnxOps`` calls them for the ops of the one decoder definition (``export.decoder``), so both
 flavours and the torch model come from one description of the model and cannot drift apart in structure.
 
@@ -124,6 +124,28 @@ class OpEmitter:
         q2, k2 = self._rope(q, k, positions, cos_sin_cache, rotary_dim, head_dim)
         kc, vc = self._write_kv_cache(k2, v, k_cache, v_cache, slot_mapping, out_names, kv_heads, head_dim)
         return q2, kc, vc
+
+    def qkv_rope_write_kv_cache(self, qkv: str, heads: list[int], head_dim: int, positions: str, cos_sin_cache: str,
+                                k_cache: str, v_cache: str, slot_mapping: str, out_names: tuple[str, str],
+                                name: str) -> tuple[str, str, str]:
+        """``rope_write_kv_cache`` of the q, k, v heads of one q|k|v output [T, sum(heads) * head_dim]: one
+        QkvRopeWriteKvCache node reading them in place in the plugin flavour; Split + Reshape, then
+        ``rope_write_kv_cache``'s decompositions, in the reference one."""
+        if self.plugin:
+            q, kc, vc = self.plugin_node(
+                "QkvRopeWriteKvCache", {"qkv": qkv, "positions": positions, "cos_sin_cache": cos_sin_cache,
+                                        "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping},
+                {"interleaved": 0}, name, outputs=[self.g.fresh(f"{name}_out0"), *out_names])
+            return q, kc, vc
+        q, k, v = self.split_heads(qkv, heads, head_dim, name + "_split")
+        return self.rope_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, out_names,
+                                        head_dim, head_dim, heads[1], name)  # LLaMA rotates whole heads
+
+    def split_heads(self, x: str, heads: list[int], head_dim: int, name: str) -> list[str]:
+        """[T, sum(heads) * head_dim] -> one [T, h, head_dim] per entry of ``heads`` (Split, then Reshape)."""
+        g = self.g
+        parts = g.op("Split", [x, g.const([h * head_dim for h in heads])], len(heads), axis=1, name=name)
+        return [g.op1("Reshape", [part, g.const([-1, h, head_dim])]) for part, h in zip(parts, heads)]
 
     def _rope(self, q: str, k: str, positions: str, cos_sin_cache: str, rotary_dim: int,
               head_dim: int) -> tuple[str, str]:

@@ -125,7 +125,9 @@ def test_graph_contract(exported):
             continue
         kinds = {n.op_type for n in plugin_nodes}
         # quantized gate/up: SwiGLU in the GEMM plugin's epilogue (no SwiGLU node), on the layer's (gate, up) pairs
-        assert kinds == {"RmsNorm", "FusedAddRmsNorm", "RopeWriteKvCache", "PagedAttention", "W4A16Linear"}
+        assert kinds == {"RmsNorm", "FusedAddRmsNorm", "QkvRopeWriteKvCache", "PagedAttention", "W4A16Linear"}
+        # RoPE and the cache write read q, k and v in place from the qkv output: no Split to copy them apart
+        assert not [n for n in model.graph.node if n.op_type == "Split"]
         fused = {n.name: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}["swiglu"]
                  for n in plugin_nodes if n.op_type == "W4A16Linear"}
         want = {f"{i}.w13_pairs" for i in range(c.num_layers)}
@@ -140,7 +142,7 @@ def test_graph_contract(exported):
             # every spec attribute is on the node: TensorRT's Python plugins cannot fill in defaults
             assert set(attrs) == set(attr_names), (n.op_type, sorted(attrs), attr_names)
         # the cache write's outputs are the graph's cache outputs (aliased in place by the engine)
-        writes = [n for n in plugin_nodes if n.op_type == "RopeWriteKvCache"]
+        writes = [n for n in plugin_nodes if n.op_type == "QkvRopeWriteKvCache"]
         assert [list(n.output)[1:] for n in writes] == [[f"k_cache_out_{i}", f"v_cache_out_{i}"]
                                                         for i in range(c.num_layers)]
 

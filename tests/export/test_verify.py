@@ -414,6 +414,8 @@ def test_qwen3_builds_and_verifies(tiny_dirs, tmp_path, capsys, quant, dtype):
     shapes = {t.name: list(t.dims) for t in model.graph.initializer}
     head_norms = [n for n in model.graph.node if n.op_type == "RmsNorm" and shapes.get(n.input[1]) == [32]]
     assert len(head_norms) == 2 * config.num_layers
+    kinds = {n.op_type for n in model.graph.node if n.domain == "tritrt"}  # q and k are split apart, then normed
+    assert "RopeWriteKvCache" in kinds and "QkvRopeWriteKvCache" not in kinds
     capsys.readouterr()
     assert _verify(out) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("export.verify: PASSED")

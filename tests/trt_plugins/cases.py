@@ -206,6 +206,31 @@ class _RopeWriteKvCache(_Case):
         return [rope_write_kv_cache(q, k, v, pos, cache, kc, vc, slots, bool(attrs["interleaved"])), kc, vc]
 
 
+@_case("QkvRopeWriteKvCache")
+class _QkvRopeWriteKvCache(_Case):
+    indexing = True
+
+    @staticmethod
+    def make(variant, big, dtype, device):  # RopeWriteKvCache's inputs with q | k | v as one projection output
+        (q, k, v, *rest), attrs = _RopeWriteKvCache.make("", big, dtype, device)
+        return [torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), *rest], attrs
+
+    @staticmethod
+    def _split(ins):
+        qkv, *rest = ins
+        hk, d = rest[2].shape[2:]
+        hq = qkv.shape[1] // d - 2 * hk
+        return [p.reshape(qkv.shape[0], -1, d) for p in qkv.split([hq * d, hk * d, hk * d], dim=1)] + rest
+
+    @staticmethod
+    def reference(ins, attrs):  # RopeWriteKvCache's reference on the three slices (independent of the spec's split)
+        return _RopeWriteKvCache.reference(_QkvRopeWriteKvCache._split(ins), attrs)
+
+    @staticmethod
+    def jit(ins, attrs):  # the torch path: the slices as strided views, the same kernel
+        return _RopeWriteKvCache.jit(_QkvRopeWriteKvCache._split(ins), attrs)
+
+
 @_case("PagedAttention")
 class _PagedAttention(_Case):
     variants = ("", "decode")  # decode: the kernel's split-KV decode program; "": the flash-prefill program

@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 
+from kernels.aot.wrapper import fed_names
 from tests.trt_plugins.fake_tensorrt import ShapeExpr
 from trt_plugins.specs import SPECS, cdiv
 
@@ -31,7 +32,7 @@ def test_spec_matches_kernel_signature(op):
     assert sorted(spec.kernel_args) == sorted(runtime), "kernel_args must name exactly the kernel's runtime params"
     entry = spec.entry_params
     assert len(set(entry)) == len(entry), f"entry params collide: {entry}"
-    fed = set(spec.kernel_args.values())
+    fed = set(fed_names(spec.kernel_args))
     assert fed <= set(entry), f"kernel fed from unknown names {fed - set(entry)}"
     assert set(spec.scalars) <= fed, f"scalars never passed to the kernel: {set(spec.scalars) - fed}"
     aliased = {o.alias for o in spec.output_specs if o.alias}

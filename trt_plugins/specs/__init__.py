@@ -19,8 +19,11 @@ The plugin set (each is one kernel launch; T = packed tokens, the only dynamic d
 - ``WriteKvCache(k[T,Hk,D], v, k_cache[NB,BS,Hk,D], v_cache, slot_mapping[T] int32) -> k_cache_out, v_cache_out``,
   the outputs aliasing k_cache / v_cache (written in place; slot < 0 skipped).
 - ``RopeWriteKvCache(q[T,Hq,D], k[T,Hk,D], v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> q_out,
-  k_cache_out, v_cache_out``: Rope, then WriteKvCache of the rotated k and v, in one launch (what the exporter emits
-  and the torch model runs); attr ``interleaved``.
+  k_cache_out, v_cache_out``: Rope, then WriteKvCache of the rotated k and v, in one launch (what the torch model
+  runs; the exporter emits it where q and k are normalised per head first, Qwen3); attr ``interleaved``.
+- ``QkvRopeWriteKvCache(qkv[T,(Hq+2Hk)D], positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> q_out[T,Hq,D],
+  k_cache_out, v_cache_out``: RopeWriteKvCache reading q, k and v in place from the q|k|v projection's output (no
+  Split in front of it; Hk and D are the cache's), what the exporter emits otherwise; attr ``interleaved``.
 - ``PagedAttention(q[T,Hq,D], k_cache, v_cache, block_table[S,B] int32, seq_lens[S] int32, cu_seqlens_q[S+1]
   int32, part_o[S,Hq,max_splits,D] fp32, part_lse[S,Hq,max_splits] fp32, counter[S,Hk] int32 zeros) -> out[T,Hq,D],
   part_o_out, part_lse_out, counter_out`` (the scratch, aliased: written in place); attrs ``scale`` (0: 1/sqrt(D)),
@@ -54,6 +57,7 @@ from ._base import (Attr, OutputSpec, PluginSpec, Sample, Specialisation, Tensor
                     torch_dtype)
 from .linear import W4A16_LINEAR, W8A16_LINEAR
 from .paged_attention import PAGED_ATTENTION
+from .qkv_rope_write_kv_cache import QKV_ROPE_WRITE_KV_CACHE
 from .rms_norm import FUSED_ADD_RMS_NORM, RMS_NORM
 from .rope import ROPE
 from .rope_write_kv_cache import ROPE_WRITE_KV_CACHE
@@ -61,8 +65,8 @@ from .swiglu import SWIGLU
 from .write_kv_cache import WRITE_KV_CACHE
 
 SPECS: dict[str, PluginSpec] = {s.op_type: s for s in (
-    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, ROPE_WRITE_KV_CACHE, PAGED_ATTENTION, W8A16_LINEAR,
-    W4A16_LINEAR)}
+    RMS_NORM, FUSED_ADD_RMS_NORM, SWIGLU, ROPE, WRITE_KV_CACHE, ROPE_WRITE_KV_CACHE, QKV_ROPE_WRITE_KV_CACHE,
+    PAGED_ATTENTION, W8A16_LINEAR, W4A16_LINEAR)}
 
 
 def get_spec(op_type: str) -> PluginSpec:
