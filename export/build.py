@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from . import QUANT_MODES
 from .cli import ArgumentParser, Progress, print_error
-from .engine import TensorRTNotFound, build_engine, check_timing_cache, default_timing_cache
+from .engine import EngineBuildError, TensorRTNotFound, build_engine, check_timing_cache, default_timing_cache
 from .outdir import WorkDir, check_out, our_output
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ INT4_METHODS = ("gptq", "rtn")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 GROUP_SIZES = (32, 64, 128)
 HALF_DTYPES = ("float16", "bfloat16")
-_DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM)
+_DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 # The built-in tiny model: every dim a multiple of 128 so int4 works at the default group size; head_dim 32.
 TINY_BUILD = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=2, vocab_size=320, max_position_embeddings=512)
@@ -185,12 +185,16 @@ def _checkpoint_dir(path: Path) -> Path:
     return checkpoint_dir(path, log_fn=lambda m: print(m, file=sys.stderr))
 
 
+def _out_path(args) -> Path:
+    return (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
+
+
 def plan_build(args) -> Plan:
     """Check everything cheap before anything is created, OUT first (it needs no torch import, so a refused OUT costs
     nothing); raises ``OutDirError``, ``CheckpointError`` or ``BuildError`` with the message to show."""
     from kernels.aot.compile import interpreter_enabled
 
-    out = (args.out or Path("build") / f"{args.model}-{args.quant}").resolve()
+    out = _out_path(args)
     if args.tiny and args.checkpoint is not None:
         raise BuildError("--tiny builds the built-in tiny model; pass either --tiny or --checkpoint, not both")
     source = None if args.tiny else args.checkpoint or _default_checkpoint()
@@ -450,6 +454,19 @@ def summarize(result: BuildResult) -> str:
     return "\n".join(lines)
 
 
+def _os_error_fix(e: OSError, args) -> str:
+    """What to do about an OSError that stopped a build: a full or read-only disk, or a permission denied where the
+    build writes (beside OUT), is fixed there; a permission denied elsewhere is a file the build reads."""
+    if e.errno in _DISK_ERRNOS:
+        return "; free space or pick another --out"
+    if e.errno in (errno.EACCES, errno.EPERM) and e.filename:
+        target = args.from_onnx or _out_path(args)
+        if Path(e.filename).resolve().is_relative_to(Path(target).resolve().parent):
+            return "; pick another --out (one this user can write to)"
+        return "; make it readable by this user"
+    return ""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -465,10 +482,12 @@ def main(argv=None) -> int:
     except (BuildError, ValueError) as e:  # ValueError: also CheckpointError and OutDirError
         print_error(e)
         return 2
+    except EngineBuildError as e:  # the engine is written atomically: a previous one stays as it was
+        print_error(f"{e} (OUT was left as it was)")
+        return 2
     except OSError as e:  # e.g. a disk that filled up or turned read-only mid-build: temp dir gone, OUT as it was
         where = f": {e.filename}" if e.filename else ""
-        fix = "; free space or pick another --out" if e.errno in _DISK_ERRNOS else ""
-        print_error(f"{e.strerror or e}{where}; the build stopped and left OUT as it was{fix}")
+        print_error(f"{e.strerror or e}{where}; the build stopped and left OUT as it was{_os_error_fix(e, args)}")
         return 2
     except KeyboardInterrupt:
         print_error("interrupted; OUT was left as it was")

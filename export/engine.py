@@ -33,6 +33,10 @@ class TensorRTNotFound(RuntimeError):
     """TensorRT (>= 10.9) cannot be imported here."""
 
 
+class EngineBuildError(RuntimeError):
+    """TensorRT refused the ONNX graph or failed to build the engine; the message carries TensorRT's errors."""
+
+
 BUILDERS = ("tensorrt", "tensorrt-rtx")
 
 
@@ -206,7 +210,7 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):  # resolves model.plugin.onnx.data beside the file
         errors = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT could not parse {onnx_path}:\n{errors}")
+        raise EngineBuildError(f"TensorRT could not parse {onnx_path}:\n{errors}")
     config = trt_builder.create_builder_config()
     if compute_capability is not None:
         config.num_compute_capabilities = 1
@@ -245,7 +249,8 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
         f"{onnx_path.name} (profiles: {', '.join(shapes)})")
     serialized = trt_builder.build_serialized_network(network, config)
     if serialized is None:
-        raise RuntimeError("TensorRT failed to build the engine: " + ("; ".join(logger.errors) or "see its log above"))
+        raise EngineBuildError("TensorRT failed to build the engine: " + ("; ".join(logger.errors) or
+                                                                          "see its log above"))
     write_atomic(engine_path, memoryview(serialized))
     if save_cache:
         timing_cache.parent.mkdir(parents=True, exist_ok=True)

@@ -204,6 +204,11 @@ def main(argv=None) -> int:
         except (ValueError, AotError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # --out cannot be created or written (files already written are whole: write_atomic)
+            where = e.filename or out
+            print(f"error: --out {args.out}: {e.strerror or e} ({where}); pass a directory this user can write to",
+                  file=sys.stderr)
+            return 2
         n_failed += len(manifest["failed"])
         print(f"{len(manifest['kernels'])} kernels, {len(manifest['failed'])} failed -> {out / 'manifest.json'}")
     return 1 if n_failed else 0

@@ -84,6 +84,15 @@ def test_cli_never_replaces_another_programs_manifest(tmp_path):
     assert r.returncode == 2 and "not a directory" in r.stderr and a_file.read_bytes() == b"w"
 
 
+def test_cli_out_that_cannot_be_created_is_one_error_line():
+    """An --out the system will not create (under /proc, even for root) is an error line, exit 2, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", "/proc/tritrt_test/k",
+                        "--first"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "pass a directory this user can write to" in r.stderr
+
+
 def test_an_earlier_manifest_of_ours_may_be_replaced(tmp_path):
     from trt_plugins.aot import _check_out
 

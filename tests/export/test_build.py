@@ -292,3 +292,39 @@ def test_from_onnx_without_an_engine_exits_non_zero(built, tmp_path, capsys):
     assert rc == 2 and stdout == ""
     assert len(err.strip().splitlines()) == 1 and "TensorRT >= 10.9" in err
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_an_engine_tensorrt_refuses_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """TensorRT's parse or build errors (several lines of them) end the build with one error line, exit 2, and no
+    OUT or temp dir: not a traceback."""
+    from export.engine import EngineBuildError
+
+    def refuse(onnx_path, *a, **k):
+        raise EngineBuildError(f"TensorRT could not parse {onnx_path}:\nIn node 3 (Foo): unknown op\nIn node 4: same")
+
+    monkeypatch.setattr(B, "build_engine", refuse)
+    out = tmp_path / "out"
+    rc, _, err = _build(capsys, "--tiny", "--quant", "int8", "--out", str(out))
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert "could not parse" in lines[0] and "In node 4" in lines[0] and "OUT was left as it was" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "out"])
+def test_permission_denied_says_which_side_to_fix(tmp_path, tiny_dirs, capsys, monkeypatch, where):
+    """A permission error on a file the build reads says to make it readable, one where it writes to pick another
+    --out (a full disk's hint, free space, was given for both)."""
+    import errno
+
+    out = tmp_path / "out"
+    denied = tiny_dirs("llama") / "tokenizer.json" if where == "checkpoint" else tmp_path / ".out.tmp-1" / "x"
+
+    def copy(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(denied))
+
+    monkeypatch.setattr(B, "_copy_hf_files", copy)
+    rc, _, err = _build(capsys, "--checkpoint", str(tiny_dirs("llama")), "--out", str(out), "--no-engine")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("make it readable" if where == "checkpoint" else "pick another --out") in err
+    assert "free space" not in err and not out.exists()
