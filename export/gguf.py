@@ -273,7 +273,11 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
         if dest.exists() and replace:
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
             os.replace(dest, old)
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except BaseException:
+                os.replace(old, dest)  # the previous conversion back where it was
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             try:

@@ -188,9 +188,11 @@ class OnnxFiles:
     f.commit(model)``.
 
     Both files are first written into a temporary directory inside the target directory (same file system, so the
-    renames are atomic); ``commit`` moves the data file into place first, then the model file, so a reader never sees
-    a model file whose data file is missing or stale. Leaving the block without ``commit`` (an error) removes the
-    temporary files and leaves any previous model untouched.
+    renames are atomic); ``commit`` moves a previous model file aside, the data file into place, then the model file,
+    so a reader never sees a model file beside a data file that is missing or another model's (a process killed
+    between the renames leaves no model file, not a mismatched pair; a failed data move puts the previous model back).
+    Leaving the block without ``commit`` (an error) removes the temporary files and leaves any previous model
+    untouched.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -213,7 +215,16 @@ class OnnxFiles:
         self.data.close()
         tmp_model = os.path.join(self._tmp, self.base)
         onnx.save_model(model, tmp_model)
-        os.replace(os.path.join(self._tmp, self.data_name), self.data_path)
+        previous = None
+        if os.path.lexists(self.path):  # the old model must not meet the new data (see the class docstring)
+            previous = os.path.join(self._tmp, "previous-" + self.base)
+            os.replace(self.path, previous)
+        try:
+            os.replace(os.path.join(self._tmp, self.data_name), self.data_path)
+        except BaseException:
+            if previous is not None:
+                os.replace(previous, self.path)
+            raise
         os.replace(tmp_model, self.path)
         return self.path, self.data_path
 

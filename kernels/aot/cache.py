@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -52,13 +53,15 @@ class AotCache:
         final = self._dir(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-        (tmp / "kernel.ptx").write_text(ptx)
-        (tmp / "kernel.cubin").write_bytes(cubin)
-        (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True, indent=1, default=repr))
         try:
+            (tmp / "kernel.ptx").write_text(ptx)
+            (tmp / "kernel.cubin").write_bytes(cubin)
+            (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True, indent=1, default=repr))
             os.rename(tmp, final)
-        except OSError:  # another process won the race: its entry is identical by construction
-            for f in tmp.iterdir():
-                f.unlink()
-            tmp.rmdir()
+        except OSError:
+            # Either another process won the race (its entry is identical by construction) or a write failed (a full
+            # disk), which is raised; no temp dir is left behind in either case.
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not final.is_dir():
+                raise
         return final
