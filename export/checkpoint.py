@@ -230,17 +230,31 @@ def _open_shard(shard: Path):
     from safetensors import safe_open
 
     try:
+        with open(shard, "rb"):  # an unreadable file is not a corrupt one: say which
+            pass
+    except OSError as e:
+        raise CheckpointError(f"cannot read {shard} ({e.strerror}); make it readable by this user") from e
+    try:
         return safe_open(str(shard), framework="pt")
     except Exception as e:  # safetensors raises its own error types (SafetensorError, OSError) for corrupt files
         raise CheckpointError(f"cannot read {shard} ({e}); the file is truncated or corrupt: re-download it") from e
 
 
 def check_weight_files(path) -> None:
-    """Open the header of every weight shard of the checkpoint ``path``: a missing, truncated or corrupt shard is a
-    ``CheckpointError`` before any tensor is read (headers only, cheap even for a large model)."""
+    """Open the header of every weight shard of the checkpoint ``path``, and each tokenizer file it has: a missing,
+    unreadable, truncated or corrupt shard, or an unreadable tokenizer file, is a ``CheckpointError`` before any
+    tensor is read (headers only, cheap even for a large model)."""
     for shard in sorted(set(_weight_files(Path(path)).values())):
         with _open_shard(shard):
             pass
+    for name in TOKENIZER_FILES:
+        f = Path(path) / name
+        try:
+            if f.is_file():
+                with open(f, "rb"):
+                    pass
+        except OSError as e:
+            raise CheckpointError(f"cannot read {f} ({e.strerror}); make it readable by this user") from e
 
 
 class _LazyTensors:

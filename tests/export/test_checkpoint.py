@@ -2,6 +2,7 @@
 broken or unsupported checkpoints raise CheckpointError with a message that says what is wrong."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -174,3 +175,26 @@ def test_unsupported_architecture(copy_of, changes, match):
 def test_mistral_without_sliding_window_loads(copy_of):
     _edit_config(copy_of, model_type="mistral", sliding_window=None, architectures=["MistralForCausalLM"])
     assert load_checkpoint(copy_of).config.model_type == "mistral"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_an_unreadable_file_is_refused_up_front_as_unreadable(tiny_dirs, monkeypatch, name):
+    """A weight shard or tokenizer file this user cannot read: a CheckpointError before any work that says to make
+    it readable (not "truncated or corrupt: re-download it", nor a disk hint after the weights were loaded). The
+    tests may run as root, whom file modes do not stop, so ``open`` is what refuses here."""
+    import builtins
+    import errno
+
+    from export.checkpoint import check_weight_files
+
+    denied = tiny_dirs("llama") / name
+    real_open = builtins.open
+
+    def fake_open(file, *a, **k):
+        if os.fspath(file) == os.fspath(denied):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    with pytest.raises(CheckpointError, match=f"cannot read {denied} \\(Permission denied\\); make it readable"):
+        check_weight_files(tiny_dirs("llama"))
