@@ -56,7 +56,8 @@ PREFILL_LEN, DECODE_CTX, DECODE_NEW, BATCHES = 2048, 512, 128, (1, 8, 16, 32)
 def loop_prompt_len(new_tokens: int) -> int:
     """The prompt length of a decode-loop row: its steps' mean context is DECODE_CTX, the decode-step row's, so that
     the loop / step ratio is the host's share only. (With DECODE_CTX-token prompts, Llama-3-8B int8 bs 32's loop read
-    0.966x a step at ctx 512 and 0.982x one at its mean context 576: half the gap was the longer KV cache.)"""
+    0.966x a step at ctx 512 and 0.982x one at its mean context 576: half the gap was the longer KV cache;
+    results/dev-logs/h200/loop_gap_b244986.jsonl.)"""
     return DECODE_CTX - new_tokens // 2
 BLOCK_SIZE = 16
 GROUP_SIZE = 128
