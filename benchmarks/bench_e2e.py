@@ -51,14 +51,6 @@ except ImportError:  # run as a script from the repository root
 # Batch 16: past the GEMVs' one-tile range (8 rows), where the W8A16 gate/up with SwiGLU runs the two-tile GEMV
 # (kernels.gemm.routing CUDA_W8_GEMV_SWIGLU_MAX_M) and the W4A16 GEMV its 16-row tiles.
 PREFILL_LEN, DECODE_CTX, DECODE_NEW, BATCHES = 2048, 512, 128, (1, 8, 16, 32)
-
-
-def loop_prompt_len(new_tokens: int) -> int:
-    """The prompt length of a decode-loop row: its steps' mean context is DECODE_CTX, the decode-step row's, so that
-    the loop / step ratio is the host's share only. (With DECODE_CTX-token prompts, Llama-3-8B int8 bs 32's loop read
-    0.966x a step at ctx 512 and 0.982x one at its mean context 576: half the gap was the longer KV cache;
-    results/dev-logs/h200/loop_gap_b244986.jsonl.)"""
-    return DECODE_CTX - new_tokens // 2
 BLOCK_SIZE = 16
 GROUP_SIZE = 128
 HF_DECODE_TOKENS = 32  # HF eager is slow; 32 tokens give a stable per-step time
@@ -73,6 +65,14 @@ DEVICE = "cuda"
 # --model: (name in the results, HF config)
 MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B), "smollm2-135m": ("SmolLM2-135M-Instruct", SMOLLM2_135M),
           "llama2-13b": ("Llama-2-13B", LLAMA2_13B)}
+
+
+def loop_prompt_len(new_tokens: int) -> int:
+    """The prompt length of a decode-loop row: its steps' mean context is DECODE_CTX, the decode-step row's, so that
+    the loop / step ratio is the host's share only. (With DECODE_CTX-token prompts, Llama-3-8B int8 bs 32's loop read
+    0.966x a step at ctx 512 and 0.982x one at its mean context 576: half the gap was the longer KV cache;
+    results/dev-logs/h200/loop_gap_b244986.jsonl.)"""
+    return DECODE_CTX - new_tokens // 2
 
 
 def ratio(ref_ms, ms):
