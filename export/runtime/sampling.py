@@ -77,8 +77,9 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.float() / params.temperature
-    keep = top_k_mask(x, params.top_k) & top_p_mask(x, params.top_p)
-    x = x.masked_fill(~keep, float("-inf"))
+    x = x.masked_fill(~top_k_mask(x, params.top_k), float("-inf"))
+    # top-p over what top-k kept (renormalised), as HF's warpers and vLLM apply them
+    x = x.masked_fill(~top_p_mask(x, params.top_p), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

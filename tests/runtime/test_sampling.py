@@ -71,10 +71,19 @@ def test_seeded_sampling_is_reproducible_and_seed_matters():
 def test_sampled_tokens_respect_masks():
     logits = torch.randn(500)
     gen = make_generator(0, "cpu")
-    allowed = top_k_mask(logits, 10) & top_p_mask(logits, 0.5)
-    for _ in range(200):
-        t = sample_one(logits, SamplingParams(temperature=1.0, top_k=10, top_p=0.5), gen)
-        assert allowed[t]
+    top_k = torch.topk(logits, 10).indices
+    kept = logits[top_k]  # top-p applies to what top-k kept, renormalised (HF's warper order)
+    allowed = {int(top_k[i]) for i in _brute_top_p(kept, 0.5)}
+    seen = {sample_one(logits, SamplingParams(temperature=1.0, top_k=10, top_p=0.5), gen) for _ in range(200)}
+    assert seen <= allowed and len(allowed) < 10
+
+
+def test_top_p_is_taken_over_the_top_k_tokens():
+    """probs .4 / .3 / .2 / .1, top_k 2, top_p 0.5: over the whole distribution top-p would keep the first two; over
+    top-k's two, renormalised (.57 / .43), only the first reaches 0.5."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    gen = make_generator(0, "cpu")
+    assert {sample_one(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5), gen) for _ in range(50)} == {0}
 
 
 def test_temperature_to_zero_equals_greedy():
