@@ -336,3 +336,17 @@ def load_checkpoint(path, dtype: Optional[torch.dtype] = None) -> Checkpoint:
     return Checkpoint(path=path, config=config, hf_config=hf, state_dict=state, tokenizer_files=tok,
                       quantization_config=qcfg, quantized_parts=parts)
 
+
+def eos_token_ids(path) -> tuple[int, ...]:
+    """Stop token ids from generation_config.json, else config.json (an int or a list there); () if none."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if not f.is_file():
+            continue
+        eos = json.loads(f.read_text()).get("eos_token_id")
+        if eos is None:
+            continue
+        ids += [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        break
+    return tuple(dict.fromkeys(ids))

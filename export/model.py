@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import QUANT_MODES
 from .batch import Batch
-from .checkpoint import LlamaConfig, load_checkpoint
+from .checkpoint import LlamaConfig, eos_token_ids, load_checkpoint
 # required_names: public here too
 from .decoder import (GATE_UP_PAIRS, SplitQkv, decoder_forward, gate_up_pairs, missing_weights,  # noqa: F401
                       required_names)
@@ -57,6 +57,10 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, ops=None) ->
 
 class LlamaModel(torch.nn.Module):
     """LLaMA-family decoder on ``kernels.ops``; ``weights`` is the internal-name state dict it runs on."""
+
+    # The stop tokens of the directory it was loaded from (generation_config.json / config.json), which a backend
+    # over this model hands to the generation loop: a model built from weights alone has none.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __init__(self, config: LlamaConfig, weights: dict, quant: str = "none", group_size: int = 128,
                  quantized: bool = False, lm_head_quant: str = "none"):
@@ -144,9 +148,12 @@ class LlamaModel(torch.nn.Module):
 
             imported, quant, group_size = import_quantized(ckpt, device=device)
             weights.update(imported)
-            return cls(ckpt.config, weights, quant=quant, group_size=group_size, quantized=True,
-                       lm_head_quant=lm_head_quant)
-        return cls(ckpt.config, weights, quant=quant, group_size=group_size, lm_head_quant=lm_head_quant)
+            model = cls(ckpt.config, weights, quant=quant, group_size=group_size, quantized=True,
+                        lm_head_quant=lm_head_quant)
+        else:
+            model = cls(ckpt.config, weights, quant=quant, group_size=group_size, lm_head_quant=lm_head_quant)
+        model.eos_token_ids = eos_token_ids(path)
+        return model
 
     @classmethod
     def from_output_dir(cls, out, device="cpu") -> "LlamaModel":
@@ -161,8 +168,10 @@ class LlamaModel(torch.nn.Module):
         build = json.loads((out / "build.json").read_text())
         config = LlamaConfig.from_build(build, out)
         weights = load_weights(out / "weights.safetensors", device=device)
-        return cls(config, weights, quant=build.get("quant", "none"), group_size=build.get("group_size") or 128,
-                   quantized=True)
+        model = cls(config, weights, quant=build.get("quant", "none"), group_size=build.get("group_size") or 128,
+                    quantized=True)
+        model.eos_token_ids = eos_token_ids(out)
+        return model
 
     def for_cpu(self) -> "LlamaModel":
         """This model as a CPU runs it well: quantized weights dequantized once to float32 (the exact values the GPU
@@ -178,7 +187,9 @@ class LlamaModel(torch.nn.Module):
             weights[k] = w
         if self.weights.get("lm_head") is self.weights["embed"]:
             weights["lm_head"] = weights["embed"]
-        return LlamaModel(self.config, weights)
+        model = LlamaModel(self.config, weights)
+        model.eos_token_ids = self.eos_token_ids
+        return model
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None, dtype=None):
         """One ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""

@@ -134,7 +134,6 @@ def make_backend(args, build: dict, device: str, prompts: list[list[int]] | None
             raise ValueError(f"{e}; or use --backend torch") from e
     from export.model import LlamaModel
     from export.runtime.backends import TorchBackend
-    from export.runtime.tokenizer import eos_token_ids
 
     model = LlamaModel.from_output_dir(out, device=device)
     block_size = args.block_size or int(build.get("block_size", 16))
@@ -143,10 +142,8 @@ def make_backend(args, build: dict, device: str, prompts: list[list[int]] | None
         model = model.for_cpu()  # weights dequantized once, float32 math: what the CPU runs fastest
         if num_blocks is None and prompts:
             num_blocks = kv_blocks_needed(prompts, args.max_new_tokens, block_size)
-    backend = TorchBackend(model, num_blocks=num_blocks, block_size=block_size, max_model_len=build.get("max_seq_len"),
-                           cuda_graphs=False if args.no_cuda_graphs else None)
-    backend.eos_token_ids = eos_token_ids(out)
-    return backend
+    return TorchBackend(model, num_blocks=num_blocks, block_size=block_size, max_model_len=build.get("max_seq_len"),
+                        cuda_graphs=False if args.no_cuda_graphs else None)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, max_len, vocab_size, out: Path) -> None:

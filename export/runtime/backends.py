@@ -2,7 +2,8 @@
 
 A backend owns the KV cache and turns one ``Batch`` (built on the host by the scheduler) into the logits of each
 sequence's last new token, ``[S, vocab]``. Attributes the loop reads: ``device``, ``vocab_size``, ``num_blocks``,
-``block_size``, ``max_model_len`` and ``config`` (for ``eos_token_id``).
+``block_size``, ``max_model_len``, ``config`` and ``eos_token_ids`` (the stop tokens of the directory the model came
+from, ``LlamaModel.eos_token_ids``).
 
 The torch backend runs decode steps through CUDA graphs, one per batch-size bucket (1, 2, 4, 8, ...) and block-table
 width (2048 tokens, 8192, 32768, ... and ``max_model_len``): the step's inputs are copied into static buffers padded to
@@ -111,6 +112,7 @@ class TorchBackend:
             if self.device.type == "cuda":  # the re-layout's freed copies, before free memory sizes the KV cache
                 torch.cuda.empty_cache()
         self.vocab_size = self.config.vocab_size
+        self.eos_token_ids = tuple(getattr(model, "eos_token_ids", ()))  # the generation loop's stop tokens
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.kv_dtype = kv_dtype or _model_dtype(model)

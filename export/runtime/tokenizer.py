@@ -1,14 +1,15 @@
 """The tokenizer of a model or build output directory, from local files only (never a download).
 
 ``load_tokenizer(dir)`` returns a ``transformers`` fast tokenizer built from ``tokenizer.json`` (+
-``tokenizer_config.json``); ``eos_token_ids(dir)`` reads the stop tokens the model was trained with from
-``generation_config.json`` / ``config.json`` (Llama-3 lists several).
+``tokenizer_config.json``); ``eos_token_ids(dir)`` (``export.checkpoint``'s) reads the stop tokens the model was trained
+with from ``generation_config.json`` / ``config.json`` (Llama-3 lists several).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..checkpoint import eos_token_ids  # noqa: F401  (the stop tokens a directory names; public here too)
 
 
 def load_tokenizer(path):
@@ -23,18 +24,3 @@ def load_tokenizer(path):
     except ImportError as e:  # pragma: no cover - transformers is part of the 'export' extra
         raise ImportError("reading tokenizer.json needs transformers: pip install 'tritrt[export]'") from e
     return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-
-
-def eos_token_ids(path) -> tuple[int, ...]:
-    """Stop token ids from generation_config.json, else config.json (an int or a list there); () if none."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = Path(path) / name
-        if not f.is_file():
-            continue
-        eos = json.loads(f.read_text()).get("eos_token_id")
-        if eos is None:
-            continue
-        ids += [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        break
-    return tuple(dict.fromkeys(ids))

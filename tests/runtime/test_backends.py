@@ -1,6 +1,8 @@
 """Backend plumbing that runs on CPU: decode and prefill padding for static (CUDA-graph / engine) shapes, the prefill
 graph buckets, and the TensorRT backend's refusal when TensorRT is missing."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -261,3 +263,28 @@ def test_decode_graph_widths(tiny_model):
         batch = prefill_batch([1] * len(lens), [n - 1 for n in lens])  # one new token after n - 1 cached
         assert batch.block_table.shape[1] == -(-max(lens) // 4)
         assert backend._decode_key(batch) == key, (lens, backend._decode_key(batch))
+
+
+def test_the_loop_stops_at_the_directory_eos_tokens_without_a_tokenizer(tiny_dir, tmp_path):
+    """The stop tokens come from the directory the model was loaded from (generation_config.json first, a list
+    there), through TorchBackend to the generation loop: no tokenizer needed (token-id prompts stopped only at
+    max_new_tokens before)."""
+    import json
+    import shutil
+
+    from export.model import LlamaModel
+    from export.runtime import Generator, SamplingParams
+
+    def generate(path, **kw):
+        model = LlamaModel.from_checkpoint(path, dtype=torch.float32)
+        gen = Generator(TorchBackend(model, num_blocks=16, block_size=4))
+        return model, gen.generate([[229, 269, 136, 34]], SamplingParams(max_new_tokens=4, **kw))[0]
+
+    _, free = generate(tiny_dir, ignore_eos=True)
+    stop = free.token_ids[1]
+    ckpt = Path(shutil.copytree(tiny_dir, tmp_path / "ckpt"))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [100000, stop]}))
+    model, r = generate(ckpt)
+    assert model.eos_token_ids == (100000, stop)
+    assert r.finish_reason == "stop" and r.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+    assert model.for_cpu().eos_token_ids == model.eos_token_ids
