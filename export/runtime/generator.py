@@ -30,7 +30,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens (a stop token that ended generation is included, as HF does)
     text: str | None  # decoded generated text without special tokens (None without a tokenizer)
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str | None  # "stop" or "length"; None while the request runs (``Generator.result`` mid-way)
     num_preemptions: int = 0
 
 
@@ -258,9 +258,13 @@ class Generator:
         return out
 
     def result(self, req_id: int) -> GenerationResult:
+        """Request ``req_id`` as far as the host knows it: between steps (a server loop), its tokens so far, without
+        a pipelined step's token still on the device; ``finish_reason`` None while it runs."""
         s = self._seqs[req_id]
-        return GenerationResult(s.prompt_ids, s.output_ids, self._decode(s.output_ids), s.finish_reason,
-                                s.num_preemptions)
+        ids = list(s.output_ids)
+        if _PENDING in ids:
+            del ids[ids.index(_PENDING):]
+        return GenerationResult(s.prompt_ids, ids, self._decode(ids), s.finish_reason, s.num_preemptions)
 
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
                  on_token: TokenCallback | None = None) -> list[GenerationResult]:

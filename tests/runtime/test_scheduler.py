@@ -134,6 +134,26 @@ def test_requests_join_between_steps(pipeline):
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
+def test_result_between_steps_is_what_the_host_knows(pipeline):
+    """A server loop reads ``result`` between steps: the tokens so far (a pipelined step's token, still on the
+    device, left out rather than shown as a -1 placeholder), a copy, and no finish reason until the request ends."""
+    gen = Generator(toy_backend(pipeline, 64, 2))
+    a = gen.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    toks = [5, 6, 7]
+    for _ in range(6):  # ignore_eos: on through EOS
+        toks.append(next_token(toks))
+    seen = []
+    while gen.has_unfinished():
+        gen.step()
+        r = gen.result(a)
+        assert -1 not in r.token_ids and r.token_ids[:len(seen)] == seen
+        assert (r.finish_reason is None) == gen.has_unfinished()
+        r.token_ids.append(12345)  # the caller's list, not the generator's
+        seen = r.token_ids[:-1]
+    assert gen.result(a).token_ids == seen == toks[3:]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
 def test_stop_tokens_and_refusals(pipeline):
     backend = toy_backend(pipeline, 4, 4, max_model_len=16)
     gen = Generator(backend)
