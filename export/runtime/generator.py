@@ -193,10 +193,11 @@ class Generator:
             seq.output_ids.append(tok)
         else:
             seq.output_ids[k] = tok
-        if on_token is not None:
-            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok))
         stop = tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in self._eos)
-        if not stop and k + 1 < seq.params.max_new_tokens:
+        last = stop or k + 1 >= seq.params.max_new_tokens
+        if on_token is not None:
+            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok, last))
+        if not last:
             return False
         del seq.output_ids[k + 1:]  # the placeholder of a step launched after this one (pipelined decode)
         self.scheduler.finish(seq, "stop" if stop else "length")
@@ -305,13 +306,16 @@ class Generator:
             return None
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _text_delta(self, stream: _Stream, tok: int) -> str:
+    def _text_delta(self, stream: _Stream, tok: int, last: bool = False) -> str:
+        """The text ``tok`` adds to its request's stream; ``last``: the request's final token, after which the deltas
+        add up to the result's text."""
         if self.tokenizer is None:
             return ""
         stream.ids.append(tok)
         text = self._decode(stream.ids)
-        # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back.
-        if text.endswith("\ufffd"):
+        # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back, unless no
+        # token follows (the result's text ends with it too).
+        if text.endswith("\ufffd") and not last:
             return ""
         delta = text[len(stream.text):] if text.startswith(stream.text) else text
         stream.text = text

@@ -288,3 +288,25 @@ def test_the_loop_stops_at_the_directory_eos_tokens_without_a_tokenizer(tiny_dir
     assert model.eos_token_ids == (100000, stop)
     assert r.finish_reason == "stop" and r.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
     assert model.for_cpu().eos_token_ids == model.eos_token_ids
+
+
+def test_streamed_text_adds_up_to_the_result_text(tiny_dir):
+    """The deltas ``on_token`` streams concatenate to each result's text: a trailing incomplete UTF-8 character (held
+    back while a next token could complete it) is sent with a request's last token. Sampled requests over the tiny
+    model's byte-level vocabulary end mid-character often."""
+    from export.model import LlamaModel
+    from export.runtime import Generator, SamplingParams
+    from export.runtime.tokenizer import load_tokenizer
+
+    model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
+    gen = Generator(TorchBackend(model, num_blocks=64, block_size=4), load_tokenizer(tiny_dir))
+    prompts = [[229, 269, 136, 34], [17, 40], [300, 5, 6]] * 8
+    params = [SamplingParams(max_new_tokens=3 + i % 5, temperature=1.0, seed=i) for i in range(len(prompts))]
+    streamed = [""] * len(prompts)
+
+    def on_token(i, tok, delta):
+        streamed[i] += delta
+
+    results = gen.generate(prompts, params, on_token=on_token)
+    assert [r.text for r in results] == streamed
+    assert any(r.text.endswith("\ufffd") for r in results)  # the case this is about did occur
