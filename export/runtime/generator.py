@@ -181,27 +181,31 @@ class Generator:
             stats.decode_s += dt
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_cached += n
-        for seq, tok in zip(sampling, tokens):
-            self._take(seq, len(seq.output_ids), tok, on_token)
+        taken = [(seq, tok, self._take(seq, len(seq.output_ids), tok)) for seq, tok in zip(sampling, tokens)]
+        self._stream(taken, on_token)
         return [(seq.req_id, tok) for seq, tok in zip(sampling, tokens)]
 
-    def _take(self, seq: Sequence, k: int, tok: int, on_token) -> bool:
-        """``tok`` is output ``k`` of ``seq`` (appended, or in place of its placeholder): stream it, and finish the
-        sequence at a stop token or its last token (dropping any placeholder after ``k``). Returns whether it
-        finished."""
+    def _take(self, seq: Sequence, k: int, tok: int) -> bool:
+        """``tok`` is output ``k`` of ``seq`` (appended, or in place of its placeholder); finish the sequence at a stop
+        token or its last token (dropping any placeholder after ``k``). Returns whether it finished."""
         if k == len(seq.output_ids):
             seq.output_ids.append(tok)
         else:
             seq.output_ids[k] = tok
         stop = tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in self._eos)
-        last = stop or k + 1 >= seq.params.max_new_tokens
-        if on_token is not None:
-            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok, last))
-        if not last:
+        if not stop and k + 1 < seq.params.max_new_tokens:
             return False
         del seq.output_ids[k + 1:]  # the placeholder of a step launched after this one (pipelined decode)
         self.scheduler.finish(seq, "stop" if stop else "length")
         return True
+
+    def _stream(self, taken: list[tuple[Sequence, int, bool]], on_token) -> None:
+        """``on_token`` for each (sequence, token, whether it was the last) of a step, once the step's bookkeeping is
+        done for every sequence: a callback that raises leaves no sequence half-updated."""
+        if on_token is None:
+            return
+        for seq, tok, last in taken:
+            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok, last))
 
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
@@ -248,15 +252,27 @@ class Generator:
         now = time.perf_counter()
         self.stats.decode_s += now - self._decode_clock
         self._decode_clock = now
-        out = []
+        out, taken = [], []
         for seq, k, tok in zip(inflight.seqs, inflight.index, tokens):
             if seq.finish_reason is not None:
-                continue  # stopped at the step before: this token was computed ahead and is dropped
+                continue  # stopped at the step before (or aborted): this token was computed ahead and is dropped
             self.stats.decode_tokens += 1
             out.append((seq.req_id, tok))
-            if self._take(seq, k, tok, on_token) and self._inflight is not None:
+            taken.append((seq, tok, self._take(seq, k, tok)))
+            if taken[-1][2] and self._inflight is not None:
                 self._inflight.aligned = False
+        self._stream(taken, on_token)
         return out
+
+    def abort(self, req_id: int) -> None:
+        """Stop request ``req_id`` now (a server whose client went away): its KV blocks are freed and its
+        bookkeeping dropped (``result`` no longer knows it); a token of it still in flight is discarded."""
+        seq = self._seqs.pop(req_id)
+        del self._streams[req_id]
+        if seq.finish_reason is None:
+            self.scheduler.abort(seq)
+        if self._inflight is not None and all(s.finish_reason is not None for s in self._inflight.seqs):
+            self._inflight = None  # nothing of it is wanted (its writes precede any later step on the stream)
 
     def result(self, req_id: int) -> GenerationResult:
         """Request ``req_id`` as far as the host knows it: between steps (a server loop), its tokens so far, without
@@ -292,8 +308,13 @@ class Generator:
         index = {r: i for i, r in enumerate(ids)}
         self.stats, self._t_start = GenerationStats(), None
         cb = None if on_token is None else (lambda r, t, d: on_token(index[r], t, d) if r in index else None)
-        while self.has_unfinished():
-            self.step(cb)
+        try:
+            while self.has_unfinished():
+                self.step(cb)
+        except BaseException:  # a backend error, a callback that raised, Ctrl-C: leave nothing of this call behind
+            for r in ids:
+                self.abort(r)
+            raise
         self.blocks.check_invariants()
         assert self.blocks.num_free_blocks == self.blocks.num_blocks, "KV blocks leaked after generation"
         results = [self.result(r) for r in ids]

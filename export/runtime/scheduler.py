@@ -108,6 +108,16 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.req_id)
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is (running or waiting), freeing any blocks it holds."""
+        seq.finish_reason = "abort"
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.req_id in self.blocks:
+            self.blocks.free(seq.req_id)
+
     def schedule(self) -> Step | None:
         """The next step: prefill chunks if any sequence has uncached tokens or can be admitted, else one decode."""
         chosen = self._prefill_chunks()

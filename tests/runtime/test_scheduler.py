@@ -229,3 +229,60 @@ def test_pipelined_decode_runs_ahead_and_drops_the_token_after_a_stop():
     assert r_long.token_ids == toks[1:] and r_long.finish_reason == "length"
     assert backend.device_token_steps >= 30 - 4  # all but the first decode step and the batch changes
     assert gen.blocks.num_free_blocks == 64
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["callback", "backend"])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_an_error_inside_generate_leaves_nothing_behind(pipeline, where):
+    """A callback that raises (a client gone) or a backend step that fails (out of memory) ends ``generate`` with
+    that error, its requests aborted: every KV block free, no request left to finish, and the next call runs only its
+    own prompt, correctly."""
+    backend = toy_backend(pipeline, 64, 2)
+    gen = Generator(backend)
+    forwards, calls = [], []
+    real_forward = backend.forward
+
+    def forward(*a, **k):
+        forwards.append(1)
+        if where == "backend" and len(forwards) == 4:
+            raise _Boom("CUDA out of memory")
+        return real_forward(*a, **k)
+
+    def on_token(i, tok, delta):
+        calls.append(i)
+        if where == "callback" and len(calls) == 3:
+            raise _Boom("client went away")
+
+    backend.forward = forward
+    with pytest.raises(_Boom):
+        gen.generate([[5, 6, 7], [9, 1]], SamplingParams(max_new_tokens=8, ignore_eos=True), on_token=on_token)
+    assert not gen.has_unfinished() and gen.blocks.num_free_blocks == 64
+    gen.blocks.check_invariants()
+    forwards.clear()
+    r = gen.generate([[3, 4]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    toks = [3, 4]
+    for _ in range(3):
+        toks.append(next_token(toks))
+    assert r.token_ids == toks[2:] and len(forwards) <= 3 + 1  # its own steps only (+1: a pipelined step ahead)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_abort_frees_a_request_and_the_others_go_on(pipeline):
+    gen = Generator(toy_backend(pipeline, 64, 2))
+    a = gen.add_request([5, 6, 7], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    b = gen.add_request([9, 1], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        gen.step()
+    gen.abort(a)
+    while gen.has_unfinished():
+        gen.step()
+    toks = [9, 1]
+    for _ in range(6):
+        toks.append(next_token(toks))
+    assert gen.result(b).token_ids == toks[2:] and gen.blocks.num_free_blocks == 64
+    with pytest.raises(KeyError):
+        gen.result(a)
