@@ -266,7 +266,8 @@ class Generator:
 
     def abort(self, req_id: int) -> None:
         """Stop request ``req_id`` now (a server whose client went away): its KV blocks are freed and its
-        bookkeeping dropped (``result`` no longer knows it); a token of it still in flight is discarded."""
+        bookkeeping dropped (``result`` no longer knows it); a token of it still in flight is discarded. (GPU run of
+        the pipelined path after this: ``benchmarks/results/dev-logs/h200/gpu_runtime_ad306b6.log``.)"""
         seq = self._seqs.pop(req_id)
         del self._streams[req_id]
         if seq.finish_reason is None:
