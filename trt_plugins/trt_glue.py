@@ -3,7 +3,7 @@
 For each spec this generates, with the signatures TensorRT validates (inputs, then attributes, then ``outputs`` ...):
 
 - ``@trtp.register("tritrt::<Op>")``: output descriptors from the spec's shape / dtype functions; an aliased output
-  (``WriteKvCache``'s and ``RopeWriteKvCache``'s caches) is ``input.aliased()``.
+  (the caches of ``WriteKvCache``, ``RopeWriteKvCache`` and ``QkvRopeWriteKvCache``) is ``input.aliased()``.
 - ``@trtp.autotune``: the supported dtype combinations and, where a block size matters (the GEMMs' ``m_hint``), the
   tactics TensorRT times on the profile's shapes.
 - ``@trtp.aot_impl``: compiles the specialisation's kernel for this GPU -- the spec's Triton entry, or the CUDA kernel
@@ -11,14 +11,17 @@ For each spec this generates, with the signatures TensorRT validates (inputs, th
   name, the PTX (Triton's without its hidden scratch parameters; TensorRT passes exactly inputs, int32 extra args,
   outputs), launch parameters whose grid is a shape expression of the dynamic dims, and the scalars as ``SymInt32``.
   The engine then embeds the PTX and runs without Python.
-- ``@trtp.impl``: a torch fallback (the spec's fp32 reference on the GPU), used only if the AOT path is not taken.
+- ``@trtp.impl``: a torch implementation (the spec's fp32 reference on the GPU) for a network built by hand with
+  ``add_plugin(..., aot=False)``; fp16 / fp32 only (TensorRT's tensors give torch no CUDA array interface for bf16). It
+  is no fallback for the exporter's graphs: their plugin nodes carry ``aot=1``, with which the ONNX parser makes
+  TensorRT take the AOT implementation or fail the build.
 
 Usage (Python): ``load_plugins()`` once per process before building or deserializing an engine; with the ONNX
 parser the ``tritrt`` plugin nodes then resolve to these plugins, and in a network built by hand
 ``network.add_plugin(trtp.op.tritrt.RmsNorm(x, w, eps=1e-5), aot=True)`` picks the AOT implementation. An engine
 built from the AOT implementations embeds the PTX: ``trtexec --loadEngine`` or a C++ runtime can run it with no
-Python and without ``--dynamicPlugins`` (no plugin library to load); an engine that took the ``impl`` fallback needs
-this module's ``load_plugins()`` in a Python process.
+Python and without ``--dynamicPlugins`` (no plugin library to load); an engine of ``impl`` plugins (``aot=False``)
+needs this module's ``load_plugins()`` in a Python process.
 
 Caveats (not verifiable here, TensorRT is not installable on our machines): kernels needing more than 48 KB of dynamic
 shared memory (PagedAttention's prefill tiles, the wgmma GEMM on sm_90) rely on TensorRT raising the function's shared

@@ -5,11 +5,15 @@ Written against the documented TensorRT >= 10.9 Python API (``Runtime.deserializ
 constructed, with a clear error when it is missing. The feeds are exactly the ONNX graph I/O of
 ``export.onnx_export``: ``input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q, k_cache_{i},
 v_cache_{i}, attn_part_o, attn_part_lse, attn_counter`` in, ``logits`` (fp32) and ``k_cache_out_{i},
-v_cache_out_{i}`` out. The cache outputs alias their inputs in the plugin flavour (the RopeWriteKvCache plugin writes in
+v_cache_out_{i}`` out. The cache outputs alias their inputs in the plugin flavour (the RoPE + KV-write plugin writes in
 place), so they are bound to the same memory.
 
-Decode steps are padded to batch-size buckets (``pad_decode_batch``) and captured in CUDA graphs, one execution
-context per bucket so that each context's shapes never change after capture; prefill runs on its own context.
+The engine has two optimization profiles (``export.engine.PROFILE_NAMES``): "decode" (one token per sequence, up to
+``max_num_seqs``) and "prefill" (up to ``max_num_tokens`` packed tokens). A step runs on the first profile whose
+bounds hold it (``fitting_profile``): decode steps on the decode profile, padded to batch-size buckets
+(``pad_decode_batch``) and captured in CUDA graphs, one execution context per bucket so that each context's shapes
+never change after capture; other steps on an eager context per profile, switched to its profile
+(``set_optimization_profile_async``) before any shape is set, as TensorRT requires.
 
 Not run in this repository's CI or on the lent GPU (TensorRT is installable on neither); ``engine_feeds`` and the
 profile checks are plain torch and are tested on CPU.
@@ -58,6 +62,19 @@ def engine_feeds(batch: Batch, kv_cache, attn_scratch: dict[str, torch.Tensor]) 
     return feeds
 
 
+def fitting_profile(feeds: dict[str, torch.Tensor], profiles: list[dict[str, tuple]]) -> int:
+    """The index of the first profile whose bounds hold ``feeds``; else ``check_profile``'s error for the last (the
+    widest: prefill)."""
+    for i, profile in enumerate(profiles[:-1]):
+        try:
+            check_profile(feeds, profile)
+            return i
+        except ValueError:
+            continue
+    check_profile(feeds, profiles[-1])
+    return len(profiles) - 1
+
+
 def check_profile(feeds: dict[str, torch.Tensor], profile: dict[str, tuple]) -> None:
     """Refuse shapes outside the engine's optimization profile (``name -> (min, opt, max)``) with what to rebuild."""
     for name, t in feeds.items():
@@ -103,14 +120,17 @@ class TrtBackend:
                                "it")
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.profile = {n: tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(n, 0)) for n in self._inputs}
-        # The engine's profile bounds every dynamic dimension; build.json records the same limits by name.
-        max_blocks_in_cache = self.profile["k_cache_0"][2][0]
+        # (min, opt, max) of each input per profile: decode first, prefill last (export.engine.PROFILE_NAMES); they
+        # bound every dynamic dimension, and build.json records the same limits by name.
+        self.profiles = [{n: tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(n, p)) for n in self._inputs}
+                         for p in range(self.engine.num_optimization_profiles)]
+        widest = self.profiles[-1]
+        max_blocks_in_cache = widest["k_cache_0"][2][0]
         self.num_blocks = min(num_blocks or int(build.get("num_blocks", max_blocks_in_cache)), max_blocks_in_cache)
         self.max_model_len = max_model_len or min(int(build.get("max_seq_len", self.config.max_position_embeddings)),
-                                                  self.profile["block_table"][2][1] * self.block_size)
-        self.max_num_seqs = self.profile["seq_lens"][2][0]
-        self.max_num_tokens = self.profile["input_ids"][2][0]
+                                                  widest["block_table"][2][1] * self.block_size)
+        self.max_num_seqs = max(p["seq_lens"][2][0] for p in self.profiles)
+        self.max_num_tokens = widest["input_ids"][2][0]  # the prefill profile's: what a chunk may hold
         kv_dtype = _torch_dtype(trt, self.engine.get_tensor_dtype("k_cache_0"))
         shape = (self.num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_cache = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
@@ -119,14 +139,21 @@ class TrtBackend:
         # PagedAttention's decode scratch, shared by every context (they run in turn on one stream); counters zeroed
         # once here, left at zero by the plugin.
         self.attn_scratch = attention_scratch(self.config, self.max_num_seqs, self.device)
-        self._eager = self.engine.create_execution_context()
+        # An eager context per profile; a new context is on profile 0, and TensorRT takes the switch only before the
+        # context's first set_input_shape.
+        self._eager = []
+        for p in range(len(self.profiles)):
+            context = self.engine.create_execution_context()
+            if p:
+                context.set_optimization_profile_async(p, torch.cuda.current_stream().cuda_stream)
+            self._eager.append(context)
         self.cuda_graphs = cuda_graphs
         self.graph_batch_sizes = tuple(b for b in sorted(graph_batch_sizes) if b <= self.max_num_seqs)
         self._max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self._graphs: dict[int, tuple] = {}
 
-    def _bind(self, context, feeds: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
-        check_profile(feeds, self.profile)
+    def _bind(self, context, feeds: dict[str, torch.Tensor], logits: torch.Tensor, profile: int) -> None:
+        check_profile(feeds, self.profiles[profile])
         for name, t in feeds.items():
             if not context.set_input_shape(name, tuple(t.shape)):
                 raise ValueError(f"TensorRT refused shape {tuple(t.shape)} for {name}")
@@ -147,8 +174,9 @@ class TrtBackend:
             return self._decode_graph(batch)
         feeds = engine_feeds(batch.to(self.device), self.kv_cache, self.attn_scratch)
         logits = torch.empty(batch.num_seqs, self.vocab_size, dtype=torch.float32, device=self.device)
-        self._bind(self._eager, feeds, logits)
-        self._execute(self._eager)
+        profile = fitting_profile(feeds, self.profiles)
+        self._bind(self._eager[profile], feeds, logits, profile)
+        self._execute(self._eager[profile])
         return logits
 
     def _decode_graph(self, batch: Batch) -> torch.Tensor:
@@ -157,9 +185,9 @@ class TrtBackend:
         if bs not in self._graphs:
             static = pad_decode_batch(batch, bs, self._max_blocks_per_seq).to(self.device)
             static.slot_mapping.fill_(-1)  # the warm-up and capture runs must not write the cache
-            context = self.engine.create_execution_context()
+            context = self.engine.create_execution_context()  # on profile 0: decode
             logits = torch.empty(bs, self.vocab_size, dtype=torch.float32, device=self.device)
-            self._bind(context, engine_feeds(static, self.kv_cache, self.attn_scratch), logits)
+            self._bind(context, engine_feeds(static, self.kv_cache, self.attn_scratch), logits, 0)
             self._execute(context)  # TensorRT's rule: one run after the shapes are set, before capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from export.runtime.backends import TorchBackend
-from export.runtime.trt_backend import TrtBackend, check_profile, engine_feeds
+from export.runtime.trt_backend import TrtBackend, check_profile, engine_feeds, fitting_profile
 
 
 def test_feeds_drive_the_exported_graph_like_the_torch_backend(tiny_dir, tmp_path):
@@ -43,6 +43,32 @@ def test_feeds_drive_the_exported_graph_like_the_torch_backend(tiny_dir, tmp_pat
         seq_lens = batch.seq_lens + 1
         batch = make_batch([1, 1, 1], cached_lens=batch.seq_lens.tolist(), block_size=block_size, input_ids=next_tok)
         assert torch.equal(batch.seq_lens, seq_lens) and nb >= batch.block_table.max() + 1
+
+
+def test_a_step_runs_on_the_first_profile_that_holds_it(tiny_dir):
+    """The engine's profiles as export.engine builds them (decode: one token per sequence, up to max_num_seqs;
+    prefill: up to max_num_tokens packed tokens): a decode step takes the decode profile, a prefill chunk longer than
+    max_num_seqs the prefill one, and one past every bound the prefill profile's error (what to rebuild)."""
+    from export.engine import PROFILE_NAMES, dim_ranges
+    from export.model import LlamaModel, make_batch
+    from export.onnx_export import attention_scratch
+
+    build = dict(max_num_tokens=64, max_num_seqs=4, num_blocks=32, max_blocks_per_seq=8)
+    ranges = dim_ranges(build)
+    dims = {"input_ids": ["num_tokens"], "seq_lens": ["num_seqs"], "cu_seqlens_q": ["num_seqs_plus_1"],
+            "block_table": ["num_seqs", "max_blocks"]}
+    profiles = [{n: tuple(tuple(ranges[name][d][k] for d in ds) for k in range(3)) for n, ds in dims.items()}
+                for name in PROFILE_NAMES]
+    config = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32).config
+    scratch = attention_scratch(config, 4, "cpu")
+
+    def feeds(q_lens, cached):
+        return engine_feeds(make_batch(q_lens, cached_lens=cached, block_size=4), [], scratch)
+
+    assert fitting_profile(feeds([1, 1, 1], [5, 9, 2]), profiles) == PROFILE_NAMES.index("decode")
+    assert fitting_profile(feeds([20, 3], [0, 0]), profiles) == PROFILE_NAMES.index("prefill")
+    with pytest.raises(ValueError, match="outside the engine's profile"):
+        fitting_profile(feeds([70], [0]), profiles)
 
 
 def test_profile_refusal_says_what_to_rebuild():
