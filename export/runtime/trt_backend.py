@@ -154,14 +154,16 @@ class TrtBackend:
 
     def _bind(self, context, feeds: dict[str, torch.Tensor], logits: torch.Tensor, profile: int) -> None:
         check_profile(feeds, self.profiles[profile])
+        addresses = {name: t.data_ptr() for name, t in feeds.items()}
         for name, t in feeds.items():
             if not context.set_input_shape(name, tuple(t.shape)):
                 raise ValueError(f"TensorRT refused shape {tuple(t.shape)} for {name}")
-            context.set_tensor_address(name, t.data_ptr())
-        context.set_tensor_address("logits", logits.data_ptr())
+        addresses["logits"] = logits.data_ptr()
         for i, (k, v) in enumerate(self.kv_cache):  # aliased outputs: the same memory as the cache inputs
-            context.set_tensor_address(f"k_cache_out_{i}", k.data_ptr())
-            context.set_tensor_address(f"v_cache_out_{i}", v.data_ptr())
+            addresses[f"k_cache_out_{i}"], addresses[f"v_cache_out_{i}"] = k.data_ptr(), v.data_ptr()
+        for name, ptr in addresses.items():
+            if not context.set_tensor_address(name, ptr):  # False: no such I/O tensor (an engine of another export)
+                raise RuntimeError(f"the engine has no I/O tensor {name!r}; rebuild it with this version of tritrt")
 
     def _execute(self, context) -> None:
         if not context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
