@@ -30,6 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
+from kernels.quant import stored_scale
+
 from .model import TorchOps, make_batch, rope_cache
 from .quantize import choose_group_size, is_quantizable
 
@@ -47,10 +49,10 @@ def group_grid(w: torch.Tensor, scale_dtype: torch.dtype, col_weight: Optional[t
     """Asymmetric 4-bit grid of each row of ``w [N, G]``: fp32 ``(scale [N], zero [N])``, the scale already rounded to
     ``scale_dtype``. With several ``ratios``, the range ``[r * min, r * max]`` with the least squared rounding error
     (each column weighted by ``col_weight [G]``) wins per row; ``ratios=(1.0,)`` is ``quantize_int4``'s grid."""
-    lo0, hi0 = w.amin(dim=1), w.amax(dim=1)
+    lo0, hi0 = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)  # the range holds 0, as quantize_int4's
     best = None
     for r in ratios:
-        s = ((hi0 - lo0) * r / 15.0).clamp_min(1e-8).to(scale_dtype).float()
+        s = stored_scale((hi0 - lo0) * r / 15.0, scale_dtype).float()
         z = torch.round(-lo0 * r / s).clamp_(0, 15)
         if len(ratios) == 1:
             return s, z

@@ -67,6 +67,12 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ValueError(f"weight dtype {w.dtype} not supported: pass a float16, bfloat16 or float32 weight")
 
 
+def stored_scale(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scales as stored in ``dtype``, never 0: floored at the smallest normal ``dtype`` value (a floor such as
+    1e-8 rounds to 0 in float16, and a zero scale makes the zero point -lo / s NaN)."""
+    return s.clamp_min(torch.finfo(dtype).tiny).to(dtype)
+
+
 def quantize_int8(w: torch.Tensor, scale_dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
     """Symmetric per-output-channel INT8: ``s[n] = max|w[n, :]| / 127``, ``q = round(w / s)``.
 
@@ -77,7 +83,7 @@ def quantize_int8(w: torch.Tensor, scale_dtype: Optional[torch.dtype] = None) ->
     sdt = scale_dtype or (torch.float16 if w.dtype == torch.float32 else w.dtype)
     wf = w.float()
     # Quantize with the scale as stored (rounded to sdt) so dequantize() reproduces what the kernel multiplies by.
-    s = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-8).to(sdt)
+    s = stored_scale(wf.abs().amax(dim=1) / 127.0, sdt)
     q = torch.round(wf / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(8, q.t().contiguous(), s.contiguous(), None, k, k, n)
 
@@ -86,8 +92,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
                   scale_dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
     """Group-wise INT4 along K (groups of ``group_size`` inputs per output channel).
 
-    Asymmetric (default): ``s = (max - min) / 15``, ``z = round(-min / s)`` in 0..15, ``q = clamp(round(w / s) + z)``.
-    Symmetric: ``s = max|w| / 7``, ``q = clamp(round(w / s), -8, 7) + 8`` (zero point 8, ``zeros`` is None).
+    Asymmetric (default): over the group's range widened to hold 0 (``lo = min(min, 0)``, ``hi = max(max, 0)``, as
+    GPTQ's quantizer does: a group of one sign is not clipped to ``hi - lo``), ``s = (hi - lo) / 15``,
+    ``z = round(-lo / s)`` in 0..15, ``q = clamp(round(w / s) + z)``. Symmetric: ``s = max|w| / 7``,
+    ``q = clamp(round(w / s), -8, 7) + 8`` (zero point 8, ``zeros`` is None). An all-zero group gets the smallest
+    scale its dtype holds (``stored_scale``) and dequantizes to exact zeros.
     """
     _check_weight(w)
     if group_size not in INT4_GROUP_SIZES:
@@ -99,12 +108,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     sdt = scale_dtype or (torch.float16 if w.dtype == torch.float32 else w.dtype)
     wg = w.float().reshape(n, k // group_size, group_size)
     if symmetric:
-        s = (wg.abs().amax(dim=2) / 7.0).clamp_min(1e-8).to(sdt)
+        s = stored_scale(wg.abs().amax(dim=2) / 7.0, sdt)
         q = torch.round(wg / s.float()[..., None]).clamp_(-8, 7) + 8
         z = None
     else:
-        lo, hi = wg.amin(dim=2), wg.amax(dim=2)
-        s = ((hi - lo) / 15.0).clamp_min(1e-8).to(sdt)
+        lo, hi = wg.amin(dim=2).clamp(max=0), wg.amax(dim=2).clamp(min=0)
+        s = stored_scale((hi - lo) / 15.0, sdt)
         zf = torch.round(-lo / s.float()).clamp_(0, 15)
         q = (torch.round(wg / s.float()[..., None]) + zf[..., None]).clamp_(0, 15)
         z = zf.to(torch.int8).t().contiguous()  # [K // G, N]

@@ -84,6 +84,22 @@ def test_dead_inputs_do_not_break_it():
     assert torch.isfinite(w).all() and bool((w[:, 5] == 0).all())
 
 
+@pytest.mark.parametrize("dead", ["output row", "input group"])
+def test_zero_groups_stay_finite_in_float16_scales(dead):
+    """A zero output row, or a dead input group, with float16 scales (the builds' default): finite codes and exact
+    zeros, not NaN spreading along the row through the error feedback (the old 1e-8 scale floor was 0 in float16)."""
+    x = _correlated_inputs(512, 64, seed=3)
+    w = torch.randn(8, 64)
+    if dead == "output row":
+        w[5] = 0
+    else:
+        x[:, 32:] = 0
+    qw = gptq_quantize(w, 2 * x.T @ x / 512, 32, torch.float16)
+    back = kq.dequantize(qw, torch.float32)
+    assert torch.isfinite(back).all() and torch.isfinite(qw.scales.float()).all()
+    assert bool((back[5] == 0).all()) if dead == "output row" else bool((back[:, 32:] == 0).all())
+
+
 @pytest.fixture(scope="module")
 def tiny_gptq(tiny_dirs):
     """The tiny fixture checkpoint (hidden 64, intermediate 160) GPTQ-quantized in float16 on 4 x 32 random ids."""

@@ -266,3 +266,31 @@ def test_interleave_columns_rejects_mismatched_weights():
         interleave_columns(a, quantize_int4(torch.randn(16, 128).half(), 32, symmetric=True))
     with pytest.raises(ValueError, match="even N, got N=15"):
         linear(torch.randn(2, 128).half(), quantize_int4(torch.randn(15, 128).half(), 32), swiglu=True)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_zero_and_constant_groups_stay_finite_and_exact(scale_dtype):
+    """An all-zero row (and so all-zero groups) quantizes to finite scales and dequantizes to exact zeros in every
+    format; a constant group comes back within half a step. The old 1e-8 scale floor rounded to 0 in float16, which
+    made the zero point -lo / s NaN."""
+    w = torch.randn(8, 256, dtype=torch.float32)
+    w[5] = 0
+    w[2, :128] = 0.01
+    for qw in (quantize_int8(w, scale_dtype), quantize_int4(w, 128, False, scale_dtype),
+               quantize_int4(w, 128, True, scale_dtype)):
+        back = dequantize(qw, torch.float32)
+        assert torch.isfinite(qw.scales.float()).all() and (qw.scales.float() > 0).all()
+        assert torch.isfinite(back).all() and torch.equal(back[5], torch.zeros(256))
+        s = qw.scales.float()[0, 2] if qw.bits == 4 else qw.scales.float()[2]
+        assert (back[2, :128] - 0.01).abs().max() <= s / 2 * (1 + 2**-7)
+
+
+def test_a_group_of_one_sign_is_not_clipped():
+    """Asymmetric INT4 over [min(lo, 0), max(hi, 0)] (GPTQ's grid): a group of values in [0.5, 0.6] comes back within
+    half a step; over [lo, hi] with the zero point clamped to 0 it came back as ~0.1 (every value clipped)."""
+    w = torch.randn(4, 128)
+    w[1] = 0.5 + 0.1 * torch.rand(128)
+    w[3] = -(0.5 + 0.1 * torch.rand(128))
+    qw = quantize_int4(w, 128, scale_dtype=torch.float32)
+    back = dequantize(qw, torch.float32)
+    assert ((back - w).abs() <= qw.scales.float().t() / 2 * (1 + 1e-5) + 1e-7).all()
