@@ -71,16 +71,26 @@ def _check_rows(name: str, x: torch.Tensor, heads: int, head_dim: int) -> None:
                          f"got strides {x.stride()}: call .contiguous()")
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Scatter ``k, v [T, Hk, D]`` into the paged caches at ``slot_mapping [T]`` (int32; < 0 skipped), in place."""
+    """A cache write's arguments, on every path: the cache layout, k and v ``[T, Hk, D]`` alike (the cache's heads
+    and head_dim, contiguous heads), slot_mapping int32 ``[T]``."""
     check_kv_cache(k_cache, v_cache)
     _, _, hk, d = k_cache.shape
     _check_rows("k", k, hk, d)
     _check_rows("v", v, hk, d)
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has {v.shape[0]} tokens but k has {k.shape[0]}: pass one k and one v row per token")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int32:
         raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}]; got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter ``k, v [T, Hk, D]`` into the paged caches at ``slot_mapping [T]`` (int32; < 0 skipped), in place."""
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    _, _, hk, d = k_cache.shape
     check_device(k, v, k_cache, v_cache, slot_mapping)
     if k.shape[0] == 0:
         return

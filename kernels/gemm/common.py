@@ -165,6 +165,15 @@ def reference_epilogue(y: torch.Tensor, bias, residual, swiglu: bool) -> torch.T
     return y
 
 
+def check_weight_parts(name: str, **parts) -> None:
+    """A quantized weight's tensors (qweight, scales, zeros, bias; None skipped) must be contiguous: the kernels index
+    them by their shapes, so a transposed or strided view would be read as another weight."""
+    for part, t in parts.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: {part} {tuple(t.shape)} is not contiguous (strides {tuple(t.stride())}); pass "
+                             f"{part}.contiguous(), or quantize with kernels.quant, whose layouts are")
+
+
 def check_activations(x: torch.Tensor, K: int, name: str) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{name}: activations must be float16 or bfloat16, got {x.dtype}")

@@ -16,7 +16,7 @@ import torch
 from .. import attention_ref as ref
 from ..attention_cpu import paged_decode_attention_cpu, write_kv_cache_cpu
 from ..decode_attention import decode_attention
-from ..kv_cache import check_kv_cache, write_kv_cache
+from ..kv_cache import check_kv_cache, check_kv_write, write_kv_cache
 from ..prefill_attention import _check_cu, check_heads, paged_prefill_attention, varlen_attention as _varlen_triton
 from ..rope import rope_write_kv_cache, rotary_embedding_ref
 from .norm_act import _rope_check
@@ -26,6 +26,8 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, m
     """Validate a paged-attention call; errors say what to change."""
     check_kv_cache(k_cache, v_cache)
     check_heads(q, k_cache.shape[2], k_cache.shape[3], triton_path=q.is_cuda)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}: keep the cache in the model's dtype")
     page = k_cache.shape[1]
     if page < 1 or page > 128 or page & (page - 1):
         raise ValueError(f"cache block_size {page} is not supported: use a power of two in 1..128")
@@ -38,10 +40,14 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, m
     if block_table.dim() != 2 or block_table.shape[0] != seq_lens.shape[0] or block_table.dtype != torch.int32:
         raise ValueError(f"block_table must be int32 [num_seqs={seq_lens.shape[0]}, max_blocks_per_seq]; "
                          f"got {block_table.dtype} {tuple(block_table.shape)}")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table must be contiguous along blocks: call .contiguous()")
+    if block_table.stride(1) != 1 or (block_table.shape[0] > 1 and block_table.stride(0) < block_table.shape[1]):
+        raise ValueError("block_table must be contiguous (one row per sequence, not an expanded or strided view): "
+                         "call .contiguous()")
     if max_seqlen_q < 1:
         raise ValueError(f"max_seqlen_q must be >= 1 (1 for a pure decode step); got {max_seqlen_q}")
+    if max_seqlen_q == 1 and q.shape[0] > seq_lens.shape[0]:
+        raise ValueError(f"max_seqlen_q=1 but q has {q.shape[0]} tokens for {seq_lens.shape[0]} sequences: pass the "
+                         "step's longest run of new tokens per sequence")
 
 
 def _write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,7 +55,7 @@ def _write_kv_cache_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     if k_cache.is_cuda:
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     else:
-        check_kv_cache(k_cache, v_cache)
+        check_kv_write(k, v, k_cache, v_cache, slot_mapping)
         write_kv_cache_cpu(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -68,7 +74,7 @@ def _rope_write_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     if q.is_cuda:
         return rope_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved)
     _rope_check(q, k, positions, cos_sin_cache)
-    check_kv_cache(k_cache, v_cache)
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     q_out, k_out = rotary_embedding_ref(q, k, positions, cos_sin_cache, interleaved)
     write_kv_cache_cpu(k_out, v, k_cache, v_cache, slot_mapping)
     return q_out

@@ -59,6 +59,9 @@ def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
 def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{op}: bias must have shape [{N}], got {tuple(bias.shape)}")
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError(f"{op}: bias must be contiguous (a strided view is read as other values); pass "
+                         "bias.contiguous()")
 
 
 # --------------------------------------------------------------------------------------------------- w8a16_linear

@@ -190,6 +190,17 @@ def test_w4a16_bad_inputs():
         w4a16_gemm(x.bfloat16(), qw.qweight, qw.scales, qw.zeros, 32)
     with pytest.raises(ValueError, match="int32"):
         w4a16_gemm(x, qw.qweight.to(torch.int64), qw.scales, qw.zeros, 32)
+    # A group size that splits a packed int32 row (an imported GPTQ checkpoint's, say): refused, not read wrongly.
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        w4a16_gemm(x, qw.qweight, torch.ones(128 // 4, 16, dtype=torch.float16),
+                   torch.zeros(128 // 4, 16, dtype=torch.int8), 4)
+    # Transposed or strided weight parts are another weight to the kernels: refused, saying to make them contiguous.
+    strided = torch.empty(2 * qw.scales.shape[0], qw.scales.shape[1], dtype=qw.scales.dtype)[::2]
+    strided.copy_(qw.scales)
+    with pytest.raises(ValueError, match="scales .* is not contiguous"):
+        w4a16_gemm(x, qw.qweight, strided, qw.zeros, 32)
+    with pytest.raises(ValueError, match="qweight .* is not contiguous"):
+        w4a16_gemm(x, qw.qweight.t().contiguous().t(), qw.scales, qw.zeros, 32)
 
 
 @pytest.mark.gpu

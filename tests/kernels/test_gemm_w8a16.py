@@ -100,6 +100,13 @@ def test_w8a16_bad_inputs():
         torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, torch.zeros(7, dtype=torch.float16), None)
     with pytest.raises(ValueError, match="2-D"):
         quantize_int8(torch.randn(4, 4, 4))
+    # An [N, K] int8 weight passed transposed has the [K, N] shape but not the layout: refused, not misread (the
+    # kernels index by shape; this gave a wrong product before).
+    nk = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
+    with pytest.raises(ValueError, match="qweight .* is not contiguous"):
+        w8a16_gemm(x, nk.t(), qw.scales)
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        torch.ops.tritrt.w8a16_linear(x, qw.qweight, qw.scales, torch.zeros(48, dtype=torch.float16)[::2], None)
 
 
 @pytest.mark.gpu

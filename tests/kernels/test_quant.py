@@ -180,6 +180,11 @@ def test_import_rejects_mismatched_scales_zeros_and_groups(fmt):
     with pytest.raises(ValueError, match=rf"{name}: K=128 is not 4 groups of 64"):
         load(qweight, qzeros, s, group_size=64)
     assert load(qweight, qzeros, s).group_size == G  # group size inferred from the scales
+    q4, z4, s4 = known_ints(K, N, 4)  # groups of 4: boundaries inside a packed int32 row, which no kernel reads
+    packed = (pack_rows_loop(q4), pack_cols_loop(z4)) if fmt == "gptq" else (pack_cols_loop(q4, AWQ_ORDER),
+                                                                            pack_cols_loop(z4, AWQ_ORDER))
+    with pytest.raises(ValueError, match=rf"{name}: group size 4 is not a multiple of 8"):
+        load(*packed, s4)
 
 
 def test_awq_import_exact():

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from kernels._launch import LaunchConfig
 from kernels._utils import check_device, interpreting
-from kernels.gemm.common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
+from kernels.gemm.common import (_finish, check_activations, check_epilogue, check_weight_parts, plan_tiles,
+                                 reference_epilogue, tickets)
 
 
 @triton.jit
@@ -152,15 +153,17 @@ def check_w4_weight(qweight, scales, zeros, group_size, K=None):
     K = K if K is not None else Kp * 8
     if Kp * 8 != K:
         raise ValueError(f"W4A16: qweight has {Kp} packed rows, i.e. K={Kp * 8}, but x has K={K}")
-    if group_size <= 0 or K % group_size:
-        raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}; quantize with a group size "
-                         f"that divides in_features")
+    if group_size <= 0 or K % group_size or group_size % 8:
+        raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}, or the group size is not a "
+                         f"multiple of 8 (a packed int32 row); quantize with a group size that divides in_features "
+                         f"(kernels.quant: 32, 64 or 128)")
     if tuple(scales.shape) != (K // group_size, N):
         raise ValueError(f"W4A16: scales must be [K // group_size, N] = {(K // group_size, N)}, got "
                          f"{tuple(scales.shape)}")
     if zeros is not None and (tuple(zeros.shape) != (K // group_size, N) or zeros.dtype != torch.int8):
         raise ValueError(f"W4A16: zeros must be int8 [K // group_size, N] = {(K // group_size, N)}, got "
                          f"{zeros.dtype} {tuple(zeros.shape)}")
+    check_weight_parts("W4A16", qweight=qweight, scales=scales, zeros=zeros)
     return K, N
 
 

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from kernels._launch import LaunchConfig
 from kernels._utils import check_device, interpreting
-from kernels.gemm.common import _finish, check_activations, check_epilogue, plan_tiles, reference_epilogue, tickets
+from kernels.gemm.common import (_finish, check_activations, check_epilogue, check_weight_parts, plan_tiles,
+                                 reference_epilogue, tickets)
 
 
 @triton.jit
@@ -131,6 +132,7 @@ def check_w8_weight(qweight, scales, K=None):
         raise ValueError(f"W8A16: qweight is for K={Kw} but x has K={K}")
     if tuple(scales.shape) != (N,):
         raise ValueError(f"W8A16: scales must be [N] = [{N}], got {tuple(scales.shape)}")
+    check_weight_parts("W8A16", qweight=qweight, scales=scales)
     return Kw, N
 
 
