@@ -23,7 +23,8 @@ from .norm_act import _rope_check
 
 
 def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q: int) -> None:
-    """Validate a paged-attention call; errors say what to change."""
+    """Validate a paged-attention call; errors say what to change. (The GPU tests after its last checks were added:
+    ``benchmarks/results/dev-logs/h200/gpu_checks_197cd0e.log``.)"""
     check_kv_cache(k_cache, v_cache)
     check_heads(q, k_cache.shape[2], k_cache.shape[3], triton_path=q.is_cuda)
     if q.dtype != k_cache.dtype:
