@@ -94,23 +94,26 @@ def resolve_device(device: str = "auto") -> str:
 FOLLOW_UP_STEPS = ((1, 1), (3, 2))
 
 
-def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), seed: int = 0, decode: bool = True,
+def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=None, seed: int = 0, decode: bool = True,
                prefill_runner=None):
     """``(feeds, sequences)``: graph feeds and, per feed, each sequence's full tokens so far.
 
-    The first feed is a prefill of ``lens`` tokens on fresh (zero) caches; with ``decode`` a decode step and a
-    chunked-prefill step follow (``FOLLOW_UP_STEPS``), each on the caches the previous step wrote, which
-    ``prefill_runner(feed) -> outputs`` supplies (ONNX Runtime on the reference flavour). Block 0 is left unused so
-    that a table entry of 0 (padding) is never a block that holds a sequence's tokens.
+    The first feed is a prefill of ``lens`` tokens on fresh (zero) caches (default ``block_size + 5`` and 3: the
+    first sequence spans two cache blocks); with ``decode`` a decode step and a chunked-prefill step follow
+    (``FOLLOW_UP_STEPS``), each on the caches the previous step wrote, which ``prefill_runner(feed) -> outputs``
+    supplies (ONNX Runtime on the reference flavour). Block 0 is left unused so that a table entry of 0 (padding) is
+    never a block that holds a sequence's tokens; the others are handed out in descending order, so that a lookup
+    assuming a sequence's blocks are consecutive reads the wrong keys.
     """
     from .model import make_batch
 
     rng = np.random.default_rng(seed)
-    lens = list(lens)
+    lens = list(lens) if lens is not None else [block_size + 5, 3]
     steps = [lens] + ([[n for n, _ in zip(step, lens)] for step in FOLLOW_UP_STEPS] if decode else [])
     totals = np.sum(steps, axis=0)
     blocks_per_seq = -(-int(totals.max()) // block_size)
     num_blocks = 1 + len(lens) * blocks_per_seq
+    shuffle = np.concatenate([[0], np.arange(num_blocks - 1, 0, -1)])  # blocks handed out last first
     cache_shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     caches = {}
     for i in range(config.num_layers):
@@ -128,7 +131,12 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=(5, 3), see
         batch = make_batch(step_lens, cached_lens=[len(t) for t in tokens], block_size=block_size,
                            input_ids=np.concatenate(new), blocks_per_seq=blocks_per_seq, block_offset=1)
         tokens = [np.concatenate([t, n]) for t, n in zip(tokens, new)]
-        feeds.append({**_batch_feed(batch), **caches, **_scratch_feed(config, len(step_lens))})
+        feed = _batch_feed(batch)
+        table, slots = feed["block_table"], feed["slot_mapping"]
+        feed["block_table"] = shuffle[table].astype(table.dtype)
+        feed["slot_mapping"] = np.where(slots >= 0, shuffle[slots // block_size] * block_size + slots % block_size,
+                                        slots).astype(slots.dtype)
+        feeds.append({**feed, **caches, **_scratch_feed(config, len(step_lens))})
         sequences.append([t.copy() for t in tokens])
     return feeds, sequences
 

@@ -223,6 +223,25 @@ def test_matmul_through_torch_keeps_bf16():
     assert (diff <= 2.0**-7 * np.abs(want.float().numpy()) + 1e-6).all()
 
 
+def test_default_feeds_span_blocks_out_of_order(built_out):
+    """The feeds verify runs by default take a sequence past its first cache block, in blocks that are not
+    consecutive, with the slots matching the table: a paged lookup that reads only a sequence's first block, or
+    assumes its blocks follow one another, computes other keys (an audit's edit of the reference graph that read
+    block_table[s][0] for every key passed verify's single-block feeds)."""
+    from export.verify import load_out, make_feeds, ort_session
+
+    info = load_out(built_out)
+    bs = info["block_size"]
+    sess = ort_session(built_out / "model.reference.onnx")
+    names = [o.name for o in sess.get_outputs()]
+    feeds, _ = make_feeds(info["config"], bs, prefill_runner=lambda f: dict(zip(names, sess.run(None, f))))
+    table, slots, lens = feeds[0]["block_table"], feeds[0]["slot_mapping"], feeds[0]["seq_lens"]
+    assert lens[0] > bs and table.shape[1] >= 2
+    first = table[0, : -(-int(lens[0]) // bs)]
+    assert (first > 0).all() and (np.diff(first) != 1).any(), first
+    np.testing.assert_array_equal(slots[: lens[0]] // bs, np.repeat(first, bs)[: lens[0]])
+
+
 def test_feeds_have_the_documented_layout(built_out):
     """Decode and chunk feeds continue the prefill: caches from the step before, positions past the cached tokens."""
     from export.verify import load_out, make_feeds, ort_session
