@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from ._base import FLOATS, OutputSpec, PluginSpec, Sample, TensorSpec, cdiv, require
 from .rope import ROPE
-from .rope_write_kv_cache import ROPE_WRITE_KV_CACHE
-from .write_kv_cache import WRITE_KV_CACHE
+from .rope_write_kv_cache import ROPE_WRITE_KV_CACHE, check_parts
 
 OP = "QkvRopeWriteKvCache"
 
@@ -49,12 +48,7 @@ def _check(shapes, dtypes, attrs):
     w, (_, _, hk, d) = shapes["qkv"][1], shapes["k_cache"]
     require(w % d == 0 and w // d > 2 * hk, OP, f"qkv [T, W] must hold Hq + 2 x {hk} heads of {d} (the cache's "
             f"kv heads and head_dim) with Hq >= 1, got W = {w}")
-    split_shapes, split_dtypes = _split_shapes(shapes, dtypes)
-    for part in (ROPE, WRITE_KV_CACHE):
-        try:
-            part.check(split_shapes, split_dtypes, attrs)
-        except ValueError as e:  # named as this op: the user built a QkvRopeWriteKvCache
-            raise ValueError(f"{OP} ({e})") from None
+    check_parts(*_split_shapes(shapes, dtypes), attrs, OP)
 
 
 def _ref(inputs, attrs):

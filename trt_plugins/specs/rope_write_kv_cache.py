@@ -24,12 +24,18 @@ def _launch(shapes, dtypes, attrs):
                                        bool(attrs["interleaved"]))
 
 
-def _check(shapes, dtypes, attrs):
+def check_parts(shapes, dtypes, attrs, op: str = OP) -> None:
+    """Rope's and WriteKvCache's checks on q, k, v and the caches, their errors named as ``op`` (the user built a
+    RopeWriteKvCache, not a Rope)."""
     for part in (ROPE, WRITE_KV_CACHE):
         try:
             part.check(shapes, dtypes, attrs)
-        except ValueError as e:  # named as this op: the user built a RopeWriteKvCache, not a Rope
-            raise ValueError(f"{OP} ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"{op} ({e})") from None
+
+
+def _check(shapes, dtypes, attrs):
+    check_parts(shapes, dtypes, attrs)
     require(dtypes["v"] == dtypes["k"], OP, f"v must be {dtypes['k']} like k, got {dtypes['v']}")
 
 
