@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -51,6 +52,10 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 # Card folders by the first of these found in the device name (more specific before less: l40s before l40).
 CARD_TAGS = ("h100", "h200", "b200", "a100", "l40s", "l40")
 DIRTY_PATHS_SHOWN = 20
+# bench(cuda_graph=True)'s graph: whole passes over the input sets until a replay lasts MIN_GRAPH_MS, at most
+# MAX_GRAPH_CALLS calls (a graph's nodes cost host memory and capture time; 256 calls of a 4 us kernel last ~1 ms).
+MIN_GRAPH_MS = 1.0
+MAX_GRAPH_CALLS = 256
 
 
 def card_name(device_name: str | None) -> str:
@@ -172,10 +177,13 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
           cuda_graph: bool = False, after_idle_s: float = 0.0, idle_burst_ms: float = 0.0) -> float:
     """Median milliseconds of ``fn(*inputs)``, cycling through ``input_sets`` call by call.
 
-    ``cuda_graph=True``: capture one CUDA graph that calls ``fn`` once per input set, back to back, time its replays
-    and divide by the number of sets. This leaves out the host's launch overhead (a decode step runs as a graph or a
-    TensorRT engine, not from Python), which otherwise dominates short kernels (``ms`` vs ``ms_eager`` in
-    ``results/<card>/bench_gemm_routed.md``); rotation still keeps every call's inputs out of L2.
+    ``cuda_graph=True``: capture one CUDA graph that calls ``fn`` back to back, cycling through the input sets, time
+    its replays and divide by the number of calls. This leaves out the host's launch overhead (a decode step runs as a
+    graph or a TensorRT engine, not from Python), which otherwise dominates short kernels (``ms`` vs ``ms_eager`` in
+    ``results/<card>/bench_gemm_routed.md``); rotation still keeps every call's inputs out of L2. The graph holds
+    whole passes over the sets, as many as make a replay last ``MIN_GRAPH_MS`` (see ``_graph_of_calls``): a replay
+    has a fixed cost of a few microseconds that one pass over 1-4 large sets would add to every call it is divided
+    among.
 
     ``after_idle_s`` (with ``cuda_graph``): time replays after the GPU sat idle that long, instead of back to back.
     Replays back to back for a second or more hold a tensor-core-bound GPU at its power limit, where its clock drops
@@ -192,20 +200,11 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
     git_state()  # the tree measured, taken before the first timing (a long run outlives edits to the working tree)
 
     if cuda_graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (JIT compile, lazy allocations) outside the capture
-            for args in input_sets:
-                fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for args in input_sets:
-                fn(*args)
+        graph, calls = _graph_of_calls(fn, input_sets)
         if after_idle_s > 0:
-            return _median_after_idle(graph.replay, after_idle_s, idle_burst_ms) / len(input_sets)
+            return _median_after_idle(graph.replay, after_idle_s, idle_burst_ms) / calls
         ms = float(triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-        return ms / len(input_sets)
+        return ms / calls
 
     state = {"i": 0}
 
@@ -215,6 +214,48 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
         return fn(*args)
 
     return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _graph_of_calls(fn: Callable, input_sets: Sequence[tuple]) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of ``fn`` called on each input set in turn, for whole passes over the sets: one pass, or as many
+    as make a replay last at least ``MIN_GRAPH_MS`` (at most ``MAX_GRAPH_CALLS`` calls); returns it and its number of
+    calls. A replay's fixed cost (its launch and the graph's head and tail on the device: ~3-5 us on H100 / H200) is
+    then under 0.5% of what is timed, where one pass over a single set of a 10 us kernel carried 30-50% on top."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (JIT compile, lazy allocations) outside the capture
+        for args in input_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+
+    def capture(passes: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(passes):
+                for args in input_sets:
+                    fn(*args)
+        return graph
+
+    graph = capture(1)
+    graph.replay()  # the first replay uploads the graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    pass_ms = start.elapsed_time(end) / 3
+    passes = _graph_passes(pass_ms, len(input_sets))
+    if passes == 1:
+        return graph, len(input_sets)
+    del graph
+    return capture(passes), passes * len(input_sets)
+
+
+def _graph_passes(pass_ms: float, n_sets: int) -> int:
+    """Passes over ``n_sets`` input sets in one graph: enough for ``MIN_GRAPH_MS`` at ``pass_ms`` a pass, at most
+    ``MAX_GRAPH_CALLS`` calls, at least one pass."""
+    return max(1, min(math.ceil(MIN_GRAPH_MS / max(pass_ms, 1e-4)), MAX_GRAPH_CALLS // n_sets))
 
 
 def _median_after_idle(replay: Callable, idle_s: float, burst_ms: float = 0.0, samples: int = 5) -> float:

@@ -8,6 +8,7 @@ import shlex
 import subprocess
 
 import pytest
+import torch
 
 from benchmarks import harness
 
@@ -164,3 +165,26 @@ def test_after_idle_burst_size(burst_ms, replay_ms, reps):
     """An after-idle sample replays a short graph until it is as long as a lone prompt's prefill, never less than
     once and never without bound."""
     assert harness._burst_replays(burst_ms, replay_ms) == reps
+
+
+@pytest.mark.parametrize("pass_ms, n_sets, passes", [
+    (0.004, 1, 250),   # a 4 us kernel: 250 calls make a 1 ms replay
+    (0.001, 1, 256),   # capped at MAX_GRAPH_CALLS
+    (0.004, 64, 4),    # 64 rotating sets: at most 4 passes (256 calls)
+    (0.3, 4, 4),       # 0.3 ms a pass: 4 passes
+    (1.0, 2, 1),       # a pass already lasts MIN_GRAPH_MS
+    (45.0, 1, 1),      # a 2k prefill
+    (0.001, 300, 1),   # more sets than MAX_GRAPH_CALLS: still one whole pass
+])
+def test_graph_passes(pass_ms, n_sets, passes):
+    assert harness._graph_passes(pass_ms, n_sets) == passes
+
+
+@pytest.mark.gpu
+def test_graph_of_calls_cycles_through_the_sets_for_whole_passes():
+    a, b = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    graph, calls = harness._graph_of_calls(lambda t: t.add_(1), [(a,), (b,)])  # a ~3 us kernel: many passes
+    a.zero_(), b.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert 2 < calls <= harness.MAX_GRAPH_CALLS and calls % 2 == 0 and a.item() == b.item() == calls // 2
