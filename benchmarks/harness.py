@@ -326,6 +326,8 @@ def write_results(name: str, rows: list[dict], columns: Sequence[str], meta: dic
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
 
     def fmt(v):
+        if v is None:  # a value not measured (or not comparable) in this row
+            return ""
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
         return str(v)

@@ -47,7 +47,7 @@ def test_card_name(device, card):
 def test_layout_and_provenance_of_a_dirty_tree(repo):
     (repo / "kernels" / "op.py").write_text("x = 2\n")
     (repo / "kernels" / "new.py").write_text("")
-    rows = [dict(shape="qkv", M=1, ms=0.0125, speedup=2.5)]
+    rows = [dict(shape="qkv", M=1, ms=0.0125, speedup=2.5), dict(shape="o", M=1, ms=0.0101, speedup=None)]
     md = harness.write_results("bench_fake", rows, ["shape", "M", "ms", "speedup"], meta={"group_size": 128})
 
     results = repo / "benchmarks" / "results"
@@ -64,7 +64,7 @@ def test_layout_and_provenance_of_a_dirty_tree(repo):
     datetime.datetime.fromisoformat(env["date"])
     text = md.read_text()
     assert env["commit"][:12] in text and "M kernels/op.py" in text and "580.159.04" in text
-    assert "| qkv | 1 | 0.0125 | 2.5 |" in text
+    assert "| qkv | 1 | 0.0125 | 2.5 |" in text and "| o | 1 | 0.0101 |  |" in text  # None: an empty cell
 
 
 def test_a_rerun_replaces_the_result_and_its_own_output_is_not_dirt(repo):
