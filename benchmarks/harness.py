@@ -182,8 +182,8 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
     graph or a TensorRT engine, not from Python), which otherwise dominates short kernels (``ms`` vs ``ms_eager`` in
     ``results/<card>/bench_gemm_routed.md``); rotation still keeps every call's inputs out of L2. The graph holds
     whole passes over the sets, as many as make a replay last ``MIN_GRAPH_MS`` (see ``_graph_of_calls``): a replay
-    has a fixed cost of a few microseconds that one pass over 1-4 large sets would add to every call it is divided
-    among.
+    has a fixed cost, mostly the dirty L2 that do_bench's cache flush leaves, which one pass over 1-2 large sets
+    added whole to every call.
 
     ``after_idle_s`` (with ``cuda_graph``): time replays after the GPU sat idle that long, instead of back to back.
     Replays back to back for a second or more hold a tensor-core-bound GPU at its power limit, where its clock drops
@@ -219,8 +219,13 @@ def bench(fn: Callable, input_sets: Sequence[tuple], warmup_ms: int = 25, rep_ms
 def _graph_of_calls(fn: Callable, input_sets: Sequence[tuple]) -> tuple[torch.cuda.CUDAGraph, int]:
     """A CUDA graph of ``fn`` called on each input set in turn, for whole passes over the sets: one pass, or as many
     as make a replay last at least ``MIN_GRAPH_MS`` (at most ``MAX_GRAPH_CALLS`` calls); returns it and its number of
-    calls. A replay's fixed cost (its launch and the graph's head and tail on the device: ~3-5 us on H100 / H200) is
-    then under 0.5% of what is timed, where one pass over a single set of a 10 us kernel carried 30-50% on top."""
+    calls. A replay's fixed cost is then ~1-2% of what is timed, on our kernels and the baseline alike. That cost is
+    mostly the L2 left dirty by do_bench's flush before each replay (a 256 MB memset): the first kernel writes back
+    ~50 MB as it reads, ~17 us on an H100. One pass charged it to a call divided by the number of sets, which
+    differs between a baseline and ours (fp16 weights are 4x int4's: fewer sets), so ratios were biased both ways:
+    H100, M = 1, one pass at 3866c73 -> passes at 83e7b65: 13b_gate_up cuBLAS (1 set) 114.9 -> 98.3 us, our W4A16
+    (2 sets) 35.7 -> 29.3 us, 3.22 -> 3.36x; 1b_o cuBLAS (16 sets) 7.10 -> 6.24 us, ours (64) 3.12 -> 2.96 us,
+    2.26 -> 2.11x."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (JIT compile, lazy allocations) outside the capture
