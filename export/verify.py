@@ -3,10 +3,13 @@
 Runners, all fed the same inputs (a prefill of two sequences of different lengths on fresh caches, then a decode
 step and a chunked-prefill step, each on the caches ONNX Runtime wrote the step before):
 
-- ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime). A bf16 graph runs
-  as its exact fp32 upcast, which ONNX Runtime's CPU provider can run (``export.verify_ort`` says why that is right);
+- ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime). An fp16 / bf16
+  graph runs as its exact fp32 upcast (``export.verify_ort`` says why that is right);
 - ``plugin-ref``: ``model.plugin.onnx`` through ``onnx.reference``, plugin nodes (and MatMul) through their torch
   references (``export.onnx_reference_runner``) on ``--device``, in the build's dtype;
+- ``plugin-ref-fp32`` (fp16 / bf16 builds): the same on the plugin graph's exact fp32 upcast, held to the fp32 bound:
+  a defect of the plugin graph smaller than the half budget (a wrong attention scale moved the logits ~1% of their
+  scale, inside fp16's 6.5% at 30 layers) fails here;
 - ``hf``: ``transformers``' own LlamaForCausalLM in fp32 on OUT's ``config.json`` and ``weights.safetensors``
   (quantized weights dequantized exactly, so quantization error is not counted) on ``--device``, run on each
   sequence's full tokens: the exact values every other runner is judged against;
@@ -40,7 +43,7 @@ import torch
 
 # the HF runner (and VerifyError, which it raises too); hf_state_dict and load_hf_model re-exported for callers
 from .verify_hf import VerifyError, hf_state_dict, load_hf_model, make_hf_runner  # noqa: F401
-from .verify_ort import ReferenceSession, host_threads, ort_session  # noqa: F401  (re-exported for callers)
+from .verify_ort import Fp32Copy, ReferenceSession, host_threads, ort_session  # noqa: F401  (re-exported for callers)
 from .verify_rules import FP32_ATOL, FP32_REL, HALF_ULPS, Rule, compare, report
 
 REQUIRED = ("config.json", "build.json", "weights.safetensors", "model.reference.onnx", "model.reference.onnx.data",
@@ -155,18 +158,24 @@ def _batch_feed(b) -> dict:
     return {f: getattr(b, f).numpy() for f in TENSOR_FIELDS}  # make_batch's dtypes are the graph's
 
 # --- runners --------------------------------------------------------------------------------------------------------
-def _bf16_inputs(path) -> list[str]:
+def _half_inputs(path) -> tuple[list[str], str | None]:
+    """The fp16 / bf16 inputs of the graph at ``path`` (a half build's caches) and their numpy dtype name."""
     import onnx
 
+    from .verify_ort import HALF_NUMPY
+
     model = onnx.load(str(path), load_external_data=False)
-    return [i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16]
+    names = [i.name for i in model.graph.input if i.type.tensor_type.elem_type in HALF_NUMPY]
+    types = {i.type.tensor_type.elem_type for i in model.graph.input if i.name in names}
+    return names, (HALF_NUMPY[types.pop()] if len(types) == 1 else None)
 
 
 def _cast_feeds(runner, names: list[str], cast):
-    """``runner`` behind a wrapper that casts the feeds' ``names`` with ``cast`` (fp32 caches -> bf16) first.
+    """``runner`` behind a wrapper that casts the feeds' ``names`` with ``cast`` (fp32 caches -> fp16 / bf16) first.
 
-    In a bf16 build ONNX Runtime runs the fp32 upcast graph, so the feeds' caches are fp32 (its outputs); the bf16
-    runners get them rounded to bf16, as a bf16 runtime holds its cache. Same values for every bf16 runner."""
+    In a half build ONNX Runtime runs the fp32 upcast graph, so the feeds' caches are fp32 (its outputs); the half
+    runners get them rounded to the half type, as a half runtime holds its cache. Same values for every half
+    runner."""
     from polygraphy.backend.base import BaseRunner
     from polygraphy.common import TensorMetadata
     from polygraphy.datatype import DataType
@@ -196,14 +205,15 @@ def _cast_feeds(runner, names: list[str], cast):
     return CastFeeds()
 
 
-def _to_bf16_numpy(a):
-    import ml_dtypes  # onnx's own numpy bf16 type (onnx depends on it)
+def _to_half_numpy(dtype: str):
+    """fp32 array -> ``dtype`` ("float16", or "bfloat16": ml_dtypes', onnx's own numpy bf16 type)."""
+    import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16"; onnx depends on it)
 
-    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+    return lambda a: np.asarray(a, np.float32).astype(dtype)
 
 
-def _to_bf16_torch(a):
-    return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16)
+def _to_half_torch(dtype: str):
+    return lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(getattr(torch, dtype))
 
 
 def _trt_runner(out: Path):
@@ -223,7 +233,8 @@ def _trt_runner(out: Path):
 
 
 def _upcast_outputs(results) -> None:
-    """bf16 outputs (ml_dtypes arrays, torch tensors) as fp32 numpy, exactly: comparisons and Polygraphy read numpy."""
+    """bf16 outputs (ml_dtypes arrays) and torch tensors as fp32 numpy, exactly: comparisons and Polygraphy read
+    numpy."""
     for _, iters in results:
         for it in iters:
             for k in list(it.keys()):
@@ -285,15 +296,24 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
         try:
             timings.append(f"ONNX Runtime session in {seconds:.1f} s")
             rule = Rule({}, config.num_layers, atol=FP32_ATOL if atol is None else atol, rtol=rtol)
-            ok = _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, verbose, log, timings)
+            plugin32 = Fp32Copy(out / "model.plugin.onnx")
+            try:
+                plugin_ref32 = PluginReferenceRunner(str(plugin32.path), name="plugin-ref-fp32",
+                                                     device=device) if plugin32.upcast else None
+                ok = _compare_all(info, reference, plugin_ref, plugin_ref32, preloaded, device, decode, rule,
+                                  verbose, log, timings)
+            finally:
+                plugin32.close()
         finally:
             reference.close()
     return ok
 
 
-def _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, verbose, log, timings) -> bool:
+def _compare_all(info, reference, plugin_ref, plugin_ref32, preloaded, device, decode, rule, verbose, log,
+                 timings) -> bool:
     """Make the feeds, run every runner on them, compare each pair (``rule``, its precisions filled in here) and log
-    the report; ``reference`` is the ``ReferenceSession`` (ONNX Runtime) on OUT's reference graph."""
+    the report; ``reference`` is the ``ReferenceSession`` (ONNX Runtime) on OUT's reference graph, ``plugin_ref32``
+    the plugin references on the plugin graph's fp32 upcast (None for an fp32 build)."""
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator
 
@@ -310,14 +330,17 @@ def _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, v
     feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
                                   prefill_runner=prefill_runner)
     timings.append(f"{len(feeds)} feeds in {time.perf_counter() - start:.1f} s")
-    bf16 = _bf16_inputs(out / "model.plugin.onnx")
+    half, half_dtype = _half_inputs(out / "model.plugin.onnx")
+    upcast = half and reference.upcast  # the feeds' caches are fp32: the half runners get them rounded
     runners = [OnnxrtRunner(sess, name="onnxrt"),
-               _cast_feeds(plugin_ref, bf16, _to_bf16_numpy) if bf16 else plugin_ref,
+               _cast_feeds(plugin_ref, half, _to_half_numpy(half_dtype)) if upcast else plugin_ref,
                make_hf_runner(out, config, sequences, feeds, device, log if verbose else (lambda *_: None),
                               preloaded)]
+    if plugin_ref32 is not None:
+        runners.append(plugin_ref32)
     trt, why = _trt_runner(out)
     if trt is not None:
-        runners.append(_cast_feeds(trt, bf16, _to_bf16_torch) if bf16 else trt)
+        runners.append(_cast_feeds(trt, half, _to_half_torch(half_dtype)) if upcast else trt)
     start = time.perf_counter()
     try:
         results = Comparator.run(runners, data_loader=feeds)
@@ -330,7 +353,7 @@ def _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, v
     _upcast_outputs(results)
 
     precision = {"hf": "float32", "onnxrt": "float32" if reference.upcast else dtype, "plugin-ref": dtype,
-                 "trt": dtype}
+                 "plugin-ref-fp32": "float32", "trt": dtype}
     rule = dataclasses.replace(rule, precision=precision)
     ours = [r.name for r in runners if r.name not in ("onnxrt", "hf")]
     pairs = [("hf", "onnxrt")] + [(ref, r) for r in ours for ref in ("onnxrt", "hf")]
@@ -340,8 +363,9 @@ def _compare_all(info, reference, plugin_ref, preloaded, device, decode, rule, v
     ok = all(r.ok for r in rows)
     log(f"export.verify: {'; '.join(timings)}")
     if reference.upcast:
-        log("export.verify: bf16 build: ONNX Runtime runs the reference graph upcast exactly to fp32 (its CPU provider "
-            "has no bf16 kernels); the bf16 runners get its caches rounded to bf16")
+        log(f"export.verify: {dtype} build: ONNX Runtime runs the reference graph, and plugin-ref-fp32 our plugins' "
+            f"references on the plugin graph, upcast exactly to fp32 (held to the fp32 bound against HF); the "
+            f"{dtype} runners get the caches rounded to {dtype}")
     if trt is None:
         log(f"export.verify: {why}")
     log(f"export.verify: rule: {rule.describe()}")

@@ -337,7 +337,33 @@ def test_half_build_uses_the_rounding_rule(built_half_out, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].startswith("export.verify: FAILED")
     failed = {(m[2], m[3]) for m in map(ROW.match, lines) if m and m[1] == "FAIL"}
-    assert failed == {("plugin-ref", "onnxrt"), ("plugin-ref", "hf")}  # ORT and HF still agree with each other
+    # the plugin graph's runs fail, in fp16 and in its fp32 upcast; ORT and HF still agree with each other
+    assert failed == {(r, ref) for r in ("plugin-ref", "plugin-ref-fp32") for ref in ("onnxrt", "hf")}
+
+
+def _set_attention_scale(onnx_path, scale):
+    """Every PagedAttention node of the plugin graph at ``onnx_path`` gets ``scale`` (its weights file untouched)."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert nodes
+    for n in nodes:
+        (a,) = [a for a in n.attribute if a.name == "scale"]
+        a.f = scale
+    onnx.save_model(model, str(onnx_path))
+
+
+def test_half_build_fails_a_defect_below_the_half_budget_in_fp32(built_half_out, tmp_path, capsys):
+    """An attention scale of 0.25 for 1 / sqrt(32) in the plugin graph moves the logits by about 1% of their scale
+    (SmolLM2-135M), inside fp16's budget at depth 31 (6.5%): the plugin graph's exact fp32 upcast, held to the fp32
+    bound, fails it whatever the fp16 run does."""
+    bad = tmp_path / "bad"
+    shutil.copytree(built_half_out, bad, ignore=shutil.ignore_patterns("kernels"))
+    _set_attention_scale(bad / "model.plugin.onnx", 0.25)
+    assert _verify(bad, "--no-decode") == 1
+    rows = [m for m in map(ROW.match, capsys.readouterr().out.splitlines()) if m]
+    failed = {(m[2], m[3]) for m in rows if m[1] == "FAIL"}
+    assert {("plugin-ref-fp32", "hf"), ("plugin-ref-fp32", "onnxrt")} <= failed
+    assert ("onnxrt", "hf") not in failed  # the fp32 upcast of the fp16 reference graph still agrees with HF
 
 
 @pytest.fixture(scope="module")
@@ -358,9 +384,11 @@ def test_bf16_build_verifies(built_bf16_out, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "upcast exactly to fp32" in text and "bfloat16 budget" in text
     rows = [m for m in map(ROW.match, text.splitlines()) if m]
-    assert {m[1] for m in rows} == {"PASS"} and len(rows) == 27
-    # ORT's fp32 upcast vs HF: the fp32 bound (1e-5 + 1e-4 x max), three orders tighter than the bf16 plugin path's
-    assert all(float(m[8]) < 1e-3 for m in rows if (m[2], m[3]) == ("onnxrt", "hf"))
+    assert {m[1] for m in rows} == {"PASS"} and len(rows) == 45  # 5 runner pairs x 3 feeds x 3 output kinds
+    # the fp32 upcasts (ORT's of the reference graph, plugin-ref-fp32's of the plugin graph) vs HF: the fp32 bound
+    # (1e-5 + 1e-4 x max), three orders tighter than the bf16 plugin path's
+    fp32_rows = [m for m in rows if (m[2], m[3]) in {("onnxrt", "hf"), ("plugin-ref-fp32", "hf")}]
+    assert len(fp32_rows) == 18 and all(float(m[8]) < 1e-3 for m in fp32_rows)
     for flavour, name in (("plugin", "layers.0.mlp_norm"), ("reference", "layers.1.wo.dq_scales")):
         bad = tmp_path / flavour
         shutil.copytree(built_bf16_out, bad, ignore=shutil.ignore_patterns("kernels"))
@@ -369,30 +397,32 @@ def test_bf16_build_verifies(built_bf16_out, tmp_path, capsys):
         assert "export.verify: FAILED" in capsys.readouterr().out
 
 
-def test_bf16_upcast_is_exact(built_bf16_out, tmp_path):
-    """Every bf16 initializer of the reference graph becomes the fp32 number it denotes, bit for bit; no bf16 type
-    is left in the graph (inputs, outputs, casts, constants)."""
+@pytest.mark.parametrize("built, graph", [("built_bf16_out", "reference"), ("built_bf16_out", "plugin"),
+                                          ("built_half_out", "reference"), ("built_half_out", "plugin")])
+def test_half_upcast_is_exact(built, graph, request, tmp_path):
+    """Every fp16 / bf16 initializer of a half build's graph becomes the fp32 number it denotes, bit for bit; no half
+    type is left in the graph (inputs, outputs, casts, constants)."""
     import onnx.numpy_helper
     import torch
 
-    from export.verify_ort import upcast_bf16_reference
+    from export.verify_ort import upcast_half_graph
 
-    src = built_bf16_out / "model.reference.onnx"
-    path = upcast_bf16_reference(src, tmp_path)
+    src = request.getfixturevalue(built) / f"model.{graph}.onnx"
+    path = upcast_half_graph(src, tmp_path)
     before = {t.name: t for t in onnx.load(str(src)).graph.initializer}
     after = onnx.load(str(path))
-    bf16_type = onnx.TensorProto.BFLOAT16
+    half = {"built_bf16_out": onnx.TensorProto.BFLOAT16, "built_half_out": onnx.TensorProto.FLOAT16}[built]
     assert not [v.name for v in list(after.graph.input) + list(after.graph.output)
-                if v.type.tensor_type.elem_type == bf16_type]
+                if v.type.tensor_type.elem_type == half]
     attrs = [(n.op_type, a) for n in after.graph.node for a in n.attribute]
-    assert not [op for op, a in attrs if a.name == "to" and a.i == bf16_type]
-    assert not [op for op, a in attrs if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == bf16_type]
-    assert any(op == "Cast" and a.name == "to" and a.i == onnx.TensorProto.FLOAT for op, a in attrs)
-    bf16 = [n for n, t in before.items() if t.data_type == onnx.TensorProto.BFLOAT16]
-    assert "embed" in bf16 and "layers.0.wqkv.dq_scales" in bf16
+    assert not [op for op, a in attrs if a.name == "to" and a.i == half]
+    assert not [op for op, a in attrs if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == half]
+    halves = [n for n, t in before.items() if t.data_type == half]
+    assert "embed" in halves and any(n.startswith("layers.0.") for n in halves)
+    torch_half = {onnx.TensorProto.BFLOAT16: torch.bfloat16, onnx.TensorProto.FLOAT16: torch.float16}[half]
     for t in after.graph.initializer:
-        if t.name in bf16:
-            want = torch.frombuffer(bytearray(before[t.name].raw_data), dtype=torch.bfloat16).float()
+        if t.name in halves:
+            want = torch.frombuffer(bytearray(before[t.name].raw_data), dtype=torch_half).float()
             got = torch.from_numpy(onnx.numpy_helper.to_array(t).copy()).reshape(-1)
             assert t.data_type == onnx.TensorProto.FLOAT and torch.equal(got, want), t.name
         else:
