@@ -194,7 +194,9 @@ def main(argv=None) -> int:
     try:
         sms = [int(s) for s in args.sm.split(",") if s]
     except ValueError:
-        p.error(f"--sm {args.sm}: give compute capabilities as integers, e.g. 90 or 80,90")
+        sms = []
+    if not sms:
+        p.error(f"--sm {args.sm!r}: give compute capabilities as integers, e.g. 90 or 80,90")
     ops = [o for o in args.ops.split(",") if o] or None
     n_failed = 0
     for sm in sms:
@@ -204,10 +206,14 @@ def main(argv=None) -> int:
         except (ValueError, AotError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        except OSError as e:  # --out cannot be created or written (files already written are whole: write_atomic)
-            where = e.filename or out
-            print(f"error: --out {args.out}: {e.strerror or e} ({where}); pass a directory this user can write to",
-                  file=sys.stderr)
+        except OSError as e:  # files already written are whole (write_atomic)
+            where = Path(e.filename) if e.filename else out
+            if where.resolve().is_relative_to(args.out.resolve()):
+                print(f"error: --out {args.out}: {e.strerror or e} ({where}); pass a directory this user can write "
+                      f"to", file=sys.stderr)
+            else:  # the AOT cache (TRITRT_CACHE / TRITRT_AOT_CACHE) or a kernel source, not --out
+                print(f"error: {e.strerror or e}: {where}; the AOT cache ($TRITRT_AOT_CACHE, else $TRITRT_CACHE/aot) "
+                      f"must be a directory this user can write to", file=sys.stderr)
             return 2
         n_failed += len(manifest["failed"])
         print(f"{len(manifest['kernels'])} kernels, {len(manifest['failed'])} failed -> {out / 'manifest.json'}")

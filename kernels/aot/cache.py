@@ -2,7 +2,8 @@
 
 The key is a hash of everything that decides the machine code: the kernel's source (Triton's ``cache_key`` covers the
 kernel and the jit functions it calls), the explicit signature, divisibility hints, constexprs, warps, stages, SM and
-the compiler version. A hit therefore never needs Triton's JIT, and two processes that compile the same thing share
+the compilers (Triton's version and its ptxas's, or nvcc's and its flags) with the environment settings Triton's
+compiler reads. A hit therefore never needs Triton's JIT, and two processes that compile the same thing share
 it. Root: ``$TRITRT_AOT_CACHE``, else ``aot`` in tritrt's cache directory (``kernels.aot.files.cache_dir``:
 ``$TRITRT_CACHE`` or ``~/.cache/tritrt``). Entries are written to a temp dir and renamed, so a
 reader never sees half an entry.
@@ -13,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 from .files import cache_dir
@@ -52,16 +53,27 @@ class AotCache:
     def put(self, key: str, meta: dict, ptx: str, cubin: bytes) -> Path:
         final = self._dir(key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+        # not mkdtemp: its 0700 would make the entry private to this user in a cache users share; mkdir keeps umask's
+        tmp = final.parent / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        tmp.mkdir()
         try:
             (tmp / "kernel.ptx").write_text(ptx)
             (tmp / "kernel.cubin").write_bytes(cubin)
             (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True, indent=1, default=repr))
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final.is_dir() and self.get(key) is None):
+                    raise
+                # a damaged entry (a file lost or unreadable, which get() reported as a miss): put this one in its place
+                trash = final.parent / f".trash-{os.getpid()}-{secrets.token_hex(6)}"
+                os.rename(final, trash)
+                os.rename(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
         except OSError:
             # Either another process won the race (its entry is identical by construction) or a write failed (a full
             # disk), which is raised; no temp dir is left behind in either case.
             shutil.rmtree(tmp, ignore_errors=True)
-            if not final.is_dir():
+            if self.get(key) is None:
                 raise
         return final

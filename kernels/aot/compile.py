@@ -14,6 +14,8 @@ CUDA C++: ``nvcc -ptx`` / ``-cubin`` for an ``extern "C"`` kernel.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import subprocess
 import tempfile
@@ -161,7 +163,8 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, sm: int, num_warps:
     import triton
 
     key = make_key(kind="triton", source=fn.cache_key, params=params, constexprs=sorted(constexprs.items()),
-                   div16=sorted(div16), sm=sm, num_warps=num_warps, num_stages=num_stages, version=triton.__version__)
+                   div16=sorted(div16), sm=sm, num_warps=num_warps, num_stages=num_stages, version=triton.__version__,
+                   toolchain=_triton_toolchain(sm))
     hit = cache.get(key)
     if hit is not None:
         meta, ptx, cubin = hit
@@ -251,6 +254,33 @@ def _local_headers(source: Path, seen=None) -> list:
     return out
 
 
+NVCC_FLAGS = ("-O3", "-std=c++17")
+# Environment settings Triton's compiler reads that change its PTX or cubin (Triton keys its own cache on them too).
+TRITON_ENV = ("TRITON_DEFAULT_FP_FUSION", "TRITON_PTXAS_PATH", "PTXAS_OPTIONS", "DISABLE_PTXAS_OPT")
+
+
+def _triton_toolchain(sm: int) -> dict:
+    """What besides Triton's version decides a Triton kernel's binary: the ptxas it runs (its ``--version``; PTX's
+    ISA version follows it) and the environment settings ``TRITON_ENV``."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        ptxas = get_ptxas_version(sm)
+    except Exception as e:  # noqa: BLE001 - an internal API of Triton: a change there must not break compiling
+        ptxas = f"unknown ({type(e).__name__})"
+    return dict(ptxas=ptxas, env={k: os.environ.get(k) for k in TRITON_ENV})
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_version(nvcc: str) -> str | None:
+    """``nvcc --version`` (the toolkit whose headers and ptxas build the kernel), or None where ``nvcc`` is missing
+    (the key then misses, and the compile says nvcc is not found)."""
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+
+
 def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int, threads: int, shared: int = 0,
                  cache: AotCache | None = None, nvcc: str = "nvcc", extra_flags=(), arch_specific: bool = False,
                  div16=()) -> Artifact:
@@ -274,7 +304,8 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
     if unknown:
         raise AotError(f"{kernel_name}: div16 names {unknown} are not parameters")
     key = make_key(kind="cuda", source=src_hash, name=kernel_name, params=[list(p) for p in params], sm=sm,
-                   threads=threads, shared=shared, flags=list(extra_flags), arch=arch, div16=sorted(div16))
+                   threads=threads, shared=shared, flags=[*NVCC_FLAGS, *extra_flags], arch=arch, div16=sorted(div16),
+                   nvcc=_nvcc_version(nvcc))
     hit = cache.get(key)
     if hit is not None:
         meta, ptx, cubin = hit
@@ -284,7 +315,7 @@ def compile_cuda(source: str | Path, kernel_name: str, params: list, *, sm: int,
     with tempfile.TemporaryDirectory() as d:
         for kind in ("ptx", "cubin"):
             out = Path(d) / f"k.{kind}"
-            cmd = [nvcc, f"-{kind}", f"-arch={arch}", "-O3", "-std=c++17", *extra_flags, str(source), "-o", str(out)]
+            cmd = [nvcc, f"-{kind}", f"-arch={arch}", *NVCC_FLAGS, *extra_flags, str(source), "-o", str(out)]
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True)
             except FileNotFoundError:

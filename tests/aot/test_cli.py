@@ -57,6 +57,9 @@ def test_cli_refuses_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "75", "--out", str(tmp_path)], cwd=ROOT,
                        env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "not supported" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", ",", "--out", str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "give compute capabilities" in r.stderr and not any(tmp_path.iterdir())
     r = subprocess.run([sys.executable, "-m", "trt_plugins.aot", "--sm", "90", "--out", str(tmp_path), "--ops", "Nope"],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "unknown ops" in r.stderr

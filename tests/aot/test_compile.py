@@ -36,7 +36,7 @@ def test_ptx_and_cubin_for_sm(sm):
     # Triton 3.6 appends global + profile scratch pointers; the launcher passes null for them.
     assert art.num_hidden == 2
     assert len(entry_params(art.ptx, art.name)) == len(SIG) + art.num_hidden
-    assert art.num_warps == 4 and art.shared >= 0 and art.constexprs == CONST
+    assert art.num_warps == 4 and art.shared == 0 and art.constexprs == CONST  # an elementwise kernel
 
 
 def test_cache_hit_skips_the_compiler(tmp_path, monkeypatch):
@@ -57,11 +57,41 @@ def test_cache_hit_skips_the_compiler(tmp_path, monkeypatch):
     assert "cache hit" in str(err.value) + str(err.value.__cause__)
 
 
-def test_damaged_cache_entry_is_recompiled(tmp_path):
+def test_damaged_cache_entry_is_recompiled_and_replaced(tmp_path):
     cache = AotCache(tmp_path)
     art = _axpb(80, cache=cache)
     (cache._dir(art.key) / "meta.json").write_text("{not json")
     assert cache.get(art.key) is None
+    again = _axpb(80, cache=cache)  # a miss: compiled again, and the whole entry takes the damaged one's place
+    assert again.key == art.key and cache.get(art.key) is not None and cache.get(art.key)[2] == art.cubin
+    assert [p.name for p in cache._dir(art.key).parent.iterdir()] == [art.key]  # no temp or trash dir left
+
+
+def test_cache_entries_follow_the_umask(tmp_path):
+    """Entries are directories other users of a shared cache can read (mkdtemp's 0700 would make them private)."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = AotCache(tmp_path).put("ab" * 32, {"k": 1}, "ptx", b"cubin")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("var, value", [("TRITON_DEFAULT_FP_FUSION", "0"), ("PTXAS_OPTIONS", "-O0"),
+                                        ("DISABLE_PTXAS_OPT", "1")])
+def test_triton_key_follows_the_compiler_settings(var, value, monkeypatch):
+    """Settings Triton's compiler reads change the binary (fp fusion: fma.rn or not), so they change the key: a cache
+    filled under one setting is not reused under another."""
+    from kernels.aot.compile import _triton_toolchain
+
+    monkeypatch.delenv(var, raising=False)
+    before = _triton_toolchain(90)
+    monkeypatch.setenv(var, value)
+    after = _triton_toolchain(90)
+    assert before != after and after["env"][var] == value
+    assert "ptxas" in before and before["ptxas"] and not before["ptxas"].startswith("unknown")
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -170,15 +200,28 @@ def test_cuda_cache_key_follows_local_headers(tmp_path):
     cache = AotCache(tmp_path / "c")
     first = compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache)
     assert "0f40400000" in first.ptx  # 3.0f: the header's value is compiled in
-    # Nothing changed: a cache hit, which never runs the compiler (a missing nvcc would raise).
-    assert compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc="no-such-nvcc").key == first.key
+    # Nothing changed: a cache hit, which never runs the compiler (this nvcc reports nvcc's version, compiles nothing)
+    same = _fake_nvcc(tmp_path / "same-nvcc", version_of=shutil.which("nvcc"))
+    assert compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc=same).key == first.key
     (tmp_path / "x.cuh").write_text('#include "y.cuh"\n__device__ __forceinline__ float scale() { return 5.0f; }\n')
     second = compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache)
     assert second.key != first.key and "0f40A00000" in second.ptx and "0f40400000" not in second.ptx
-    # A header included by a header counts too: the key misses, so the (missing) compiler is asked for.
+    # Another toolkit is another key: its headers and ptxas build different code
+    other = _fake_nvcc(tmp_path / "other-nvcc", version_of=None)
+    with pytest.raises(AotError, match="nvcc failed"):
+        compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc=other)
+    # A header included by a header counts too: the key misses, so the (failing) compiler is asked for.
     (tmp_path / "y.cuh").write_text("#define OFFSET 2.0f\n")
-    with pytest.raises(AotError, match="not found"):
-        compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc="no-such-nvcc")
+    with pytest.raises(AotError, match="nvcc failed"):
+        compile_cuda(src, "scale_add", params, sm=90, threads=128, cache=cache, nvcc=same)
+
+
+def _fake_nvcc(path, version_of):
+    """An 'nvcc' that answers ``--version`` as ``version_of`` does (None: as a toolkit 0.0) and fails to compile."""
+    answer = f'exec "{version_of}" --version' if version_of else 'echo "Cuda compilation tools, release 0.0"'
+    path.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then {answer}; fi\necho "fake: no compiling" >&2\nexit 1\n')
+    path.chmod(0o755)
+    return str(path)
 
 
 class _FakeCuda:
