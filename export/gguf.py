@@ -238,7 +238,7 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
     anything is written. With ``replace=False`` (the cache, where two processes may convert the same file at once)
     the first one stays.
     """
-    from .gguf_tokenizer import write_tokenizer
+    from .gguf_tokenizer import check_tokenizer, write_tokenizer
 
     gguf_path, dest = Path(gguf_path), Path(dest_dir)
     if not gguf_path.is_file():
@@ -253,7 +253,8 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
     tensors = {t.name: t for t in reader.tensors}
     shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
     cfg = hf_config(meta, shapes, where)
-    for t in reader.tensors:  # refuse before writing anything
+    check_tokenizer(meta, where)  # refuse before writing anything
+    for t in reader.tensors:
         hf_name(t.name, where)
         if t.tensor_type.name not in READ_TYPES:
             dequantize_tensor(t, where)

@@ -80,15 +80,28 @@ def sentencepiece_via_transformers(gguf_path: Path):
         fast = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     except Exception as e:  # transformers raises several types here; all mean "cannot build it"
         raise GGUFError(f"{gguf_path.name}: transformers could not build its SentencePiece tokenizer ({e}); "
-                        f"copy tokenizer.json from the model's Hugging Face repository into the converted "
-                        f"directory") from e
+                        f"{NO_TOKENIZER_HINT}") from e
     return fast.backend_tokenizer, None
+
+
+TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values we build a tokenizer.json for
+NO_TOKENIZER_HINT = ("build from the model's Hugging Face checkpoint instead (--checkpoint DIR: its safetensors and "
+                     "tokenizer.json)")
+
+
+def check_tokenizer(meta: dict, where: str) -> None:
+    """Refuse a GGUF whose tokenizer model we cannot convert (before any weight is dequantized)."""
+    from .gguf import GGUFError
+
+    model = meta.get("tokenizer.ggml.model")
+    if model is not None and model not in TOKENIZER_MODELS:
+        raise GGUFError(f"{where}: tokenizer model '{model}' is not supported ({', '.join(TOKENIZER_MODELS)}); "
+                        f"{NO_TOKENIZER_HINT}")
 
 
 def write_tokenizer(meta: dict, dest: Path, gguf_path: Path, model_max_length: int) -> dict:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json to ``dest``;
     returns what was built (for gguf_source.json)."""
-    from .gguf import GGUFError
 
     model = meta.get("tokenizer.ggml.model")
     if model is None:
@@ -99,8 +112,7 @@ def write_tokenizer(meta: dict, dest: Path, gguf_path: Path, model_max_length: i
     elif model == "llama":
         tok, note = sentencepiece_via_transformers(gguf_path)
     else:
-        raise GGUFError(f"{gguf_path.name}: tokenizer model '{model}' is not supported (gpt2, llama); copy the "
-                        f"model's tokenizer.json into the converted directory yourself")
+        check_tokenizer(meta, gguf_path.name)
     tok.save(str(dest / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
     special = {}

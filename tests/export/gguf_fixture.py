@@ -69,7 +69,8 @@ def write_gguf(hf_dir, path, matrix_type: str = "F32", arch: str = "llama", toke
     w.add_head_count(heads)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    # transformers 5 keeps rope_theta inside rope_parameters; older configs at the top level
+    w.add_rope_freq_base(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     w.add_rope_dimension_count(cfg["hidden_size"] // heads)
     for key, value in (overrides or {}).items():
         if isinstance(value, str):

@@ -202,12 +202,47 @@ def test_unsupported_architecture_is_refused(tiny_dirs, tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
-def test_unsupported_quant_type_is_refused_before_writing(tiny_dirs, tmp_path):
+def _no_weights_written(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("weights were dequantized and written before the refusal")
+
+    monkeypatch.setattr(eg, "_write_weights", boom)
+
+
+def test_unsupported_quant_type_is_refused_before_writing(tiny_dirs, tmp_path, monkeypatch):
     src = write_gguf(tiny_dirs("llama"), tmp_path / "iq.gguf", matrix_type="IQ4_NL")
+    _no_weights_written(monkeypatch)
     with pytest.raises(eg.GGUFError, match="stored as IQ4_NL.*re-quantize") as e:
         eg.gguf_to_checkpoint(src, tmp_path / "out")
     assert "\n" not in str(e.value)
     assert not any(tmp_path.glob("*out*")), "a refused import left files behind"
+
+
+def test_unsupported_tokenizer_is_refused_before_writing(tiny_dirs, tmp_path, monkeypatch):
+    """A tokenizer model we cannot convert is refused up front (not after every weight is dequantized), and the
+    message's way out does not point into the converted directory, which a refused conversion never makes."""
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "bert.gguf", tokenizer=None,
+                     overrides={"tokenizer.ggml.model": "bert"})
+    _no_weights_written(monkeypatch)
+    with pytest.raises(eg.GGUFError, match=r"tokenizer model 'bert' is not supported \(gpt2, llama\); build from "
+                                           r"the model's Hugging Face checkpoint") as e:
+        eg.gguf_to_checkpoint(src, tmp_path / "out")
+    assert "\n" not in str(e.value) and not any(tmp_path.glob("*out*"))
+
+
+def test_rope_theta_and_rms_eps_come_from_the_file(tiny_dirs, tmp_path):
+    """Values other than the defaults (10000, 1e-5) reach config.json: a converter that hard-coded either would
+    pass every test whose model uses the defaults."""
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_dirs("llama"), hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["rms_norm_eps"] = 3e-6
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"] = 123456.0
+    (hf / "config.json").write_text(json.dumps(cfg))
+    out = eg.gguf_to_checkpoint(write_gguf(hf, tmp_path / "m.gguf"), tmp_path / "out")
+    got = json.loads((out / "config.json").read_text())
+    assert got["rms_norm_eps"] == pytest.approx(3e-6, rel=1e-6) and got["rope_theta"] == pytest.approx(123456.0)
 
 
 def test_unsupported_rope_scaling_and_missing_file(tiny_dirs, tmp_path):
