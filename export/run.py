@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random); the i-th prompt (from 0) "
+                   "samples with seed + i, so a batch's prompts do not share one random stream")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--device", default=None, help="torch backend: cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--num-blocks", type=int, default=None,
@@ -62,9 +63,12 @@ def parse_args(argv=None):
         p.error(f"--num-blocks {args.num_blocks}: must be >= 1")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         p.error(f"--device {args.device}: choose cpu, cuda or cuda:N")
-    if args.backend == "trt" and (args.device or args.block_size):
-        p.error("--device and --block-size are torch-backend options: the engine runs on cuda with its build's block "
-                "size")
+    if args.backend == "trt" and (args.device or args.block_size or args.no_cuda_graphs):
+        p.error("--device, --block-size and --no-cuda-graphs are torch-backend options: the engine runs on cuda with "
+                "its build's block size, as TensorRT enqueues it")
+    if args.temperature == 0 and (args.top_k or args.top_p != 1.0 or args.seed is not None):
+        print("warning: --top-k, --top-p and --seed apply to sampling; with --temperature 0 (the default) decoding is "
+              "greedy and they are ignored", file=sys.stderr)
     return args
 
 
@@ -116,8 +120,10 @@ def _device(requested) -> str:
 
 
 def kv_blocks_needed(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
-    """KV-cache blocks for every prompt to run to ``max_new_tokens`` at once (no sequence waits or is preempted)."""
-    return sum(-(-(len(ids) + max_new_tokens) // block_size) for ids in prompts)
+    """KV-cache blocks for every prompt to run to ``max_new_tokens`` at once (no sequence waits or is preempted): each
+    one's blocks, plus the spare block per running sequence the scheduler keeps free when it admits another (without
+    them, prompts that fit one block each ran one at a time)."""
+    return sum(-(-(len(ids) + max_new_tokens) // block_size) for ids in prompts) + len(prompts)
 
 
 def make_backend(args, build: dict, device: str, prompts: list[list[int]] | None = None):
@@ -178,11 +184,12 @@ def main(argv=None) -> int:
         from export.runtime import Generator, SamplingParams
         from export.runtime.tokenizer import load_tokenizer
 
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         device = _device(args.device) if args.backend == "torch" else "cuda"
         tokenizer = load_tokenizer(args.out) if (args.out / "tokenizer.json").is_file() else None
         prompts = args.prompt_ids or [list(tokenizer.encode(p)) for p in args.prompt]
+        params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
+                                 ignore_eos=args.ignore_eos) for i in range(len(prompts))]
         if args.prompt is not None:
             check_prompts(prompts, args.max_new_tokens, max_len, vocab_size, args.out)  # before loading the model
         backend = make_backend(args, build, device, prompts)
@@ -190,10 +197,15 @@ def main(argv=None) -> int:
             check_prompts(prompts, args.max_new_tokens, backend.max_model_len, backend.vocab_size, args.out)
         gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(prompts)))
         stream = args.prompt is not None and len(prompts) == 1
-        if stream:
-            print(args.prompt[0], end="", flush=True)
-        results = gen.generate(prompts, params,
-                               on_token=(lambda i, t, d: print(d, end="", flush=True)) if stream else None)
+        started = []  # the prompt is printed with the first token, after generate's checks (an error stays alone)
+
+        def print_delta(i, tok, delta):
+            if not started:
+                print(args.prompt[0], end="")
+                started.append(True)
+            print(delta, end="", flush=True)
+
+        results = gen.generate(prompts, params, on_token=print_delta if stream else None)
     except (FileNotFoundError, ValueError, ImportError) as e:
         print_error(e)
         return 2

@@ -14,6 +14,7 @@ last token, too few free KV blocks, a sequence that just stopped) first reads th
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -70,6 +71,12 @@ class _InFlight:
     aligned: bool = True  # the scheduler's running list is still `seqs`, in order (nothing stopped since)
 
 
+# Prompt tokens decoded before the output, for the output's first word to keep its leading space; a few, so that a
+# merge or normalisation at the start of the context cannot reach the boundary.
+PROMPT_CONTEXT = 6
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
 @dataclass
 class _Stream:
     """Incremental detokenization of one request: emit only the text that the new token added."""
@@ -92,6 +99,7 @@ class Generator:
         self._pinned: list = []  # two pinned token buffers, used in turn by consecutive in-flight steps
         self._decode_clock = 0.0  # when the last pipelined decode step was read (or the first one launched)
         self.tokenizer = tokenizer
+        self._byte_tokens: dict[int, bool] = {}  # token id -> whether a byte-fallback token (_is_byte_token)
         # A backend with fixed limits (an engine's optimization profile) caps what one step may hold.
         max_num_seqs = min(max_num_seqs, getattr(backend, "max_num_seqs", None) or max_num_seqs)
         max_num_batched_tokens = min(max_num_batched_tokens,
@@ -205,7 +213,7 @@ class Generator:
         if on_token is None:
             return
         for seq, tok, last in taken:
-            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], tok, last))
+            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], seq, tok, last))
 
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
@@ -282,7 +290,8 @@ class Generator:
         ids = list(s.output_ids)
         if _PENDING in ids:
             del ids[ids.index(_PENDING):]
-        return GenerationResult(s.prompt_ids, ids, self._decode(ids), s.finish_reason, s.num_preemptions)
+        return GenerationResult(s.prompt_ids, ids, self._decode(s.prompt_ids, ids), s.finish_reason,
+                                s.num_preemptions)
 
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
                  on_token: TokenCallback | None = None) -> list[GenerationResult]:
@@ -323,18 +332,36 @@ class Generator:
             del self._seqs[r], self._streams[r]
         return results
 
-    def _decode(self, ids: list[int]) -> str | None:
+    def _decode(self, prompt_ids: list[int], ids: list[int]) -> str | None:
+        """The text of output ``ids``, decoded after the prompt's last ``PROMPT_CONTEXT`` tokens and cut after them:
+        a SentencePiece decoder drops the leading space of the first token it decodes, which the output's first word
+        must keep ("Once upon a" + " the", not "the"). Decoded alone where the context's text is not a prefix (a
+        byte run across the boundary)."""
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        ctx = list(prompt_ids[-PROMPT_CONTEXT:])
+        before = self.tokenizer.decode(ctx, skip_special_tokens=True)
+        text = self.tokenizer.decode(ctx + list(ids), skip_special_tokens=True)
+        return text[len(before):] if text.startswith(before) else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _text_delta(self, stream: _Stream, tok: int, last: bool = False) -> str:
+    def _is_byte_token(self, tok: int) -> bool:
+        """Whether ``tok`` is a byte-fallback token (``<0xE2>``: SentencePiece's for bytes outside its vocabulary)."""
+        if tok not in self._byte_tokens:
+            self._byte_tokens[tok] = bool(BYTE_TOKEN.fullmatch(str(self.tokenizer.convert_ids_to_tokens(tok))))
+        return self._byte_tokens[tok]
+
+    def _text_delta(self, stream: _Stream, seq: Sequence, tok: int, last: bool = False) -> str:
         """The text ``tok`` adds to its request's stream; ``last``: the request's final token, after which the deltas
         add up to the result's text."""
         if self.tokenizer is None:
             return ""
         stream.ids.append(tok)
-        text = self._decode(stream.ids)
+        if not last and self._is_byte_token(tok):
+            # A byte-fallback decoder decodes a run of byte tokens as a whole, and an invalid run (a stray lead byte)
+            # turns every byte of it into U+FFFD, rewriting a character already complete: the run's text is final
+            # only once a token that is not a byte ends it.
+            return ""
+        text = self._decode(seq.prompt_ids, stream.ids)
         # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back, unless no
         # token follows (the result's text ends with it too).
         if text.endswith("\ufffd") and not last:

@@ -6,6 +6,7 @@ The order matches Hugging Face ``generate``: temperature, then top-k, then top-p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +27,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -76,7 +77,10 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """Next token of one sequence from its logits [V]."""
     if params.greedy:
         return int(torch.argmax(logits))
-    x = logits.float() / params.temperature
+    # shifted so the largest is 0 first: a tiny temperature then scales the rest toward -inf, not the top to +inf (a
+    # NaN in softmax)
+    x = logits.float()
+    x = (x - x.max()) / params.temperature
     x = x.masked_fill(~top_k_mask(x, params.top_k), float("-inf"))
     # top-p over what top-k kept (renormalised), as HF's warpers and vLLM apply them
     x = x.masked_fill(~top_p_mask(x, params.top_p), float("-inf"))

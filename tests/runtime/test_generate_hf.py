@@ -1,6 +1,7 @@
 """Greedy generation of the tiny LLaMA (and Qwen3) through the runtime (torch backend, paged cache, batched prompts of
 different lengths) equals Hugging Face ``generate`` token for token; the CLI prints what the API generates."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -93,6 +94,10 @@ def test_seeded_sampling_is_reproducible_through_the_loop(tiny_dir):
     a = Generator(backend).generate([[5, 6, 7], [9]], params)
     b = Generator(backend).generate([[5, 6, 7], [9]], params)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    # the seed is used at all (an ignored temperature or seed, i.e. greedy, would pass the lines above)
+    others = [Generator(backend).generate([[5, 6, 7]], dataclasses.replace(params, seed=s))[0].token_ids
+              for s in (12, 13, 14)]
+    assert any(o != a[0].token_ids for o in others)
 
 
 def test_cli_prints_generated_text(tiny_dir, tmp_path, capsys):
@@ -115,6 +120,26 @@ def test_cli_prints_generated_text(tiny_dir, tmp_path, capsys):
     assert "model.engine is missing" in capsys.readouterr().err
     assert main([str(out), "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main([str(out), "--prompt", "x", "--temperature", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert "temperature must be a finite number" in err and err.count("\n") == 1
+
+
+def test_cli_seed_gives_each_prompt_its_own_stream(tiny_dir, tmp_path, capsys):
+    """One --seed for a batch: the i-th prompt samples with seed + i (identical prompts sampled identically before),
+    so the first prompt of a batch samples as it does alone with the same --seed."""
+    from export.run import main
+
+    out = _torch_output_dir(tiny_dir, tmp_path / "out")
+    common = ["--temperature", "1", "--seed", "3", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu"]
+
+    def ids(*prompts):
+        assert main([str(out), *[a for p in prompts for a in ("--prompt-ids", p)], *common]) == 0
+        return [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ids: ")]
+
+    batch = ids("5,6,7", "5,6,7")
+    assert len(batch) == 2 and batch[0] != batch[1]
+    assert ids("5,6,7") == batch[:1]
 
 
 def _torch_output_dir(tiny_dir, out):

@@ -15,9 +15,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kv_blocks_needed():
-    # 3 + 8 = 11 tokens -> 3 blocks of 4; 1 + 8 = 9 -> 3; 8 + 8 = 16 -> 4 (a block multiple takes no extra block)
-    assert kv_blocks_needed([[1, 2, 3], [7], list(range(8))], 8, 4) == 3 + 3 + 4
-    assert kv_blocks_needed([[1]], 0, 16) == 1
+    # 3 + 8 = 11 tokens -> 3 blocks of 4; 1 + 8 = 9 -> 3; 8 + 8 = 16 -> 4 (a block multiple takes no extra block);
+    # + the scheduler's spare block per sequence
+    assert kv_blocks_needed([[1, 2, 3], [7], list(range(8))], 8, 4) == 3 + 3 + 4 + 3
+    assert kv_blocks_needed([[1]], 0, 16) == 1 + 1
+
+
+def test_prompts_in_a_cache_of_kv_blocks_needed_run_as_one_batch():
+    """Sized exactly (no spare blocks), two short prompts ran one at a time: the scheduler keeps a block free per
+    running sequence when it admits another."""
+    from export.runtime import Generator, SamplingParams
+    from tests.runtime.test_scheduler import ToyPagedBackend
+
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    backend = ToyPagedBackend(kv_blocks_needed(prompts, 4, 16), 16)
+    Generator(backend).generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert backend.max_batch_seen == 2
 
 
 def test_cpu_kv_cache_is_what_the_prompts_need(tiny_dir, tmp_path):
@@ -25,8 +38,8 @@ def test_cpu_kv_cache_is_what_the_prompts_need(tiny_dir, tmp_path):
     prompts = [[5, 6, 7], list(range(1, 20))]
     args = parse_args([str(out), "--prompt", "x", "--max-new-tokens", "13", "--device", "cpu"])
     backend = make_backend(args, json.loads((out / "build.json").read_text()), "cpu", prompts)
-    assert backend.num_blocks == kv_blocks_needed(prompts, 13, 16) == 1 + 2
-    assert backend.kv_cache[0][0].shape[0] == 3
+    assert backend.num_blocks == kv_blocks_needed(prompts, 13, 16) == 1 + 2 + 2
+    assert backend.kv_cache[0][0].shape[0] == 5
     args = parse_args([str(out), "--prompt", "x", "--device", "cpu", "--num-blocks", "7"])  # the user's size wins
     assert make_backend(args, {}, "cpu", prompts).num_blocks == 7
 

@@ -98,9 +98,13 @@ def test_temperature_to_zero_equals_greedy():
         tok = sample_one(logits, SamplingParams(temperature=1e-4, seed=0), gen)
         assert tok == int(torch.argmax(logits))
         assert sample_one(logits, SamplingParams(temperature=0.0), None) == int(torch.argmax(logits))
+        # a temperature so small that logits / T overflows float32 (a NaN in softmax before the shift by the max)
+        assert sample_one(logits, SamplingParams(temperature=1e-40, seed=0), gen) == int(torch.argmax(logits))
 
 
 @pytest.mark.parametrize("kw,match", [(dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1), "temperature"),
+                                      (dict(temperature=float("nan")), "finite"),
+                                      (dict(temperature=float("inf")), "finite"),
                                       (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"),
                                       (dict(top_p=1.5), "top_p")])
 def test_bad_params_are_refused(kw, match):

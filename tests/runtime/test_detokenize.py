@@ -1,0 +1,74 @@
+"""The generator's text with a SentencePiece tokenizer (Llama 2, TinyLlama, Mistral): the leading space of the output's
+first word, and streamed deltas that add up to the result's text through byte-fallback runs. (The tiny test models'
+byte-level BPE has neither: its decoder keeps spaces and never rewrites text it already produced.)"""
+
+import pytest
+import torch
+
+from export.runtime import Generator, SamplingParams
+from tests.runtime.test_scheduler import ToyPagedBackend
+
+PROMPT = ["▁Once", "▁upon", "▁a"]
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer():
+    """A SentencePiece-style tokenizer with Llama 2's decoder chain: ▁ -> space, byte fallback, strip one leading
+    space. Byte tokens <0x00>..<0xFF> are ids 3..258."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in [*PROMPT, "▁the", "▁time", "x"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+class ScriptedBackend(ToyPagedBackend):
+    """Answers every sequence with the same scripted tokens: the k-th generated token is ``script[k]``."""
+
+    vocab_size = 300  # the tokenizer's 265 and some
+
+    def __init__(self, script, prompt_len):
+        super().__init__(num_blocks=16, block_size=4)
+        self.script, self.prompt_len = script, prompt_len
+
+    def forward(self, b):
+        self.cache[b.slot_mapping.long()] = b.input_ids
+        logits = torch.zeros(b.num_seqs, self.vocab_size)
+        for i in range(b.num_seqs):
+            logits[i, self.script[int(b.seq_lens[i]) - self.prompt_len]] = 1.0
+        return logits
+
+
+def _run(tok, script):
+    prompt = tok.convert_tokens_to_ids(PROMPT)
+    assert tok.decode(prompt) == "Once upon a"
+    gen = Generator(ScriptedBackend(script, len(prompt)), tok)
+    deltas = []
+    (r,) = gen.generate([prompt], SamplingParams(max_new_tokens=len(script), ignore_eos=True),
+                        on_token=lambda i, t, d: deltas.append(d))
+    return r, deltas
+
+
+def test_the_first_word_keeps_its_leading_space(sp_tokenizer):
+    """'Once upon a' + ' the time', not 'thetime' glued to the prompt: the output is decoded after the prompt's
+    last tokens, where the decoder's strip of one leading space falls on the prompt."""
+    r, deltas = _run(sp_tokenizer, sp_tokenizer.convert_tokens_to_ids(["▁the", "▁time"]))
+    assert r.text == " the time" and "".join(deltas) == r.text
+
+
+@pytest.mark.parametrize("pieces, text", [
+    (["<0xC3>", "<0xA9>", "▁the"], "é the"),  # a complete character from two byte tokens
+    (["<0xC3>", "<0xA9>", "<0xE2>", "x"], "\ufffd\ufffd\ufffdx"),  # a stray lead byte: the run turns into U+FFFD x 3
+    (["▁the", "<0xC3>"], " the\ufffd"),  # ends mid-character: sent with the last token
+])
+def test_streamed_deltas_add_up_to_the_text_through_byte_runs(sp_tokenizer, pieces, text):
+    """Llama 2's byte-fallback decoder decodes a run of byte tokens as a whole and rewrites it when a stray byte
+    follows a complete character: the stream holds a run back until it ends, so it never sends 'é' and then the
+    run's U+FFFDs (before, the deltas were ['', 'é', '', '\\ufffd\\ufffd\\ufffdx'])."""
+    r, deltas = _run(sp_tokenizer, sp_tokenizer.convert_tokens_to_ids(pieces))
+    assert r.text == text and "".join(deltas) == text
