@@ -192,39 +192,45 @@ def _storage_dtype(types: set[str]) -> torch.dtype:
 
 
 def _write_weights(reader, cfg: dict, dest: Path, where: str, max_shard_bytes: int) -> dict:
-    """Dequantize, un-permute and write every tensor; returns the ggml type counts (for gguf_source.json)."""
+    """Dequantize, un-permute and write every tensor, one shard at a time (memory holds one shard of dequantized
+    weights, not the model: a 7B GGUF is ~28 GB in float32); returns the ggml type counts (for gguf_source.json)."""
     from safetensors.torch import save_file
 
     matrix_types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     dtype = _storage_dtype(matrix_types)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size, counts = 0, {}
+    # the shards first, from the tensors' sizes (their names need the count), then each one dequantized and written
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plan: list[list] = [[]]
+    size = 0
     for t in reader.tensors:
-        name = hf_name(t.name, where)
-        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-        w = dequantize_tensor(t, where)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rope_rows(w, heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rope_rows(w, kv_heads)
-        w = w.to(dtype).contiguous()
-        if size and size + w.nbytes > max_shard_bytes:
-            shards.append({})
+        nbytes = int(t.n_elements) * itemsize
+        if size and size + nbytes > max_shard_bytes:
+            plan.append([])
             size = 0
-        shards[-1][name] = w
-        size += w.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(dest / "model.safetensors"), metadata={"format": "pt"})
-        return counts
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        plan[-1].append(t)
+        size += nbytes
+    files = (["model.safetensors"] if len(plan) == 1 else
+             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+    weight_map, counts = {}, {}
+    for fname, tensors in zip(files, plan):
+        shard = {}
+        for t in tensors:
+            name = hf_name(t.name, where)
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+            w = dequantize_tensor(t, where)
+            if name.endswith("q_proj.weight"):
+                w = unpermute_rope_rows(w, heads)
+            elif name.endswith("k_proj.weight"):
+                w = unpermute_rope_rows(w, kv_heads)
+            shard[name] = w.to(dtype).contiguous()
         save_file(shard, str(dest / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
-    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                                  indent=2))
+        del shard
+    if len(plan) > 1:
+        (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                      indent=2))
     return counts
 
 

@@ -360,3 +360,25 @@ def test_smollm2_greedy_text(tmp_path):
     from export.data import eval_text
 
     assert len(tok(eval_text(), verbose=False)["input_ids"]) == 39357  # the issue asks for >= 20k tokens
+
+
+def test_shards_are_written_one_at_a_time(tiny_dirs, tmp_path, monkeypatch):
+    """A conversion into shards holds one shard of dequantized weights at a time (each shard is saved before the
+    next one's first tensor is dequantized), and loads as the one-file conversion does."""
+    from safetensors.torch import save_file
+
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "m.gguf")
+    whole = load_checkpoint(eg.gguf_to_checkpoint(src, tmp_path / "whole")).state_dict
+    events = []
+    real_dequantize = eg.dequantize_tensor
+    monkeypatch.setattr(eg, "dequantize_tensor", lambda t, where: events.append("d") or real_dequantize(t, where))
+    monkeypatch.setattr("safetensors.torch.save_file", lambda *a, **k: events.append("s") or save_file(*a, **k))
+    out = eg.gguf_to_checkpoint(src, tmp_path / "sharded", max_shard_bytes=64 << 10)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
+    # d...d s d...d s ...: every save follows its own shard's tensors, before the next shard's
+    runs = "".join(events).split("s")
+    assert len(runs) == len(shards) + 1 and runs[-1] == "" and all(runs[:-1])
+    sharded = load_checkpoint(out).state_dict
+    assert sharded.keys() == whole.keys() and all(torch.equal(sharded[k], whole[k]) for k in whole)
