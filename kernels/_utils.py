@@ -23,6 +23,20 @@ def check_device(*tensors: torch.Tensor) -> None:
             raise ValueError(f"tensor on {t.device} but the Triton kernels here run on {where} tensors")
 
 
+def check_index(name: str, t: torch.Tensor) -> None:
+    """A 1-D index tensor (positions, a slot mapping, sequence lengths or offsets) must be dense: the kernels read
+    element i at ``ptr + i`` (a strided view rotated q / k by other positions and wrote the cache at other slots)."""
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be dense (stride 1), got a view of stride {t.stride(0)}: call .contiguous()")
+
+
+def table_row_stride(block_table: torch.Tensor) -> int:
+    """The block table's row stride as the attention kernels take it, which also bounds a row's KV length (stride x
+    block size): a one-row table's ``stride(0)`` is whatever torch made it (size-1 dims do not count for
+    contiguity, so ``(1, W)`` may have stride 1), so its width."""
+    return block_table.stride(0) if block_table.shape[0] > 1 else block_table.shape[1]
+
+
 def device_sm(device=None) -> int:
     """Compute capability of ``device`` (default: the current CUDA device) as one int, e.g. 90 for sm_90: the
     number ``kernels.aot`` compiles for. Queries the GPU on first use of each device (so call it at launch/build

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device, pdl_enter
+from ._utils import check_device, pdl_enter, table_row_stride
 from .prefill_attention import LOG2E
 
 # The base split rule (decode_num_splits):
@@ -294,5 +294,5 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, s
         return out
     cfg = decode_attention_launch_config(num_seqs, q.shape[1], hk, d, page, block_table.shape[1], scale, num_splits)
     cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch, q.shape[0], k_cache.shape[0],
-               q.stride(0), out.stride(0), block_table.stride(0))
+               q.stride(0), out.stride(0), table_row_stride(block_table))
     return out

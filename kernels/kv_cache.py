@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device, pdl_enter
+from ._utils import check_device, check_index, pdl_enter
 
 
 @triton.jit
@@ -84,6 +84,7 @@ def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int32:
         raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}]; got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
+    check_index("slot_mapping", slot_mapping)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

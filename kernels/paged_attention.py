@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, table_row_stride
 from .decode_attention import (DECODE_BLOCK_N, TARGET_PROGRAMS, _decode_attention_program, alloc_decode_scratch,
                                decode_num_splits, merge_heads)
 from .prefill_attention import LOG2E, _prefill_attention_program, _tile_config
@@ -179,5 +179,5 @@ def paged_attention_one_launch(q, k_cache, v_cache, block_table, seq_lens, cu_se
         return out
     cfg = paged_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, page, scale, max_splits, q_hint)
     cfg.launch(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *scratch, q.shape[0], num_seqs,
-               k_cache.shape[0], q.stride(0), out.stride(0), block_table.stride(0))
+               k_cache.shape[0], q.stride(0), out.stride(0), table_row_stride(block_table))
     return out

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device
+from ._utils import check_device, check_index, table_row_stride
 
 LOG2E = 1.4426950408889634
 
@@ -227,6 +227,7 @@ def _check_cu(name: str, cu: torch.Tensor) -> None:
     if cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype != torch.int32:
         raise ValueError(f"{name} must be int32 [num_seqs + 1] (offsets of each sequence); got {cu.dtype} "
                          f"{tuple(cu.shape)}")
+    check_index(name, cu)
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool, out=None):
@@ -264,5 +265,5 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqle
     cfg = prefill_attention_launch_config(q.shape[0], num_seqs, q.shape[1], hk, d, scale, True, paged=True,
                                           block_size=page, max_seqlen_q=max_seqlen_q)
     cfg.launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, num_seqs, q.shape[0], k_cache.shape[0],
-               q.stride(0), 0, 0, out.stride(0), block_table.stride(0))
+               q.stride(0), 0, 0, out.stride(0), table_row_stride(block_table))
     return out

@@ -62,8 +62,8 @@ def _group_size(fmt: str, k: int, n: int, scales: torch.Tensor, qzeros: torch.Te
     group_size = group_size or k // ngroups
     if group_size * ngroups != k or k % 8:
         raise ValueError(f"{fmt}: K={k} is not {ngroups} groups of {group_size} (and a multiple of 8){hint}")
-    if group_size % 8:  # a group boundary inside a packed int32 row: the W4 kernels cannot read that layout
-        raise ValueError(f"{fmt}: group size {group_size} is not a multiple of 8, which the INT4 kernels need; "
+    if group_size % 16:  # within a packed int32 row (8), or under the GEMM's 16-deep tensor-core K step (16, 24)
+        raise ValueError(f"{fmt}: group size {group_size} is not a multiple of 16, which the INT4 kernels need; "
                          f"quantize the model with group size 32, 64 or 128{hint}")
     return group_size
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._launch import LaunchConfig
-from ._utils import check_device, pdl_enter
+from ._utils import check_device, check_index, pdl_enter
 from .kv_cache import check_kv_cache
 
 
@@ -251,6 +251,7 @@ def _check_rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     if positions.shape != (T,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rotary_embedding: positions must be int32/int64 of shape [{T}], got "
                          f"{tuple(positions.shape)} {positions.dtype}")
+    check_index("rotary_embedding: positions", positions)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
         raise ValueError("rotary_embedding: cos_sin_cache must be a contiguous fp32 [max_position, rotary_dim] tensor "
                          "from kernels.rope.rope_cos_sin_cache")

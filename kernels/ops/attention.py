@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import attention_ref as ref
+from .._utils import check_index
 from ..attention_cpu import paged_decode_attention_cpu, write_kv_cache_cpu
 from ..decode_attention import decode_attention
 from ..kv_cache import check_kv_cache, check_kv_write, write_kv_cache
@@ -34,6 +35,7 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, m
         raise ValueError(f"cache block_size {page} is not supported: use a power of two in 1..128")
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [num_seqs]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    check_index("seq_lens", seq_lens)
     _check_cu("cu_seqlens_q", cu_seqlens_q)
     if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but seq_lens has {seq_lens.shape[0]}: "

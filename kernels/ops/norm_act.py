@@ -134,11 +134,14 @@ def _(x, up, approximate="tanh"):
 
 # ---------------------------------------------------------------------------------------------------------- RoPE
 def _rope_check(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> None:
+    from .._utils import check_index
+
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"rotary_embedding: q [T, Hq, D] and k [T, Hk, D] must agree in T and D, got "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if positions.shape != (q.shape[0],):
         raise ValueError(f"rotary_embedding: positions must have shape [{q.shape[0]}], got {tuple(positions.shape)}")
+    check_index("rotary_embedding: positions", positions)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > q.shape[2] or cos_sin_cache.shape[1] % 2:
         raise ValueError(f"rotary_embedding: cos_sin_cache must be [max_position, R] with even R <= head_dim "
                          f"{q.shape[2]}, got {tuple(cos_sin_cache.shape)}")

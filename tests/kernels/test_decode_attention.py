@@ -58,6 +58,21 @@ def _check_decode(seq_lens, block_size, hq, hk, d, dtype, device="cpu", num_spli
 
 
 @pytest.mark.interpreter
+def test_one_row_block_table_of_any_row_stride():
+    """A one-row table may have any stride(0) (torch ignores size-1 dims: ``row[:, None].t()`` is "contiguous" with
+    stride (1, 1)); the kernel bounds a row's KV length by its row stride, which cut the context to one block."""
+    torch.manual_seed(3)
+    k_cache, v_cache, block_table, seq_lens_t = make_paged_cache([37], 4, 2, 16, torch.float16)
+    odd = block_table[0][:, None].t()
+    assert odd.stride() == (1, 1) and odd.is_contiguous() and torch.equal(odd, block_table)
+    q = torch.randn(1, 4, 16).to(torch.float16)
+    cu = torch.arange(2, dtype=torch.int32)
+    outs = [decode_attention(q, k_cache, v_cache, bt, seq_lens_t, cu, 0.25, out=poisoned(q.shape, q.dtype, "cpu"))
+            for bt in (block_table, odd)]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("seq_lens", [[1], [17], [97], [1, 17, 97]])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("hq,hk", [(4, 2), (6, 1)])

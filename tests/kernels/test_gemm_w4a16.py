@@ -190,10 +190,13 @@ def test_w4a16_bad_inputs():
         w4a16_gemm(x.bfloat16(), qw.qweight, qw.scales, qw.zeros, 32)
     with pytest.raises(ValueError, match="int32"):
         w4a16_gemm(x, qw.qweight.to(torch.int64), qw.scales, qw.zeros, 32)
-    # A group size that splits a packed int32 row (an imported GPTQ checkpoint's, say): refused, not read wrongly.
-    with pytest.raises(ValueError, match="not a multiple of 8"):
-        w4a16_gemm(x, qw.qweight, torch.ones(128 // 4, 16, dtype=torch.float16),
-                   torch.zeros(128 // 4, 16, dtype=torch.int8), 4)
+    # A group size that splits a packed int32 row (an imported GPTQ checkpoint's, say): refused, not read wrongly;
+    # 8 and 24, multiples of a packed row but not of the tensor-core GEMM's 16-deep K step (its Triton build fails
+    # on a GPU for a dot of K = 8): refused too.
+    for g in (4, 8, 24):
+        with pytest.raises(ValueError, match="not a multiple of 16"):
+            w4a16_gemm(x[:, :96].contiguous(), qw.qweight[:12], torch.ones(96 // g, 16, dtype=torch.float16),
+                       torch.zeros(96 // g, 16, dtype=torch.int8), g)
     # Transposed or strided weight parts are another weight to the kernels: refused, saying to make them contiguous.
     strided = torch.empty(2 * qw.scales.shape[0], qw.scales.shape[1], dtype=qw.scales.dtype)[::2]
     strided.copy_(qw.scales)

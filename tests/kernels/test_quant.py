@@ -183,8 +183,13 @@ def test_import_rejects_mismatched_scales_zeros_and_groups(fmt):
     q4, z4, s4 = known_ints(K, N, 4)  # groups of 4: boundaries inside a packed int32 row, which no kernel reads
     packed = (pack_rows_loop(q4), pack_cols_loop(z4)) if fmt == "gptq" else (pack_cols_loop(q4, AWQ_ORDER),
                                                                             pack_cols_loop(z4, AWQ_ORDER))
-    with pytest.raises(ValueError, match=rf"{name}: group size 4 is not a multiple of 8"):
+    with pytest.raises(ValueError, match=rf"{name}: group size 4 is not a multiple of 16"):
         load(*packed, s4)
+    q8, z8, s8 = known_ints(K, N, 8)  # groups of 8: whole packed rows, but under the GEMM's 16-deep K step
+    packed = (pack_rows_loop(q8), pack_cols_loop(z8)) if fmt == "gptq" else (pack_cols_loop(q8, AWQ_ORDER),
+                                                                            pack_cols_loop(z8, AWQ_ORDER))
+    with pytest.raises(ValueError, match=rf"{name}: group size 8 is not a multiple of 16"):
+        load(*packed, s8)
 
 
 def test_awq_import_exact():

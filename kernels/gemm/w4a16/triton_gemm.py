@@ -153,10 +153,10 @@ def check_w4_weight(qweight, scales, zeros, group_size, K=None):
     K = K if K is not None else Kp * 8
     if Kp * 8 != K:
         raise ValueError(f"W4A16: qweight has {Kp} packed rows, i.e. K={Kp * 8}, but x has K={K}")
-    if group_size <= 0 or K % group_size or group_size % 8:
+    if group_size <= 0 or K % group_size or group_size % 16:
         raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}, or the group size is not a "
-                         f"multiple of 8 (a packed int32 row); quantize with a group size that divides in_features "
-                         f"(kernels.quant: 32, 64 or 128)")
+                         f"multiple of 16 (a group's K steps of the tensor-core GEMM); quantize with a group size "
+                         f"that divides in_features (kernels.quant: 32, 64 or 128)")
     if tuple(scales.shape) != (K // group_size, N):
         raise ValueError(f"W4A16: scales must be [K // group_size, N] = {(K // group_size, N)}, got "
                          f"{tuple(scales.shape)}")
