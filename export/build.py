@@ -222,6 +222,17 @@ def plan_build(args) -> Plan:
     if "int4" not in (args.quant, args.lm_head_quant) and args.group_size is not None:
         notes.append(f"--group-size {args.group_size} ignored: only --quant int4 and --lm-head-quant int4 use it")
     prequantized = bool((hf or {}).get("quantization_config"))
+    if prequantized and args.quant == "int4" and args.group_size is not None:
+        notes.append(f"--group-size {args.group_size} ignored for the linears: the checkpoint is quantized already "
+                     f"and keeps its own group size")
+    # the in_features of the W8A16 linears (the lm_head's alone with --lm-head-quant int8): multiples of 16
+    int8_k = ({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+               "num_heads x head_dim": config.num_heads * config.head_dim} if args.quant == "int8" else
+              {"hidden_size": config.hidden_size} if args.lm_head_quant == "int8" else {})
+    odd = [f"{k} {v}" for k, v in int8_k.items() if v % 16]
+    if odd:
+        raise BuildError(f"int8 needs the quantized linears' in_features to be multiples of 16 (the W8A16 plugin's), "
+                         f"and this model has {', '.join(odd)}; use --quant none")
     int4_method = None if args.quant != "int4" or prequantized else (args.int4_method or "gptq")
     given = [f"--{o.replace('_', '-')}" for o in ("int4_method", "calib_seqs", "calib_len") if getattr(args, o)]
     if int4_method != "gptq" and given and not (int4_method == "rtn" and given == ["--int4-method"]):

@@ -49,7 +49,7 @@ class LlamaConfig:
     rope_scaling: Optional[dict]  # HF dict with "rope_type" (e.g. llama3), None for plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2); o_proj too where the flag says so (Llama)
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
     model_type: str = "llama"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3); weights layers.{i}.q_norm / k_norm
@@ -101,9 +101,11 @@ class LlamaConfig:
 
 def _rope(hf: dict) -> tuple[float, Optional[dict]]:
     """(rope_theta, scaling dict or None): transformers >= 5 nests both in ``rope_parameters``; older configs use
-    ``rope_theta`` and ``rope_scaling``."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    ``rope_theta`` and ``rope_scaling``. A config with both takes ``rope_scaling``'s type, as transformers does
+    (``rope_scaling or rope_parameters``), and its theta from wherever it is."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta",
+                                                                                hf.get("rope_theta", 10000.0))))
     if "type" in params and "rope_type" not in params:  # pre-4.45 spelling
         params["rope_type"] = params.pop("type")
     rope_type = params.get("rope_type", "default")
@@ -159,6 +161,8 @@ def internal_names(config: LlamaConfig) -> dict[str, list[str]]:
         m[f"layers.{i}.wqkv"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         if config.attention_bias:
             m[f"layers.{i}.bqkv"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.attention_bias and config.model_type != "qwen2":  # Llama / Qwen3's flag biases o_proj too
+            m[f"layers.{i}.bo"] = [p + "self_attn.o_proj.bias"]
         if config.qk_norm:
             m[f"layers.{i}.q_norm"] = [p + "self_attn.q_norm.weight"]
             m[f"layers.{i}.k_norm"] = [p + "self_attn.k_norm.weight"]
@@ -327,7 +331,7 @@ def load_checkpoint(path, dtype: Optional[torch.dtype] = None) -> Checkpoint:
             parts[name] = [{s: tensors.get(f"{m}.{s}") for s in QUANT_SUFFIXES if f"{m}.{s}" in tensors}
                            for m in module_names]
             continue
-        if qcfg is not None and name.startswith("layers.") and name.endswith(".bqkv") and \
+        if qcfg is not None and name.startswith("layers.") and name.endswith((".bqkv", ".bo")) and \
                 all(n.rsplit(".", 1)[0] + ".qweight" in tensors for n in hf_names):
             continue  # the biases ride along with the quantized parts
         ts = [read(n) for n in hf_names]

@@ -125,7 +125,7 @@ def decoder_forward(ops: DecoderOps, config, input_ids: Value, positions: Value,
                                                     p + "rope_write_kv")
         attn = ops.paged_attention(q, caches, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
                                    p + "attention")
-        x = ops.linear(ops.merge_heads(attn, c.q_size), p + "wo")
+        x = ops.linear(ops.merge_heads(attn, c.q_size), p + "wo", p + "bo" if ops.has_weight(p + "bo") else None)
         h, residual = ops.fused_add_rms_norm(x, residual, p + "mlp_norm", eps, p + "mlp_norm")
         if ops.has_weight(p + GATE_UP_PAIRS):  # SwiGLU in the gate/up GEMM's epilogue
             act = ops.linear_swiglu(h, p + GATE_UP_PAIRS, c.intermediate_size, p + "swiglu")

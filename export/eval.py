@@ -279,6 +279,10 @@ def run(args, log=print) -> dict:
         if model.config.vocab_size != ref_vocab:
             raise EvalError(f"{out} has vocab {model.config.vocab_size} but {args.against} has {ref_vocab}: the "
                             f"build was not made from this checkpoint")
+        longest = model.config.max_position_embeddings
+        if args.window > longest:  # past the RoPE table: an IndexError on the CPU, silently zeroed q / k on CUDA
+            raise EvalError(f"--window {args.window} is longer than {out}'s model takes ({longest} positions); pass "
+                            f"--window {longest} or less")
         builds.append(OurModel(model, str(out)))
         infos.append({"quant": build.get("quant", "none"), "group_size": build.get("group_size"),
                       "lm_head_quant": build.get("lm_head_quant", "none"),

@@ -46,8 +46,8 @@ def choose_group_size(in_features: int, max_group_size: int = 128, name: str = "
         if g <= max_group_size and in_features % g == 0:
             return g
     raise ValueError(f"{name}: in_features={in_features} is not a multiple of {min(INT4_GROUP_SIZES)}, the smallest "
-                     f"int4 group size, so this model cannot be quantized to int4; use --quant int8 (per channel, any "
-                     f"in_features) or --quant none")
+                     f"int4 group size, so this model cannot be quantized to int4; use --quant int8 (per channel: "
+                     f"in_features a multiple of 16) or --quant none")
 
 
 def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
@@ -155,12 +155,18 @@ def import_quantized(ckpt, device="cpu"):
         importer = lambda p: qi.import_awq(p["qweight"], p["qzeros"], p["scales"], group_size=group_size)  # noqa: E731
     else:
         raise ValueError(f"quant_method {method!r} is not supported (gptq, awq)")
+    # the build's float dtype (load_checkpoint cast the float tensors to it): the scales and biases take it too, as
+    # the kernels want the activations' dtype (a GPTQ checkpoint's fp16 scales in a bf16 build failed at its first op)
+    dtype = ckpt.state_dict["embed"].dtype
     weights = {}
     for name, parts in ckpt.quantized_parts.items():
         qws = [importer({k: v.to(device) for k, v in p.items()}) for p in parts]
-        weights[name] = qws[0] if len(qws) == 1 else concat_output(qws, name)
+        qw = qws[0] if len(qws) == 1 else concat_output(qws, name)
+        weights[name] = dataclasses.replace(qw, scales=qw.scales.to(dtype))
         if name.endswith(".wqkv") and all("bias" in p for p in parts):
-            weights[name[: -len("wqkv")] + "bqkv"] = torch.cat([p["bias"].to(device) for p in parts])
+            weights[name[: -len("wqkv")] + "bqkv"] = torch.cat([p["bias"].to(device, dtype) for p in parts])
+        if name.endswith(".wo") and "bias" in parts[0]:
+            weights[name[: -len("wo")] + "bo"] = parts[0]["bias"].to(device, dtype)
     return weights, "int4", group_size
 
 

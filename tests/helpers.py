@@ -18,6 +18,7 @@ TINY_VARIANTS = {
     "llama3": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
     "sharded": {"max_shard_size": "40KB"},
     "qwen2": {"model_type": "qwen2"},
+    "bias": {"attention_bias": True},  # Llama's flag: q/k/v and o_proj biases
     # per-head q/k RMSNorm before RoPE, no bias, head_dim 32 untied from hidden / heads (64 / 4 = 16): q is 128 wide
     "qwen3": {"model_type": "qwen3", "head_dim": 32},
     # no K a multiple of 128 (hidden 320 = 5 x 64, intermediate 608 = 19 x 32), as in real small models (SmolLM2's

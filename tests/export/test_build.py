@@ -207,6 +207,20 @@ def test_int4_group_size_per_layer(tmp_path, tiny_dirs, capsys):
                                                            "layers.*.w13": 64, "layers.*.w2": 32}
 
 
+@pytest.mark.parametrize("args", [("--quant", "int8"), ("--lm-head-quant", "int8")])
+def test_int8_with_in_features_off_16_is_refused_up_front(tmp_path, capsys, args):
+    """hidden 100: the W8A16 plugin takes in_features in multiples of 16, so the build refuses before writing (it
+    exited 0 and only export.verify said why)."""
+    from export.tiny import make_tiny_llama
+
+    ckpt = make_tiny_llama(tmp_path / "ck", hidden_size=100, intermediate_size=160, num_attention_heads=5,
+                           num_key_value_heads=1)  # head_dim 20
+    capsys.readouterr()  # transformers' own output while making the checkpoint
+    rc, _, err = _build(capsys, "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--dtype", "float16", *args)
+    assert rc == 2 and "multiples of 16" in err and "hidden_size 100" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_from_onnx_needs_an_out(tmp_path, capsys):
     rc, _, err = _build(capsys, "--from-onnx", str(tmp_path))
     assert rc != 0 and "lacks build.json" in err

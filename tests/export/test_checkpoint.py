@@ -34,9 +34,11 @@ def test_weights_match_hf_model(tiny_dirs, variant):
     assert cfg.qk_norm == (variant == "qwen3")
     assert cfg.rms_norm_eps == hc.rms_norm_eps
     assert cfg.tie_word_embeddings == bool(TINY_VARIANTS[variant].get("tie_word_embeddings", False))
-    assert cfg.attention_bias == (variant == "qwen2")
+    assert cfg.attention_bias == (variant in ("qwen2", "bias"))
     names = internal_names(cfg)
     assert set(ckpt.state_dict) == set(names)
+    # every parameter of HF's model is read (a dropped one, as o_proj's bias was, computes another model)
+    assert {n for hf_names in names.values() for n in hf_names} == set(hf)
     for name, hf_names in names.items():
         want = torch.cat([hf[n].detach() for n in hf_names], dim=0)
         got = ckpt.state_dict[name]
@@ -77,6 +79,17 @@ def test_old_style_rope_config():
     cfg = LlamaConfig.from_hf(hf)
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.num_kv_heads, cfg.head_dim) == \
         (1e6, {"rope_type": "linear", "factor": 2.0}, 2, 4)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    """A transformers-5 config (``rope_parameters``) that also carries ``rope_scaling`` scales as transformers does
+    (``rope_scaling or rope_parameters``), with the theta of ``rope_parameters``; we took the unscaled one."""
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+          "num_hidden_layers": 1, "num_attention_heads": 2,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+          "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    cfg = LlamaConfig.from_hf(hf)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, {"rope_type": "linear", "factor": 4.0})
 
 
 def test_dtype_cast(tiny_llama_dir):

@@ -137,7 +137,8 @@ def test_scores_match_a_direct_computation():
 
 
 @pytest.mark.parametrize("case", ["no_out", "no_checkpoint", "no_text", "cuda", "window", "ours_on_cuda",
-                                  "bad_device", "text_not_utf8", "json_dir_missing", "build_json_damaged"])
+                                  "bad_device", "text_not_utf8", "json_dir_missing", "build_json_damaged",
+                                  "window_too_long"])
 def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
     import shutil
 
@@ -158,6 +159,8 @@ def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
         "text_not_utf8": [none, "--against", ckpt, "--text", tmp_path / "latin1.txt"],
         "json_dir_missing": [none, "--against", ckpt, "--json", tmp_path / "results" / "eval.json"],
         "build_json_damaged": [tmp_path / "damaged", "--against", ckpt],
+        # past the model's positions (the RoPE table): a traceback on the CPU, silently zeroed q / k on CUDA
+        "window_too_long": [none, "--against", ckpt, "--window", "100000"],
     }[case]
     if case == "ours_on_cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA (on CPU --device cuda is refused first)")
@@ -175,7 +178,8 @@ def test_cli_errors_are_one_line_exit_2(builds, capsys, tmp_path, case):
     assert {"no_out": "python -m export.build", "no_checkpoint": "no such checkpoint", "no_text": "shipped text",
             "cuda": "--device cpu", "ours_on_cuda": "--reference hf", "bad_device": "choose cpu or cuda",
             "text_not_utf8": "not UTF-8", "json_dir_missing": "create it or pass another path",
-            "build_json_damaged": "build.json is not a JSON object"}[case] in lines[0]
+            "build_json_damaged": "build.json is not a JSON object",
+            "window_too_long": "--window 100000 is longer than"}[case] in lines[0]
     assert not (tmp_path / "results").exists()
 
 

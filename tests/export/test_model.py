@@ -74,7 +74,7 @@ def _copy(batch):
     return batch.to("cpu")
 
 
-@pytest.mark.parametrize("variant", ["llama", "tied", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "tied", "llama3", "qwen2", "qwen3", "bias"])
 def test_prefill_decode_chunked_vs_hf(tiny_dirs, variant):
     path = tiny_dirs(variant)
     model = LlamaModel.from_checkpoint(path)

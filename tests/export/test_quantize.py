@@ -239,6 +239,26 @@ def test_gptq_awq_import_is_exact(tiny_dirs, tmp_path, method, act_order):
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_imported_scales_take_the_build_dtype(tiny_dirs, tmp_path, method):
+    """GPTQ / AWQ checkpoints store fp16 scales whatever their model's dtype: a bf16 (or fp32) build casts them to
+    its dtype, as the kernels take the activations' (the fp16 scales failed the first linear of a bf16 build)."""
+    from safetensors.torch import load_file, save_file
+
+    from export.model import LlamaModel, make_batch
+
+    _make_quantized_checkpoint(tiny_dirs("llama"), tmp_path / "q", method)
+    f = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(str(f))
+    save_file({k: v.half() if k.endswith(".scales") else v for k, v in tensors.items()}, str(f))
+    for dtype in (torch.bfloat16, torch.float32):
+        model = LlamaModel.from_checkpoint(tmp_path / "q", dtype=dtype)
+        qws = [w for w in model.weights.values() if isinstance(w, kq.QuantizedWeight)]
+        assert qws and {w.scales.dtype for w in qws} == {dtype}
+        batch = make_batch([3], block_size=4, input_ids=torch.tensor([5, 6, 7]))
+        assert model(batch, model.allocate_kv_cache(2, 4)).dtype == dtype
+
+
 def test_gptq_act_order_must_match_across_fused_projections(tiny_dirs, tmp_path):
     from export.model import LlamaModel
 
