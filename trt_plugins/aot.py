@@ -208,7 +208,8 @@ def main(argv=None) -> int:
             return 2
         except OSError as e:  # files already written are whole (write_atomic)
             where = Path(e.filename) if e.filename else out
-            if where.resolve().is_relative_to(args.out.resolve()):
+            w, o = where.resolve(), args.out.resolve()
+            if w.is_relative_to(o) or o.is_relative_to(w):  # --out, a file in it, or a folder above it it needs
                 print(f"error: --out {args.out}: {e.strerror or e} ({where}); pass a directory this user can write "
                       f"to", file=sys.stderr)
             else:  # the AOT cache (TRITRT_CACHE / TRITRT_AOT_CACHE) or a kernel source, not --out
