@@ -66,9 +66,6 @@ def parse_args(argv=None):
     if args.backend == "trt" and (args.device or args.block_size or args.no_cuda_graphs):
         p.error("--device, --block-size and --no-cuda-graphs are torch-backend options: the engine runs on cuda with "
                 "its build's block size, as TensorRT enqueues it")
-    if args.temperature == 0 and (args.top_k or args.top_p != 1.0 or args.seed is not None):
-        print("warning: --top-k, --top-p and --seed apply to sampling; with --temperature 0 (the default) decoding is "
-              "greedy and they are ignored", file=sys.stderr)
     return args
 
 
@@ -190,6 +187,9 @@ def main(argv=None) -> int:
         params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
                                  ignore_eos=args.ignore_eos) for i in range(len(prompts))]
+        if args.temperature == 0 and (args.top_k or args.top_p != 1.0 or args.seed is not None):  # valid, unused
+            print("warning: --top-k, --top-p and --seed apply to sampling; with --temperature 0 (the default) "
+                  "decoding is greedy and they are ignored", file=sys.stderr)
         if args.prompt is not None:
             check_prompts(prompts, args.max_new_tokens, max_len, vocab_size, args.out)  # before loading the model
         backend = make_backend(args, build, device, prompts)

@@ -140,6 +140,9 @@ def test_cli_seed_gives_each_prompt_its_own_stream(tiny_dir, tmp_path, capsys):
     batch = ids("5,6,7", "5,6,7")
     assert len(batch) == 2 and batch[0] != batch[1]
     assert ids("5,6,7") == batch[:1]
+    # sampling settings at the default --temperature 0 (greedy) run, saying they do nothing
+    assert main([str(out), "--prompt-ids", "5,6,7", "--top-k", "5", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "warning: --top-k, --top-p and --seed apply to sampling" in capsys.readouterr().err
 
 
 def _torch_output_dir(tiny_dir, out):
