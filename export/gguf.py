@@ -264,14 +264,9 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
         hf_name(t.name, where)
         if t.tensor_type.name not in READ_TYPES:
             dequantize_tensor(t, where)
-    if os.path.lexists(dest) and not _replaceable(dest):
-        foreign = _foreign_files(dest) if (dest / "gguf_source.json").is_file() else []
-        if foreign:
-            raise GGUFError(f"{dest} is an earlier GGUF conversion but also holds files a conversion does not write "
-                            f"({', '.join(foreign[:5])}); replacing it would delete them: move them out or pass a "
-                            f"new directory")
-        raise GGUFError(f"{dest} exists and is neither empty nor a GGUF conversion of ours (it has no "
-                        "gguf_source.json); it is never replaced: pass a new directory")
+    refusal = _why_not_replaceable(dest)
+    if refusal:
+        raise GGUFError(refusal)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
@@ -317,14 +312,23 @@ def _foreign_files(dest: Path) -> list[str]:
                   if not (CONVERSION_FILES.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
 
 
-def _replaceable(dest: Path) -> bool:
-    """An empty directory, or an earlier conversion holding only what a conversion writes: what
-    ``gguf_to_checkpoint`` may replace."""
-    if not dest.is_dir() or dest.is_symlink():
-        return False
-    if (dest / "gguf_source.json").is_file():
-        return not _foreign_files(dest)
-    return not any(dest.iterdir())
+def _why_not_replaceable(dest: Path) -> str | None:
+    """None where ``gguf_to_checkpoint`` may write ``dest`` (nothing there, an empty directory, or an earlier
+    conversion holding only what a conversion writes); else why not, as the error to show."""
+    if not os.path.lexists(dest):
+        return None
+    if dest.is_dir() and not dest.is_symlink():
+        if (dest / "gguf_source.json").is_file():
+            foreign = _foreign_files(dest)
+            if not foreign:
+                return None
+            return (f"{dest} is an earlier GGUF conversion but also holds files a conversion does not write "
+                    f"({', '.join(foreign[:5])}); replacing it would delete them: move them out or pass a new "
+                    f"directory")
+        if not any(dest.iterdir()):
+            return None
+    return (f"{dest} exists and is neither empty nor a GGUF conversion of ours (it has no gguf_source.json); it is "
+            f"never replaced: pass a new directory")
 
 
 def cache_root() -> Path:
