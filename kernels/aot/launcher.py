@@ -69,26 +69,35 @@ def tensor_map_fp16_2d(ptr: int, rows: int, cols: int, row_stride: int, box_rows
     return (ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8))(*(int(w) for w in tmap.opaque))
 
 
-def _current_stream() -> int:
-    """torch's current stream on the current device, as the raw handle ``torch.cuda.current_stream().cuda_stream``
-    gives, through the call Triton's own launcher makes: the public one builds a Stream object and resolves the
-    device in Python, ~10 us of host time on every launch (H200 host, cProfile)."""
+def _current_device() -> int:
+    """torch's current CUDA device: the one whose stream a launch goes to, and whose context the function must be
+    loaded in."""
     import torch
-    from torch._C import _cuda_getCurrentRawStream
 
-    return _cuda_getCurrentRawStream(torch.cuda.current_device())
+    return torch.cuda.current_device()
+
+
+def _raw_stream(device: int) -> int:
+    """torch's current stream on ``device``, as the raw handle ``torch.cuda.current_stream().cuda_stream`` gives,
+    through the call Triton's own launcher makes: the public one builds a Stream object and resolves the device in
+    Python, ~10 us of host time on every launch (H200 host, cProfile)."""
+    from torch._C import _cuda_getCurrentRawStream as raw_stream
+
+    return raw_stream(device)
 
 
 class AotKernel:
-    """An artifact bound to the current GPU: loaded on the first ``launch``, launched many times."""
+    """An artifact bound to the GPUs it runs on: loaded into a device's context on its first ``launch`` there (a
+    module, and so its function handle, belongs to one context: the one made current when it was loaded), launched
+    many times."""
 
     def __init__(self, artifact: Artifact, use_ptx: bool = False):
         self.art = artifact
         self.use_ptx = use_ptx
-        self._func = None
-        self._module = None
+        self._funcs: dict[int, object] = {}  # torch device index -> CUfunction in that device's primary context
+        self._modules: dict[int, object] = {}
 
-    def _load(self):
+    def _load(self, device: int):
         import torch
 
         from .._utils import device_sm  # lazily, like torch: importing kernels.aot stays free of torch/triton
@@ -96,12 +105,13 @@ class AotKernel:
         drv = _driver()
         torch.cuda.init()
         _check(drv.cuInit(0))
-        # The module must live in torch's context (the device's primary context), or torch's pointers and stream
-        # would be foreign to it; make it current on this thread if the runtime has not yet.
+        # The module must live in torch's context for the device (its primary context), or torch's pointers and
+        # stream would be foreign to it: torch makes that context current when it switches devices, and a thread on
+        # which the runtime has not run yet has none, so make it current then.
         if int(_check(drv.cuCtxGetCurrent())) == 0:
-            dev = _check(drv.cuDeviceGet(torch.cuda.current_device()))
+            dev = _check(drv.cuDeviceGet(device))
             _check(drv.cuCtxSetCurrent(_check(drv.cuDevicePrimaryCtxRetain(dev))))
-        sm = device_sm()
+        sm = device_sm(device)
         if self.art.sm != sm and not (self.use_ptx and self.art.sm < sm):
             raise AotError(f"{self.art.name} was compiled for sm_{self.art.sm} but this GPU is sm_{sm}: recompile "
                            f"with --sm {sm}")
@@ -110,11 +120,14 @@ class AotKernel:
             image = (strip_hidden_params(self.art) + "\0").encode()
         else:
             image = self.art.cubin
-        self._module = _check(drv.cuModuleLoadData(image))
-        self._func = _check(drv.cuModuleGetFunction(self._module, self.art.name.encode()))
+        module = _check(drv.cuModuleLoadData(image))
+        func = _check(drv.cuModuleGetFunction(module, self.art.name.encode()))
         if self.art.shared > _SHARED_DEFAULT_LIMIT:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(drv.cuFuncSetAttribute(self._func, attr, self.art.shared))
+            _check(drv.cuFuncSetAttribute(func, attr, self.art.shared))
+        self._modules[device] = module
+        self._funcs[device] = func
+        return func
 
     @functools.cached_property
     def _params(self) -> tuple:
@@ -160,15 +173,17 @@ class AotKernel:
         arrays), on torch's current stream. ``pdl``: as a programmatic dependent of the previous kernel
         (``cuLaunchKernelEx``; the kernel must call ``griddepcontrol.wait`` before touching anything an earlier kernel
         writes: ``kernels._launch``)."""
-        if self._func is None:
-            self._load()
+        device = _current_device()
+        func = self._funcs.get(device)
+        if func is None:
+            func = self._load(device)
         values = self._pack(args)
         ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
         if min(g) <= 0:
             return  # an empty batch: nothing to launch (TensorRT skips it too)
         if stream is None:
-            stream = _current_stream()
+            stream = _raw_stream(device)
         drv = _driver()
         if pdl:
             cfg = drv.CUlaunchConfig()
@@ -178,7 +193,7 @@ class AotKernel:
             cfg.hStream = drv.CUstream(stream)
             cfg.attrs = _pdl_attrs()
             cfg.numAttrs = 1
-            _check(drv.cuLaunchKernelEx(cfg, self._func, ctypes.addressof(ptrs), 0))
+            _check(drv.cuLaunchKernelEx(cfg, func, ctypes.addressof(ptrs), 0))
             return
-        _check(drv.cuLaunchKernel(self._func, g[0], g[1], g[2], self.art.block, 1, 1, self.art.shared,
+        _check(drv.cuLaunchKernel(func, g[0], g[1], g[2], self.art.block, 1, 1, self.art.shared,
                                   drv.CUstream(stream), ctypes.addressof(ptrs), 0))

@@ -275,3 +275,59 @@ def test_tensor_map_params_are_declared_checked_and_passed_by_value(tmp_path):
     assert AotKernel(art)._pack([_FakeCuda(256), words])[1] is words
     with pytest.raises(TypeError, match="128 bytes"):
         AotKernel(art)._pack([_FakeCuda(256), list(range(16))])
+
+
+class _FakeDriver:
+    """The few cuda.bindings driver calls AotKernel makes, against fake per-device contexts: a module and its
+    function belong to the context current when the module was loaded, as in CUDA."""
+
+    class CUfunction_attribute:
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+    def __init__(self):
+        self.device = 0  # the device whose primary context is current (torch makes it so when it switches devices)
+        self.loaded, self.launched = [], []
+
+    def CUstream(self, s):
+        return s
+
+    def cuInit(self, flags):
+        return (0,)
+
+    def cuCtxGetCurrent(self):
+        return (0, 100 + self.device)
+
+    def cuModuleLoadData(self, image):
+        self.loaded.append(self.device)
+        return (0, ("module", 100 + self.device))
+
+    def cuModuleGetFunction(self, module, name):
+        return (0, ("function", module[1]))
+
+    def cuLaunchKernel(self, func, *args):
+        assert func[1] == 100 + self.device, "a function launched outside the context it was loaded in"
+        self.launched.append(self.device)
+        return (0,)
+
+
+def test_launcher_loads_the_kernel_once_per_device(monkeypatch):
+    """A module belongs to one CUDA context: the same artifact launched on a second GPU is loaded again there (one
+    AotKernel is shared by every device of an SM: kernels.gemm.cuda.cached_kernel keys by SM and variant), and each
+    device's launches use its own function."""
+    import torch
+
+    from kernels import _utils
+    from kernels.aot import launcher
+
+    drv = _FakeDriver()
+    monkeypatch.setattr(launcher, "_driver", lambda: drv)
+    monkeypatch.setattr(launcher, "_current_device", lambda: drv.device)
+    monkeypatch.setattr(launcher, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(_utils, "device_sm", lambda device=None: 90)
+    k = AotKernel(_axpb(90))
+    args = [_FakeCuda(256), _FakeCuda(512), _FakeCuda(1024), 7, 16]
+    for device in (0, 1, 0, 1):
+        drv.device = device
+        k.launch((1,), *args)
+    assert drv.loaded == [0, 1] and drv.launched == [0, 1, 0, 1]
