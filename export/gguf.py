@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from kernels.aot.files import cache_dir
 
 from .checkpoint import CheckpointError
+from .outdir import clean_stale, new_dir
 
 log = logging.getLogger(__name__)
 
@@ -235,14 +235,16 @@ def _write_weights(reader, cfg: dict, dest: Path, where: str, max_shard_bytes: i
 
 
 # --- conversion ---------------------------------------------------------------------------------------------------
-def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYTES, replace: bool = True) -> Path:
+def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYTES, replace: bool = True,
+                       log_fn=None) -> Path:
     """Convert ``gguf_path`` into an HF checkpoint directory at ``dest_dir`` and return it.
 
     The directory is written beside ``dest_dir`` under a temporary name and renamed at the end, so a failed or
     interrupted conversion never leaves a half-written ``dest_dir``. An existing ``dest_dir`` is replaced if it is
     empty or an earlier conversion (it holds ``gguf_source.json``); anything else is refused (``GGUFError``) before
     anything is written. With ``replace=False`` (the cache, where two processes may convert the same file at once)
-    the first one stays.
+    the first one stays. What a killed conversion left beside ``dest_dir`` is removed first (``outdir.clean_stale``;
+    its notes go to ``log_fn``, default this module's logger).
     """
     from .gguf_tokenizer import check_tokenizer, write_tokenizer
 
@@ -264,11 +266,12 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
         hf_name(t.name, where)
         if t.tensor_type.name not in READ_TYPES:
             dequantize_tensor(t, where)
+    clean_stale(dest, log_fn or log.warning, restorable=_is_conversion, what="conversion")
     refusal = _why_not_replaceable(dest)
     if refusal:
         raise GGUFError(refusal)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = new_dir(dest, "tmp")
     try:
         counts = _write_weights(reader, cfg, tmp, where, max_shard_bytes)
         tok = write_tokenizer(meta, tmp, gguf_path, model_max_length=cfg["max_position_embeddings"])
@@ -279,8 +282,8 @@ def gguf_to_checkpoint(gguf_path, dest_dir, max_shard_bytes: int = MAX_SHARD_BYT
             "general.license": meta.get("general.license"), "tensor_types": counts, "tokenizer": tok,
         }, indent=2))
         if dest.exists() and replace:
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
+            old = new_dir(dest, "old")
+            os.replace(dest, old)  # over the empty directory just made
             try:
                 os.replace(tmp, dest)
             except BaseException:
@@ -310,6 +313,11 @@ def _foreign_files(dest: Path) -> list[str]:
     """Entries of ``dest`` a conversion does not write (sorted names; a directory or link counts as foreign)."""
     return sorted(e.name for e in dest.iterdir()
                   if not (CONVERSION_FILES.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
+
+
+def _is_conversion(path: Path) -> bool:
+    """Whether ``path`` is a complete conversion: it holds the last two files a conversion writes."""
+    return (path / "config.json").is_file() and (path / "gguf_source.json").is_file()
 
 
 def _why_not_replaceable(dest: Path) -> str | None:
@@ -355,7 +363,7 @@ def cached_checkpoint(gguf_path, cache_dir=None, log_fn=None) -> Path:
         return dest
     if log_fn:
         log_fn(f"converting {gguf_path.name} to a safetensors checkpoint in {dest} (once; cached)")
-    return gguf_to_checkpoint(gguf_path, dest, replace=False)
+    return gguf_to_checkpoint(gguf_path, dest, replace=False, log_fn=log_fn)
 
 
 def checkpoint_dir(path, log_fn=None) -> Path:

@@ -158,8 +158,11 @@ def _lock(path: Path) -> Optional[int]:
     return fd
 
 
-def _new_dir(out: Path, kind: str) -> Path:
-    # os.mkdir, not mkdtemp: mkdtemp makes mode 0700 and OUT would keep it; this one follows the umask.
+def new_dir(out: Path, kind: str) -> Path:
+    """A new directory ``.OUT.<kind>-<pid>-<random>`` beside ``out`` (the names ``clean_stale`` knows).
+
+    os.mkdir, not mkdtemp: mkdtemp makes mode 0700, and what is renamed into place would keep it; this one follows
+    the umask."""
     while True:
         path = out.with_name(f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -169,9 +172,13 @@ def _new_dir(out: Path, kind: str) -> Path:
             continue
 
 
-def clean_stale(out: Path, log: Callable[[str], None]) -> None:
-    """Remove temp dirs of killed builds of ``out`` (pid gone and lock free); put a ``.old`` dir back if ``out``
-    itself is missing (a build killed between the two renames of the non-atomic swap)."""
+def clean_stale(out: Path, log: Callable[[str], None], restorable: Optional[Callable[[Path], bool]] = None,
+                what: str = "build") -> None:
+    """Remove temp dirs of killed writers of ``out`` (``new_dir``'s names whose pid is gone and lock free); put a
+    ``.old`` dir back if ``out`` itself is missing (a writer killed between the two renames of the non-atomic swap)
+    and ``restorable`` says it is a complete one (default: an output of export.build). ``what`` names the writer in
+    the notes ("build", "conversion")."""
+    restorable = restorable or (lambda p: our_output(p)[0])
     if not out.parent.is_dir():
         return
     pattern = _stale_name(out)
@@ -185,18 +192,18 @@ def clean_stale(out: Path, log: Callable[[str], None]) -> None:
             continue
         stale.append((p, m.group(1), fd))
     olds = sorted((p for p, kind, _ in stale if kind == "old"), key=lambda p: p.stat().st_mtime)
-    if olds and not os.path.lexists(out) and our_output(olds[-1])[0]:
+    if olds and not os.path.lexists(out) and restorable(olds[-1]):
         os.rename(olds[-1], out)
-        log(f"note: restored {out} from {olds[-1].name} (a build was killed while replacing it)")
+        log(f"note: restored {out} from {olds[-1].name} (a {what} was killed while replacing it)")
     for p, _, fd in stale:
         if p.exists():
             shutil.rmtree(p, ignore_errors=True)
-            log(f"note: removed {p.name}, left by a killed build")
+            log(f"note: removed {p.name}, left by a killed {what}")
         os.close(fd)
     legacy = re.compile(rf"^\.{re.escape(out.name)}\.(tmp-[a-z0-9_]{{8}}|old-\d+)$")
     for p in sorted(out.parent.iterdir()):
         if legacy.match(p.name):
-            log(f"note: {p} looks like a leftover of an older export.build; check it and delete it yourself")
+            log(f"note: {p} looks like a leftover of an older tritrt's {what}; check it and delete it yourself")
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -238,7 +245,7 @@ class WorkDir:
             for p in reversed(missing):
                 p.mkdir()
                 self._made.append(p)
-            self.path = _new_dir(self.out, "tmp")
+            self.path = new_dir(self.out, "tmp")
         except OSError as e:  # the first write: where access() said yes but the file system says no (/proc, /sys)
             self.__exit__(None, None, None)
             raise OutDirError(f"--out {self.out}: cannot create {e.filename} ({e.strerror}); pass another --out "
@@ -253,7 +260,7 @@ class WorkDir:
         if not os.path.lexists(out):
             os.rename(tmp, out)  # fails (ENOTEMPTY) rather than replace a directory that appeared meanwhile
         elif not _exchange(tmp, out):
-            old = _new_dir(out, "old")
+            old = new_dir(out, "old")
             old.rmdir()
             os.rename(out, old)
             try:

@@ -180,7 +180,7 @@ def test_stale_temp_dirs_are_cleaned_and_others_left_alone(tiny_llama_dir, tmp_p
     assert r.returncode == 0, r.stderr
     assert not killed.exists() and f"removed {killed.name}, left by a killed build" in r.stdout
     assert running.is_dir() and legacy.is_dir() and other.is_dir()
-    assert f"{legacy} looks like a leftover of an older export.build" in r.stdout
+    assert f"{legacy} looks like a leftover of an older tritrt's build" in r.stdout
 
 
 def test_a_locked_temp_dir_is_left_alone(tiny_llama_dir, tmp_path):

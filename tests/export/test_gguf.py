@@ -297,6 +297,39 @@ def test_cache_keeps_the_first_of_two_concurrent_conversions(tiny_dirs, tmp_path
     assert sorted(p.name for p in dest.parent.iterdir()) == ["m"], "temp dirs left behind"
 
 
+def test_conversion_follows_the_umask_and_cleans_up_after_a_killed_one(tiny_dirs, tmp_path, monkeypatch):
+    """The converted directory gets the umask's mode (mkdtemp's 0700 made a shared cache private to one user); a
+    killed conversion's temp dir (its pid gone) is removed by the next conversion to the same place, a live one's is
+    left, and a previous conversion a killed swap left under its ``.old`` name is put back before anything else."""
+    import os
+    import subprocess
+    import sys
+
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "m.gguf")
+    dest = tmp_path / "cache" / "m"
+    old_umask = os.umask(0o022)
+    try:
+        eg.gguf_to_checkpoint(src, dest)
+    finally:
+        os.umask(old_umask)
+    assert dest.stat().st_mode & 0o777 == 0o755
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    killed = dest.parent / f".m.tmp-{dead}-0123abcd"
+    live = dest.parent / f".m.tmp-{os.getpid()}-4567cdef"
+    killed.mkdir()
+    live.mkdir()
+    (killed / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    os.replace(dest, dest.parent / f".m.old-{dead}-89abcdef")  # killed between the swap's two renames
+    notes = []
+    monkeypatch.setattr(eg, "_write_weights", lambda *a: (_ for _ in ()).throw(RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        eg.gguf_to_checkpoint(src, dest, log_fn=notes.append)
+    assert (dest / "config.json").is_file(), "the previous conversion was not put back"
+    assert sorted(p.name for p in dest.parent.iterdir()) == [live.name, "m"], notes
+    assert any("left by a killed conversion" in n for n in notes), notes
+
+
 def test_an_existing_directory_is_replaced_only_if_it_is_a_conversion(tiny_dirs, tmp_path):
     """A directory that is not empty and not an earlier conversion (a user's checkpoint, say) is refused before
     anything is written; an earlier conversion and an empty directory are replaced."""
