@@ -244,7 +244,7 @@ def plan_build(args) -> Plan:
 
         if args.lm_head_quant == "int4":
             try:
-                choose_group_size(config.hidden_size, args.group_size or 128, "lm_head")
+                choose_group_size(config.hidden_size, args.group_size or 128, "lm_head", "--lm-head-quant")
             except ValueError as e:
                 raise BuildError(f"--lm-head-quant int4: {e}") from None
         if config.tie_word_embeddings:  # the output's head is no longer the embedding

@@ -30,13 +30,15 @@ def is_quantizable(name: str) -> bool:
     return name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES)
 
 
-def choose_group_size(in_features: int, max_group_size: int = 128, name: str = "weight") -> int:
+def choose_group_size(in_features: int, max_group_size: int = 128, name: str = "weight",
+                      option: str = "--quant") -> int:
     """The int4 group size of a weight with ``in_features`` inputs: the largest of ``INT4_GROUP_SIZES`` (32, 64, 128)
     that is at most ``max_group_size`` and divides ``in_features``.
 
     Smaller groups cost a little more memory (one fp16 scale and one zero point per group: 0.38 bits per weight at 64
     instead of 0.19 at 128) and quantize more finely. A K that no supported size divides (not a multiple of 32) is an
-    error rather than a padded layout: padding K would need the kernels and the plugin to read a weight wider than x.
+    error rather than a padded layout: padding K would need the kernels and the plugin to read a weight wider than x;
+    the error suggests the other modes of ``option``, the build option that asked for int4.
     """
     from kernels.quant import INT4_GROUP_SIZES
 
@@ -46,8 +48,8 @@ def choose_group_size(in_features: int, max_group_size: int = 128, name: str = "
         if g <= max_group_size and in_features % g == 0:
             return g
     raise ValueError(f"{name}: in_features={in_features} is not a multiple of {min(INT4_GROUP_SIZES)}, the smallest "
-                     f"int4 group size, so this model cannot be quantized to int4; use --quant int8 (per channel: "
-                     f"in_features a multiple of 16) or --quant none")
+                     f"int4 group size, so this model cannot be quantized to int4; use {option} int8 (per channel: "
+                     f"in_features a multiple of 16) or {option} none")
 
 
 def quantize_state_dict(state: dict, quant: str, group_size: int = 128) -> dict:
@@ -90,7 +92,7 @@ def quantize_lm_head(state: dict, quant: str, group_size: int = 128) -> dict:
     if quant == "int8":
         out["lm_head"] = kq.quantize_int8(w, scale_dtype=w.dtype)
     else:
-        g = choose_group_size(w.shape[-1], group_size, "lm_head")
+        g = choose_group_size(w.shape[-1], group_size, "lm_head", "--lm-head-quant")
         out["lm_head"] = kq.quantize_int4(w, group_size=g, symmetric=False, scale_dtype=w.dtype)
     return out
 

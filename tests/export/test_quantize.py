@@ -79,6 +79,8 @@ def test_group_size_when_none_divides(k):
 
     with pytest.raises(ValueError, match=rf"layers.3.w2: in_features={k} is not a multiple of 32.*--quant int8"):
         choose_group_size(k, 128, "layers.3.w2")
+    with pytest.raises(ValueError, match=r"lm_head: .*use --lm-head-quant int8 .* or --lm-head-quant none"):
+        choose_group_size(k, 128, "lm_head", "--lm-head-quant")
 
 
 def test_default_group_size_per_weight(state):
