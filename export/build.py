@@ -217,6 +217,8 @@ def plan_build(args) -> Plan:
         config = LlamaConfig.from_hf(dict(model_type="llama", torch_dtype="float32", **tiny_config(**TINY_BUILD)))
     if not args.no_engine:
         check_timing_cache(_timing_cache(args), keep_out_of=(out, ckpt_dir))
+    elif args.timing_cache is not None:
+        notes.append(f"--timing-cache {args.timing_cache} ignored: --no-engine builds no engine")
     dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=source is None)
     notes += [note] if note else []
     if "int4" not in (args.quant, args.lm_head_quant) and args.group_size is not None:
@@ -232,7 +234,8 @@ def plan_build(args) -> Plan:
     odd = [f"{k} {v}" for k, v in int8_k.items() if v % 16]
     if odd:
         raise BuildError(f"int8 needs the quantized linears' in_features to be multiples of 16 (the W8A16 plugin's), "
-                         f"and this model has {', '.join(odd)}; use --quant none")
+                         f"and this model has {', '.join(odd)}; use "
+                         f"{'--quant' if args.quant == 'int8' else '--lm-head-quant'} none")
     int4_method = None if args.quant != "int4" or prequantized else (args.int4_method or "gptq")
     given = [f"--{o.replace('_', '-')}" for o in ("int4_method", "calib_seqs", "calib_len") if getattr(args, o)]
     if int4_method != "gptq" and given and not (int4_method == "rtn" and given == ["--int4-method"]):

@@ -218,6 +218,7 @@ def test_int8_with_in_features_off_16_is_refused_up_front(tmp_path, capsys, args
     capsys.readouterr()  # transformers' own output while making the checkpoint
     rc, _, err = _build(capsys, "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--dtype", "float16", *args)
     assert rc == 2 and "multiples of 16" in err and "hidden_size 100" in err and err.count("\n") == 1, err
+    assert err.rstrip().endswith(f"use {args[0]} none"), err  # the option that asked for int8
     assert not (tmp_path / "o").exists()
 
 

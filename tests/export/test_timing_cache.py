@@ -65,7 +65,9 @@ def test_no_engine_does_not_check_the_cache(tmp_path):
     cache = tmp_path / "caches"
     cache.mkdir()
     args = B.parse_args(["--tiny", "--out", str(tmp_path / "out"), "--no-engine", "--timing-cache", str(cache)])
-    assert B.plan_build(args).out == (tmp_path / "out").resolve()
+    plan = B.plan_build(args)
+    assert plan.out == (tmp_path / "out").resolve()
+    assert f"--timing-cache {cache} ignored: --no-engine builds no engine" in plan.notes  # said, not silently dropped
 
 
 def test_from_onnx_refuses_a_cache_inside_out(tmp_path, capsys):
