@@ -16,12 +16,14 @@ baseline (``transformers.LlamaForCausalLM``) runs on *views* of the same tensors
 - decode tokens/s at batch 1 / 8 / 16 / 32 with a 512-token context, fp16 / int8 / int4 weights: "step" is one decode
   step timed by ``bench`` (device events, median), "loop" the whole generation loop (scheduling, sampling, one host
   sync per token) by wall clock over 128 tokens; ``pct_ceiling``: the share of the weight-read roofline (batch x the
-  copy bandwidth measured in the run / the bytes of weights a step reads);
+  copy bandwidth measured in the run / the bytes of weights a step reads), ``pct_ceiling_kv`` with the step's KV-cache
+  reads added;
 - time to first token (2048-token prompt, wall clock, loop included; median of ``TTFT_SAMPLES`` generations; the
   prefill replays the backend's graph of its bucket, captured by the calls before);
 - HF eager ``generate`` (and ``torch.compile`` with a static cache, batch 1, when time allows): decode time is
   ``generate(N+1) - generate(1)`` so that prefill is not counted;
-- peak GPU memory of each configuration (weights included).
+- peak GPU memory of each configuration (its weights included; the benchmark's own fp16 source weights, which a
+  quantized model does not hold, left out).
 
 Quantized modes have no HF counterpart: their ratios are against HF fp16, the plain-PyTorch way to run the model.
 Usage: ``python benchmarks/bench_e2e.py [--model llama3-8b] [--budget-s 330] [--layers N]``; writes
@@ -209,8 +211,8 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
         loop_ms = gen.stats.decode_s / (gen.stats.decode_tokens / bs) * 1e3
         rows.append(dict(impl=impl, quant=quant, phase="decode loop", batch=bs, ctx=DECODE_CTX, ms=loop_ms,
                          tok_s=gen.stats.decode_tokens_per_s, vs_hf=ratio(ref, loop_ms)))
-    add_ceiling(rows, quant, step_weight_bytes(model.weights), copy_gbs)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    add_ceiling(rows, quant, step_weight_bytes(model.weights), copy_gbs, config)
+    peak = (torch.cuda.max_memory_allocated() - unshared_bytes(weights, model.weights)) / 2**30
     for r in rows:
         if r.get("impl") == impl and r.get("quant") == quant:
             r["peak_gib"] = peak
@@ -341,27 +343,44 @@ def profile_step(backend, batch, top: int = 8) -> list[dict]:
     return rows[:top] + total
 
 
+def _tensors(w) -> tuple:
+    """The tensors of one weight: itself, or a quantized linear's packed codes, scales, zero points and perm."""
+    return (w,) if isinstance(w, torch.Tensor) else tuple(t for t in (w.qweight, w.scales, w.zeros, w.perm)
+                                                          if t is not None)
+
+
 def step_weight_bytes(weights: dict) -> int:
     """Bytes of weights one decode step reads: every tensor of the model (packed codes, scales and zero points of
     quantized linears) except the embedding table, of which a step gathers only its tokens' rows -- unless there is no
     separate lm_head, in which case the tied embedding is read whole as the head."""
-    total = 0
-    for name, w in weights.items():
-        if name == "embed" and "lm_head" in weights:
-            continue
-        parts = (w,) if isinstance(w, torch.Tensor) else (w.qweight, w.scales, w.zeros, w.perm)
-        total += sum(t.numel() * t.element_size() for t in parts if t is not None)
-    return total
+    return sum(t.numel() * t.element_size() for name, w in weights.items()
+               if not (name == "embed" and "lm_head" in weights) for t in _tensors(w))
 
 
-def add_ceiling(rows: list[dict], quant: str, weight_bytes: int, copy_gbs: float) -> None:
+def unshared_bytes(source: dict, model_weights: dict) -> int:
+    """Bytes of the benchmark's fp16 source weights that the model does not hold (a quantized model's linears are
+    its own tensors): on the GPU during the run, but not the model's footprint."""
+    held = {t.data_ptr() for w in model_weights.values() for t in _tensors(w)}
+    return sum(t.numel() * t.element_size() for w in source.values() for t in _tensors(w) if t.data_ptr() not in held)
+
+
+def step_kv_bytes(config, batch: int, ctx: int, cache_bytes: int = 2) -> int:
+    """Bytes of KV cache a decode step's attention reads: every layer's K and V of ``ctx + 1`` tokens a sequence."""
+    return batch * (ctx + 1) * config.num_layers * 2 * config.num_kv_heads * config.head_dim * cache_bytes
+
+
+def add_ceiling(rows: list[dict], quant: str, weight_bytes: int, copy_gbs: float, config) -> None:
     """``ceiling_tok_s`` / ``pct_ceiling`` on our decode rows of ``quant``: at batch B a step reads the weights once
-    (KV and activations left out), so B tokens take at least ``weight_bytes / copy bandwidth``."""
+    (KV and activations left out: issue 17's roofline), so B tokens take at least ``weight_bytes / copy bandwidth``.
+    ``pct_ceiling_kv``: the same with the step's KV-cache reads added to its bytes (at bs 32 x 512 they are ~2 GB, a
+    seventh to a quarter of the weights), the roofline that batch rows are judged against."""
     for r in rows:
         if r.get("quant") == quant and str(r.get("phase", "")).startswith("decode") and r.get("tok_s") and \
                 r["impl"].startswith("tritrt"):
             r["ceiling_tok_s"] = r["batch"] * copy_gbs * 1e9 / weight_bytes
             r["pct_ceiling"] = 100 * r["tok_s"] / r["ceiling_tok_s"]
+            kv = step_kv_bytes(config, r["batch"], r["ctx"])
+            r["pct_ceiling_kv"] = 100 * r["tok_s"] / (r["batch"] * copy_gbs * 1e9 / (weight_bytes + kv))
 
 
 def add_vs_fp16(rows: list[dict]) -> None:
@@ -428,7 +447,11 @@ def main():
              "replay after each idle second (the full clock), median of 5. pct_ceiling (decode rows): tok/s as a "
              "percentage of batch x copy_GBps / the bytes of weights a step reads (quantized linears' codes, scales "
              "and zero points, the lm_head (fp16 unless the quant says +lm_head_...) and norms; not the KV cache), the "
-             "roofline issue 17 states its decode targets against. A +lm_head_Q row quantizes the lm_head as well "
+             "roofline issue 17 states its decode targets against; pct_ceiling_kv: the same with the step's KV "
+             "reads (batch x (ctx + 1) tokens, every layer's K and V) added to the bytes. peak_gib: the most GPU "
+             "memory allocated while building and running the configuration, less the benchmark's fp16 source "
+             "weights that the model does not hold (a quantized model's linears are its own). A +lm_head_Q row "
+             "quantizes the lm_head as well "
              "(export.build --lm-head-quant Q; not the default, so not what issue 17's targets are read on).")
     if profiles:
         notes += ("\n\nbs=1 prefill and decode step, top kernels by GPU time, then the rest and the total (eager "
@@ -439,7 +462,8 @@ def main():
                             for q, ps in profiles.items() for p in ps)
     name = "bench_e2e" if args.model == "llama3-8b" else "bench_e2e_" + args.model.replace("-", "_")
     md = write_results(name, rows, ["impl", "quant", "phase", "batch", "ctx", "ms", "tok_s", "vs_hf",
-                                           "vs_fp16", "pct_ceiling", "peak_gib", "note"], meta, notes=notes)
+                                           "vs_fp16", "pct_ceiling", "pct_ceiling_kv", "peak_gib", "note"], meta,
+                       notes=notes)
     payload = json.loads(md.with_suffix(".json").read_text())
     payload["bs1_top_kernels"] = profiles
     md.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")

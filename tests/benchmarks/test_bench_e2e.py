@@ -36,13 +36,30 @@ def test_step_weight_bytes_counts_what_a_decode_step_reads():
 def test_ceiling_is_batch_times_bandwidth_over_weight_bytes_on_our_decode_rows_only():
     from benchmarks.bench_e2e import add_ceiling
 
-    rows = [dict(impl="tritrt torch+graphs", quant="int4", phase="decode step", batch=8, tok_s=2000.0),
+    from benchmarks.bench_e2e import model_config
+
+    config = model_config()  # Llama-3-8B: 32 layers x 8 KV heads x 128: 128 KiB of fp16 K and V a token
+    rows = [dict(impl="tritrt torch+graphs", quant="int4", phase="decode step", batch=8, ctx=511, tok_s=2000.0),
             dict(impl="tritrt torch+graphs", quant="int4", phase="prefill", batch=1, tok_s=30000.0),
             dict(impl="tritrt torch+graphs", quant="none", phase="decode step", batch=1, tok_s=160.0),
             dict(impl="hf eager", quant="none", phase="decode loop", batch=1, tok_s=8.0)]
-    add_ceiling(rows, "int4", weight_bytes=4 * 10**9, copy_gbs=3000.0)
+    add_ceiling(rows, "int4", weight_bytes=4 * 10**9, copy_gbs=3000.0, config=config)
     assert rows[0]["ceiling_tok_s"] == 8 * 750.0 and rows[0]["pct_ceiling"] == 100 * 2000 / 6000
+    kv = 8 * 512 * 128 * 1024  # 8 sequences x 512 tokens (511 cached and the new one)
+    assert abs(rows[0]["pct_ceiling_kv"] - 100 * 2000 / (8 * 3000e9 / (4e9 + kv))) < 1e-9
     assert not any("pct_ceiling" in r for r in rows[1:])
+
+
+def test_peak_leaves_out_the_source_weights_the_model_does_not_hold():
+    import torch
+
+    from benchmarks.bench_e2e import unshared_bytes
+    from kernels.quant import quantize_int4
+
+    src = {"embed": torch.zeros(10, 4, dtype=torch.float16), "wqkv": torch.zeros(256, 256, dtype=torch.float16)}
+    q = quantize_int4(src["wqkv"], 128)
+    assert unshared_bytes(src, {"embed": src["embed"], "wqkv": q}) == 256 * 256 * 2  # the fp16 linear only
+    assert unshared_bytes(src, dict(src)) == 0  # an fp16 model holds the very tensors
 
 
 def test_model_configs_and_the_default_models_shape(tmp_path, monkeypatch):
