@@ -33,6 +33,13 @@ class ShapeExpr:
         self.fn, self.const = fn, const
         self.is_fake = False
 
+    @classmethod
+    def fake(cls):
+        """A placeholder dim, as TensorRT passes while it only wants the outputs' dtypes."""
+        e = cls(fn=lambda env: (_ for _ in ()).throw(RuntimeError("a placeholder dim was evaluated")))
+        e.is_fake = True
+        return e
+
     @property
     def is_constant(self):
         return self.const is not None
@@ -198,6 +205,11 @@ def _run(spec, s, tactic, trt, env):
                 for i, d in enumerate(s.shapes[n])]
         descs[n] = TensorDesc(dims, getattr(trt, LONG_NAMES[s.dtypes[n]]))
     attrs = spec.full_attrs(s.attrs)
+    # TensorRT asks for the output dtypes first, calling the shape function on placeholder dims (is_fake, neither
+    # constant nor evaluable) that have no reflected operators either: it must get through on those too.
+    fakes = [TensorDesc([ShapeExpr.fake() for _ in d.shape_expr], d.dtype) for d in descs.values()]
+    fake_outs = entry["register"](*fakes, **attrs)
+    fake_outs = fake_outs if isinstance(fake_outs, tuple) else (fake_outs,)
     outs = entry["register"](*descs.values(), **attrs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     combos = entry["autotune"](*descs.values(), **attrs, outputs=outs)
@@ -206,6 +218,7 @@ def _run(spec, s, tactic, trt, env):
     return dict(
         kernel=name, ptx_has_entry=f".entry {name}" in ptx,
         out_shapes=[[ev(d) for d in o.shape_expr] for o in outs],
+        out_dtypes=[o.dtype.name for o in outs], fake_out_dtypes=[o.dtype.name for o in fake_outs],
         aliased=[o.alias_of is not None for o in outs],
         combos=[c.types for c in combos], tactics=[c.tactic_list for c in combos],
         grid=[ev(launch.grid_x), ev(launch.grid_y), ev(launch.grid_z)], block=launch.block_x,

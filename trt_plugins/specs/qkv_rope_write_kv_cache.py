@@ -19,7 +19,7 @@ OP = "QkvRopeWriteKvCache"
 def heads(shapes) -> tuple:
     """(Hq, Hk, D) of an instance: Hk and D are the cache's, Hq what is left of the qkv row after k and v."""
     _, _, hk, d = shapes["k_cache"]
-    return shapes["qkv"][1] // d - 2 * hk, hk, d
+    return shapes["qkv"][1] // d - hk * 2, hk, d  # the dim on the left: TensorRT dims have no reflected operators
 
 
 def _split_shapes(shapes, dtypes) -> tuple[dict, dict]:
