@@ -227,6 +227,11 @@ def plan_build(args) -> Plan:
     if prequantized and args.quant == "int4" and args.group_size is not None:
         notes.append(f"--group-size {args.group_size} ignored for the linears: the checkpoint is quantized already "
                      f"and keeps its own group size")
+    from trt_plugins.specs.paged_attention import HEAD_DIMS as ATTENTION_HEAD_DIMS
+
+    if config.head_dim not in ATTENTION_HEAD_DIMS:  # else the engine's attention fails to compile after the whole build
+        raise BuildError(f"this model's head_dim is {config.head_dim}; the engine's attention kernels take "
+                         f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}, so it cannot be built")
     # the in_features of the W8A16 linears (the lm_head's alone with --lm-head-quant int8): multiples of 16
     int8_k = ({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
                "num_heads x head_dim": config.num_heads * config.head_dim} if args.quant == "int8" else

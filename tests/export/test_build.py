@@ -222,6 +222,20 @@ def test_int8_with_in_features_off_16_is_refused_up_front(tmp_path, capsys, args
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("hidden, heads", [(320, 4), (512, 2)])  # head_dim 80 (not a power of two), 256
+def test_head_dims_the_engine_attention_cannot_compile_are_refused_up_front(tmp_path, capsys, hidden, heads):
+    """The build used to finish (and export.verify pass) on head_dim 80, while the PagedAttention plugin's kernel
+    cannot compile for it: the engine build would fail in aot_impl, on the GPU machine, after GPTQ."""
+    from export.tiny import make_tiny_llama
+
+    ckpt = make_tiny_llama(tmp_path / "ck", hidden_size=hidden, intermediate_size=160, num_attention_heads=heads,
+                           num_key_value_heads=1)
+    capsys.readouterr()
+    rc, _, err = _build(capsys, "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--dtype", "float16")
+    assert rc == 2 and f"head_dim is {hidden // heads}" in err and "16, 32, 64, 128" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_from_onnx_needs_an_out(tmp_path, capsys):
     rc, _, err = _build(capsys, "--from-onnx", str(tmp_path))
     assert rc != 0 and "lacks build.json" in err

@@ -148,6 +148,8 @@ def test_registry_contract_for_the_exporter():
     ("RopeWriteKvCache", lambda s, d, a: d.update(v="fp16"), "^RopeWriteKvCache: v must be"),
     ("PagedAttention", lambda s, d, a: s.update(cu_seqlens_q=(5,)), "cu_seqlens_q must be"),
     ("PagedAttention", lambda s, d, a: a.update(max_splits=65), "max_splits must be"),
+    ("PagedAttention", lambda s, d, a: s.update(q=(s["q"][0], s["q"][1], 80), k_cache=(*s["k_cache"][:3], 80),
+                                                v_cache=(*s["k_cache"][:3], 80)), "head_dim 80 is not supported"),
     ("PagedAttention", lambda s, d, a: s.update(counter=(2, 8)), "counter must be"),
     ("PagedAttention", lambda s, d, a: d.update(part_o="fp16"), "part_o must be"),
     ("W8A16Linear", lambda s, d, a: a.update(m_hint=3), "m_hint must be one of"),

@@ -36,9 +36,17 @@ def scratch_shapes(num_seqs, num_q_heads: int, num_kv_heads: int, head_dim: int,
             "counter": ((num_seqs, num_kv_heads), "int32")}
 
 
+# The head sizes the engine's attention compiles for on every SM we build for: a power of two (the kernels' tl.arange
+# over D), at most 128 (head_dim 256's long-prompt tiles, 128 x 128 at 3 stages, need more shared memory than any of
+# them has: 328704 B against the H100's 232448; on sm_86 / 89 not even the decode tactic's fit). The torch op also
+# takes 256.
+HEAD_DIMS = (16, 32, 64, 128)
+
+
 def _check(shapes, dtypes, attrs):
     op = "PagedAttention"
     t, hq, d = shapes["q"]
+    require(d in HEAD_DIMS, op, f"head_dim {d} is not supported: the engine's attention takes {HEAD_DIMS}")
     nb, page, hk, dk = shapes["k_cache"]
     require(dk == d and tuple(shapes["v_cache"]) == tuple(shapes["k_cache"]), op,
             f"k_cache/v_cache must be [num_blocks, block_size, Hk, {d}] and equal, got {tuple(shapes['k_cache'])}, "
