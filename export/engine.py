@@ -252,9 +252,13 @@ def build_engine(onnx_path, engine_path, build: Optional[dict], *, timing_cache=
         raise EngineBuildError("TensorRT failed to build the engine: " + ("; ".join(logger.errors) or
                                                                           "see its log above"))
     write_atomic(engine_path, memoryview(serialized))
-    if save_cache:
-        timing_cache.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(timing_cache, memoryview(config.get_timing_cache().serialize()))
+    if save_cache:  # a cache that cannot be saved costs the next build time, not this build its engine
+        try:
+            timing_cache.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(timing_cache, memoryview(config.get_timing_cache().serialize()))
+        except OSError as e:
+            log(f"warning: --timing-cache {timing_cache} could not be saved ({e.strerror or e}); the engine is "
+                f"built, the next build will time its tactics again")
     return engine_path
 
 
