@@ -13,9 +13,11 @@ from kernels.kv_cache import write_kv_cache, write_kv_cache_launch_config
 
 
 def _case(num_tokens, num_blocks, block_size, hk, d, dtype, device):
-    # k/v as strided views of a fused [T, Hq + 2 Hk, D] projection (Hq = 2 Hk).
+    # k a strided view of a fused [T, Hq + 2 Hk, D] projection (Hq = 2 Hk); v from a buffer of another row stride, so
+    # that reading one with the other's stride shows.
     qkv = torch.randn(num_tokens, 4 * hk, d, device=device).to(dtype)
-    k, v = qkv[:, 2 * hk:3 * hk], qkv[:, 3 * hk:]
+    k = qkv[:, 2 * hk:3 * hk]
+    v = torch.randn(num_tokens, 3 * hk, d, device=device).to(dtype)[:, hk:2 * hk]
     slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens].to(torch.int32)
     slots[::3] = -1  # padding tokens: skipped
     k_cache = torch.full((num_blocks, block_size, hk, d), float("nan"), dtype=dtype, device=device)

@@ -60,7 +60,11 @@ def test_int8_round_trip_error_and_layout(dtype):
     # Rounding to the nearest step: |w - w_hat| <= s / 2 per element, plus the rounding of w_hat to w's dtype and
     # the scale's own rounding (s rounded to its dtype can put max|w| / s just past 127, clamped): each a unit
     # roundoff of |w_hat|, with |w_hat| <= 127 s (measured: at most half of this slack, 30 seeds x 3 dtypes).
+    # The scale is max|w_row| / 127 (to its dtype's rounding), from w itself: the bound below uses the quantizer's
+    # own scales, which a too-coarse step would pass.
     step = qw.scales.float()[:, None]
+    assert torch.allclose(step, w.float().abs().amax(1, keepdim=True) / 127, rtol=torch.finfo(qw.scales.dtype).eps,
+                          atol=0)
     unit = torch.finfo(back.dtype).eps / 2 + torch.finfo(qw.scales.dtype).eps / 2
     assert bool(((back.float() - w.float()).abs() <= step * 0.5 + back.float().abs() * unit + 1e-6).all())
 
@@ -74,6 +78,11 @@ def test_int4_round_trip_error_and_layout(group_size, symmetric):
     assert qw.scales.shape == (256 // group_size, 40)
     assert (qw.zeros is None) == symmetric
     back = dequantize(qw).float()
+    # The scales from w itself (the bound below uses the quantizer's own, which a too-coarse step would pass): max|w|
+    # / 7 per group symmetric, (max - min) / 15 asymmetric, each to fp16's rounding.
+    g = w.float().reshape(40, 256 // group_size, group_size)
+    want = g.abs().amax(2) / 7 if symmetric else (g.amax(2) - g.amin(2)) / 15
+    assert torch.allclose(qw.scales.float().t(), want, rtol=2**-11, atol=0)
     s = qw.scales.float().repeat_interleave(group_size, 0).t()
     # Rounding to the nearest step: error <= s/2. The zero point is an integer, so it adds none; asymmetric, s is
     # (max - min) / 15 rounded to fp16, so max can land up to 15 x 2^-11 steps past code 15 (clamped): <= (0.5 +
@@ -195,7 +204,8 @@ def test_import_rejects_mismatched_scales_zeros_and_groups(fmt):
 def test_awq_import_exact():
     K, N, G = 256, 40, 128
     q, z, s = known_ints(K, N, G, seed=4)
-    qw = import_awq(pack_cols_loop(q, AWQ_ORDER), pack_cols_loop(z, AWQ_ORDER), s)
+    assert AWQ_ORDER == (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing order, written out: not the importer's copy
+    qw = import_awq(pack_cols_loop(q, (0, 2, 4, 6, 1, 3, 5, 7)), pack_cols_loop(z, (0, 2, 4, 6, 1, 3, 5, 7)), s)
     assert qw.group_size == G and qw.perm is None
     assert torch.equal(unpack_int4(qw.qweight), q.to(torch.int32))
     assert torch.equal(qw.zeros, z.to(torch.int8))

@@ -52,6 +52,8 @@ def test_fused_add_rms_norm_matches_reference(device, shape, dtype):
     assert_close_to_ref(res_out, res_ref.float(), atol=rounding_atol(res_ref.float(), dtype) if interpreting() else 0.0)
     ref = rms_norm_ref(res_ref.float(), w.float(), 1e-6)
     assert_close_to_ref(y, ref, baseline=rms_norm_eager(res_ref, w, 1e-6), factor=2.0, atol=rounding_atol(ref, dtype))
+    # y is the norm of the rounded sum it returns, as the unfused pair computes it: bit for bit the plain kernel's.
+    assert torch.equal(y, rms_norm(res_out, w, 1e-6))
 
 
 @pytest.mark.parametrize("device", DEVICES)
