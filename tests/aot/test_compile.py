@@ -94,6 +94,46 @@ def test_triton_key_follows_the_compiler_settings(var, value, monkeypatch):
     assert "ptxas" in before and before["ptxas"] and not before["ptxas"].startswith("unknown")
 
 
+class _KeyAsked(Exception):
+    """Raised by ``_KeyProbe.get``: carries the cache key a compile computed, before anything is compiled."""
+
+
+class _KeyProbe(AotCache):
+    """A cache that answers the first lookup by raising ``_KeyAsked(key)``: the compile's real key, with no compiler
+    (and no nvcc) run."""
+
+    def __init__(self):
+        super().__init__("/nonexistent-aot-key-probe")
+
+    def get(self, key):
+        raise _KeyAsked(key)
+
+
+def _key(compile_fn, *args, **kw) -> str:
+    with pytest.raises(_KeyAsked) as asked:
+        compile_fn(*args, cache=_KeyProbe(), **kw)
+    return asked.value.args[0]
+
+
+TRITON_BASE = dict(signature=SIG, constexprs=CONST, sm=90, num_warps=4, num_stages=3, div16=("x_ptr",))
+
+
+@pytest.mark.parametrize("change", [dict(num_warps=8), dict(num_stages=2), dict(sm=80),
+                                    dict(constexprs={**CONST, "BLOCK": 128}), dict(div16=("x_ptr", "y_ptr")),
+                                    dict(signature={**SIG, "x_ptr": "*fp16"})], ids=lambda c: next(iter(c)))
+def test_triton_cache_key_changes_with_each_compile_input(change):
+    """Each input of a Triton AOT compile changes the binary (warps and stages: the schedule, shared memory and the
+    launch's block size), so each changes the cache key, one at a time: a key that left one out would hand back the
+    cubin of another specialisation, which launches with the wrong block size or misreads its arguments."""
+    def key(**kw):
+        a = {**TRITON_BASE, **kw}
+        return _key(compile_triton, _axpb_kernel, a.pop("signature"), a.pop("constexprs"), **a)
+
+    base = key()
+    assert key() == base, "the same compile inputs must give the same key"
+    assert key(**change) != base, f"{change} left the key unchanged"
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(constexprs={"A": 1.0, "B": 0.0}), "BLOCK"),  # a constexpr without a value
     (dict(signature={**SIG, "n": "fp32"}), "floats must be constexprs"),
@@ -222,6 +262,29 @@ def _fake_nvcc(path, version_of):
     path.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then {answer}; fi\necho "fake: no compiling" >&2\nexit 1\n')
     path.chmod(0o755)
     return str(path)
+
+
+CUDA_PARAMS = [("x", "*fp32"), ("y", "*fp32"), ("n", "i32"), ("k", "i32")]
+CUDA_BASE = dict(sm=90, threads=128, shared=0, extra_flags=(), arch_specific=False, div16=())
+
+
+@pytest.mark.parametrize("change", [dict(threads=256), dict(shared=16384), dict(extra_flags=("-lineinfo",)),
+                                    dict(arch_specific=True), dict(sm=80), dict(div16=("x",)),
+                                    dict(params=CUDA_PARAMS[:3]), dict(kernel_name="other")],
+                         ids=lambda c: next(iter(c)))
+def test_cuda_cache_key_changes_with_each_compile_input(change, tmp_path):
+    """Each input of an nvcc AOT compile changes the cubin or how it is launched (block size, dynamic shared memory,
+    flags, sm_90 vs sm_90a, the entry and its parameters), so each changes the cache key, one at a time. The key is
+    read before nvcc would run, so this needs no CUDA toolkit."""
+    src = tmp_path / "k.cu"
+    src.write_text(CU)
+
+    def key(kernel_name="scale_add", params=CUDA_PARAMS, **kw):
+        return _key(compile_cuda, src, kernel_name, params, **{**CUDA_BASE, **kw})
+
+    base = key()
+    assert key() == base, "the same compile inputs must give the same key"
+    assert key(**change) != base, f"{change} left the key unchanged"
 
 
 class _FakeCuda:

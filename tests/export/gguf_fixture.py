@@ -75,6 +75,8 @@ def write_gguf(hf_dir, path, matrix_type: str = "F32", arch: str = "llama", toke
     for key, value in (overrides or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, float):  # as llama.cpp writes float keys (rope.scaling.factor): float32
+            w.add_float32(key, value)
         else:
             w.add_uint32(key, value)
     if tokenizer == "gpt2":

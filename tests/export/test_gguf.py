@@ -245,6 +245,21 @@ def test_rope_theta_and_rms_eps_come_from_the_file(tiny_dirs, tmp_path):
     assert got["rms_norm_eps"] == pytest.approx(3e-6, rel=1e-6) and got["rope_theta"] == pytest.approx(123456.0)
 
 
+def test_linear_rope_scaling_reaches_the_config(tiny_dirs, tmp_path):
+    """llama.cpp's ``llama.rope.scaling.type = linear`` and ``.factor`` (a float32 key) become HF's ``rope_scaling``
+    (positions divided by the factor), which our config and RoPE table then apply: a converter that dropped it would
+    build a model whose RoPE is off by the factor at every position, with no error anywhere. A file without the keys
+    gets no ``rope_scaling``."""
+    src = write_gguf(tiny_dirs("llama"), tmp_path / "linear.gguf",
+                     overrides={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.5})
+    out = eg.gguf_to_checkpoint(src, tmp_path / "out")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf.get("rope_scaling") == {"rope_type": "linear", "factor": 2.5}, hf.get("rope_scaling")
+    assert LlamaConfig.from_hf(hf).rope_scaling == {"rope_type": "linear", "factor": 2.5}
+    plain = json.loads((_convert(tiny_dirs("llama"), tmp_path) / "config.json").read_text())
+    assert "rope_scaling" not in plain
+
+
 def test_unsupported_rope_scaling_and_missing_file(tiny_dirs, tmp_path):
     src = write_gguf(tiny_dirs("llama"), tmp_path / "yarn.gguf", overrides={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(eg.GGUFError, match="RoPE scaling 'yarn'"):

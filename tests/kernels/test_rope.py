@@ -89,6 +89,74 @@ def test_partial_rotary_passes_tail_through(device):
     assert torch.equal(q0, q) and torch.equal(k0, k)
 
 
+def _outside_positions(kind, max_pos, device):
+    """(positions, which of them are inside the table) for the out-of-table test: "near", ones just outside the table
+    (within the guard rows of ``_guarded_table``), "far", the integer extremes; valid positions mixed in."""
+    if kind == "near":
+        pos, dtype = [3, -1, max_pos, 0, -max_pos, 2 * max_pos - 1, max_pos - 1], torch.int64
+    else:
+        pos, dtype = [2**31 - 1, 5, -2**31, max_pos + 2**20], torch.int32
+    positions = torch.tensor(pos, dtype=dtype, device=device)
+    return positions, (positions >= 0) & (positions < max_pos)
+
+
+def _guarded_table(rotary_dim, max_pos, device):
+    """A ``[max_pos, R]`` table that is the middle third of a 3x longer one: the rows just outside it are real memory
+    holding real (nonzero) cos/sin values, so a kernel that read past the table gets them, deterministically, instead
+    of crashing or finding zeros by chance."""
+    big = rope_cos_sin_cache(rotary_dim, 3 * max_pos, 10000.0, device=device)
+    table = big[max_pos: 2 * max_pos]
+    assert table.is_contiguous()
+    return table
+
+
+def _outside_ref(q, k, positions, inside, table, interleaved):
+    """RoPE's fp32 reference with a position outside the table given cos = sin = 0 (a row of zeros appended to the
+    table): rotated dims 0, the unrotated tail passed through."""
+    ext = torch.cat([table, torch.zeros_like(table[:1])])
+    idx = torch.where(inside, positions.long(), table.shape[0])
+    return rotary_embedding_ref(q.float(), k.float(), idx, ext, interleaved)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["near", "far"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_positions_outside_the_table_read_nothing(device, kind, interleaved):
+    """``_cos_sin_row`` promises that any position is safe: one outside ``[0, max_position)`` (negative, or past the
+    table: a padded token, a bad TensorRT input) reads no table row and rotates by cos = sin = 0, so its rotated dims
+    come out 0 and the unrotated tail passes through; tokens at valid positions in the same launch are unaffected.
+    Checked for RoPE and the fused RoPE + cache write, both kernels that read the row. "near": the table sits between
+    guard rows of real values, so an unmasked read just past either end shows as wrong values, not as a lucky zero;
+    "far": int32's extremes, where an unmasked read would leave the allocation (a crash, not an assertion)."""
+    from kernels.rope import rope_write_kv_cache
+
+    hq, hk, d, r = 3, 2, 48, 32  # partial rotary: a tail that passes through
+    max_pos, dtype = 64, torch.bfloat16
+    table = _guarded_table(r, max_pos, device)
+    positions, inside = _outside_positions(kind, max_pos, device)
+    T = positions.shape[0]
+    q, k, v = (torch.randn(T, h, d, device=device, dtype=dtype) for h in (hq, hk, hk))
+    q_want, k_want = _outside_ref(q, k, positions, inside, table, interleaved)
+    atol = rounding_atol(q_want, dtype)
+
+    def check(got, want, name):
+        assert torch.equal(got[~inside].float(), want[~inside]), f"{name}: positions {positions[~inside].tolist()}"
+        torch.testing.assert_close(got[inside].float(), want[inside], atol=atol, rtol=0)
+
+    q_out, k_out = poisoned(q.shape, dtype, device), poisoned(k.shape, dtype, device)
+    rotary_embedding_(q, k, positions, table, interleaved, q_out=q_out, k_out=k_out)
+    check(q_out, q_want, "rotary_embedding q")
+    check(k_out, k_want, "rotary_embedding k")
+
+    page = 4
+    k_cache, v_cache = (poisoned((-(-T // page), page, hk, d), dtype, device) for _ in range(2))
+    slots = torch.arange(T, dtype=torch.int32, device=device)
+    q_fused = rope_write_kv_cache(q, k, v, positions, table, k_cache, v_cache, slots, interleaved)
+    check(q_fused, q_want, "rope_write_kv_cache q")
+    check(k_cache.view(-1, hk, d)[:T], k_want, "rope_write_kv_cache k")
+    assert torch.equal(v_cache.view(-1, hk, d)[:T], v)
+
+
 # --------------------------------------------------------------------------------------------------- the cache
 def _hf_inv_freq(rope_type, head_dim, theta, scaling):
     transformers = pytest.importorskip("transformers")

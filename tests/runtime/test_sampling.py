@@ -56,6 +56,29 @@ def test_greedy_is_argmax_and_batch_path_matches():
     assert SamplingParams(temperature=0.7, top_k=1).greedy
 
 
+def test_mixed_batch_samples_each_row_as_sample_one_does():
+    """A batch mixing greedy, temperature-only, top-k and top-p rows (the generator's normal step) takes no argmax
+    shortcut: row i is exactly ``sample_one(logits[i], params[i], generator i)``, with each generator drawn from as
+    ``sample_one`` alone would draw from it. Each row peaks at a different token (and the greedy rows are not row 0),
+    so a ``sample`` that read another row's logits, params or generator gives other tokens."""
+    vocab = 64
+    params = [SamplingParams(temperature=1.0, seed=11),
+              SamplingParams(),  # greedy: temperature 0
+              SamplingParams(temperature=0.8, top_k=5, seed=12),
+              SamplingParams(temperature=1.2, top_p=0.6, seed=13),
+              SamplingParams(temperature=0.7, top_k=1)]  # greedy: top_k 1
+    logits = torch.randn(len(params), vocab)
+    for i in range(len(params)):  # a clear favourite per row, 8 tokens apart: rows draw from different tokens
+        logits[i, 8 * i] += 4.0
+    gens = [make_generator(p.seed, "cpu") if not p.greedy else None for p in params]
+    want_gens = [make_generator(p.seed, "cpu") if not p.greedy else None for p in params]
+    for step in range(4):  # several steps: the generators advance as they would one row at a time
+        got = sample(logits, params, gens)
+        want = [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, want_gens))]
+        assert got == want, f"step {step}: sample() {got} != sample_one row by row {want}"
+    assert [got[i] for i in (1, 4)] == torch.argmax(logits[[1, 4]], -1).tolist(), "greedy rows: their own argmax"
+
+
 def test_seeded_sampling_is_reproducible_and_seed_matters():
     logits = torch.randn(1000)
     p = SamplingParams(temperature=1.0, top_p=0.95, top_k=200, seed=7)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.trt_plugins.cases import CASES, fp32_reference, make_case
+from trt_plugins.contract import output_shapes
 from trt_plugins.reference import run_reference
 from trt_plugins.specs import SPECS, dtype_name, torch_dtype
 
@@ -30,6 +31,48 @@ def test_reference_equals_the_kernels_reference(case):
         torch.testing.assert_close(o.float(), w, atol=ulp, rtol=ulp, msg=lambda m: f"{op}.{name}: {m}")
     for a, b in zip(ins, before):  # aliased caches are returned as copies; inputs untouched
         torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+def _sample_inputs(spec, sample) -> list:
+    """Inputs of a documented sample's shapes and dtypes: floats random, integers zero (a valid index into every table:
+    position 0, slot 0, block 0, sequences with no new token)."""
+    ins = []
+    for n in spec.inputs:
+        dt = torch_dtype(sample.dtypes[n])
+        shape = sample.shapes[n]
+        ins.append(torch.randn(shape).to(dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt))
+    return ins
+
+
+def _shape_groups():
+    """(op, sample indices) of every spec's documented samples grouped by shapes and attributes other than the tactic's:
+    dtypes and the tactic (``m_hint``, ``q_hint``) pick a kernel, not a shape, so a group shares one reference run
+    (the Llama-3-8B GEMMs' references take seconds each on the CPU)."""
+    out = []
+    for op in sorted(SPECS):
+        spec, groups = SPECS[op], {}
+        for i, s in enumerate(spec.samples):
+            attrs = {k: v for k, v in s.attrs.items() if k != spec.tactic_attr}
+            groups.setdefault(repr((sorted(s.shapes.items()), sorted(attrs.items()))), []).append(i)
+        out += [pytest.param(op, tuple(idx), id=f"{op}-{idx[0]}") for idx in groups.values()]
+    return out
+
+
+@pytest.mark.parametrize("op, indices", _shape_groups())
+def test_declared_output_shapes_are_the_references(op, indices):
+    """At every documented sample, each output's declared shape (``output_specs[i].shape``: what TensorRT is told the
+    plugin returns, and allocates) is the shape the reference computes at the sample's shapes, and so is what the
+    TensorRT glue declares (``contract.output_shapes``: an aliased output as its input). Nothing else compares the two
+    on the CPU: a wrong shape function would first show as an engine build error or a wrong-sized buffer on a GPU."""
+    spec = SPECS[op]
+    first = spec.samples[indices[0]]
+    got = [tuple(o.shape) for o in run_reference(op, _sample_inputs(spec, first), first.attrs)]
+    for i in indices:
+        sample = spec.samples[i]
+        attrs = spec.full_attrs(sample.attrs)
+        declared = [tuple(int(d) for d in o.shape(sample.shapes, attrs)) for o in spec.output_specs]
+        assert declared == got, f"{op} sample {i} ({sample.note}): declared {declared}, the reference gives {got}"
+        assert [tuple(int(d) for d in s) for s in output_shapes(spec, sample.shapes, attrs)] == got, f"sample {i}"
 
 
 def test_numpy_in_numpy_out_and_bf16():
