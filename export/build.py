@@ -90,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--max-seq-len", type=int, help="longest sequence (default: min(max_position_embeddings, 8192))")
     p.add_argument("--num-blocks", type=int, help="largest KV-cache pool in blocks the engine accepts "
                    "(default: max-num-seqs full sequences)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the built-in tiny model")
+    p.add_argument("--seed", type=int, help="seed of the built-in tiny model (--tiny; default 0)")
     p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, read and then updated (default: "
                    "$TRITRT_TIMING_CACHE, else trt_timing.cache in $TRITRT_CACHE or ~/.cache/tritrt); an existing "
                    "file TensorRT reads no timings from is left as it was, and a directory, a link or a path in the "
@@ -219,6 +219,8 @@ def plan_build(args) -> Plan:
         check_timing_cache(_timing_cache(args), keep_out_of=(out, ckpt_dir))
     elif args.timing_cache is not None:
         notes.append(f"--timing-cache {args.timing_cache} ignored: --no-engine builds no engine")
+    if args.seed is not None and source is not None:
+        notes.append(f"--seed {args.seed} ignored: it seeds the built-in tiny model (--tiny), not a checkpoint")
     dtype, note = _dtype(args.dtype, config.torch_dtype, builtin=source is None)
     notes += [note] if note else []
     if "int4" not in (args.quant, args.lm_head_quant) and args.group_size is not None:
@@ -394,8 +396,8 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
         ckpt_dir = plan.checkpoint
         if ckpt_dir is None:
             with progress.step("writing the built-in tiny LLaMA"):
-                ckpt_dir = _write_tiny(tmp / "_tiny_checkpoint", args.seed)
-            log(f"--tiny: built-in tiny LLaMA (seed {args.seed})")
+                ckpt_dir = _write_tiny(tmp / "_tiny_checkpoint", args.seed or 0)
+            log(f"--tiny: built-in tiny LLaMA (seed {args.seed or 0})")
         t0 = time.perf_counter()
         gptq = None
         if plan.int4_method == "gptq":
@@ -422,7 +424,7 @@ def run_build(args, log=print, progress: Optional[Progress] = None) -> BuildResu
                      group_sizes=group_sizes or None, int4_method=plan.int4_method, gptq=gptq, dtype=plan.dtype,
                      block_size=args.block_size, sm=plan.sm, sm_source=plan.sm_source, **plan.limits,
                      config=plan.config.to_dict(),
-                     source=str(plan.source.resolve()) if plan.source else f"built-in tiny (seed {args.seed})")
+                     source=str(plan.source.resolve()) if plan.source else f"built-in tiny (seed {args.seed or 0})")
         # HF files first: config.json and the tokenizer, as the runtime and the verifier read them.
         build["tokenizer"], skip = _copy_hf_files(plan, ckpt_dir, tmp)
         skipped += skip

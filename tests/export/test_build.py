@@ -357,3 +357,12 @@ def test_permission_denied_says_which_side_to_fix(tmp_path, tiny_dirs, capsys, m
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert ("make it readable" if where == "checkpoint" else "pick another --out") in err
     assert "free space" not in err and not out.exists()
+
+
+def test_options_that_do_not_apply_get_a_note(tmp_path, tiny_dirs):
+    """--seed seeds only the built-in tiny model: with a checkpoint it is said to be ignored, not dropped silently."""
+    args = B.parse_args(["--checkpoint", str(tiny_dirs("llama")), "--out", str(tmp_path / "o"), "--seed", "3",
+                         "--no-engine"])
+    assert "--seed 3 ignored: it seeds the built-in tiny model (--tiny), not a checkpoint" in B.plan_build(args).notes
+    tiny = B.parse_args(["--tiny", "--out", str(tmp_path / "t"), "--seed", "3", "--no-engine"])
+    assert not any("--seed" in n for n in B.plan_build(tiny).notes)
