@@ -144,8 +144,8 @@ def _odd_checkpoint(tmp_path):
     """A checkpoint whose hidden size (48) no int4 group size divides: quantization fails once the build is writing."""
     from export.checkpoint import make_tiny_llama
 
-    return make_tiny_llama(tmp_path / "odd", hidden_size=48, intermediate_size=96, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=64)
+    return make_tiny_llama(tmp_path / "odd", hidden_size=48, intermediate_size=96, num_attention_heads=3,
+                           num_key_value_heads=1, max_position_embeddings=64)  # head_dim 16
 
 
 def test_failure_after_writing_started_leaves_nothing(tmp_path):

@@ -213,8 +213,8 @@ def test_int8_with_in_features_off_16_is_refused_up_front(tmp_path, capsys, args
     exited 0 and only export.verify said why)."""
     from export.tiny import make_tiny_llama
 
-    ckpt = make_tiny_llama(tmp_path / "ck", hidden_size=100, intermediate_size=160, num_attention_heads=5,
-                           num_key_value_heads=1)  # head_dim 20
+    ckpt = make_tiny_llama(tmp_path / "ck", hidden_size=100, intermediate_size=160, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=32)  # a head_dim the engine's attention takes
     capsys.readouterr()  # transformers' own output while making the checkpoint
     rc, _, err = _build(capsys, "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--dtype", "float16", *args)
     assert rc == 2 and "multiples of 16" in err and "hidden_size 100" in err and err.count("\n") == 1, err
