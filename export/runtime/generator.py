@@ -14,6 +14,7 @@ last token, too few free KV blocks, a sequence that just stopped) first reads th
 
 from __future__ import annotations
 
+import numbers
 import re
 import time
 from dataclasses import dataclass, field
@@ -213,7 +214,9 @@ class Generator:
         if on_token is None:
             return
         for seq, tok, last in taken:
-            on_token(seq.req_id, tok, self._text_delta(self._streams[seq.req_id], seq, tok, last))
+            stream = self._streams.get(seq.req_id)
+            if stream is not None:  # None: aborted by an earlier callback of this step
+                on_token(seq.req_id, tok, self._text_delta(stream, seq, tok, last))
 
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
@@ -299,7 +302,8 @@ class Generator:
 
         ``on_token(i, token_id, text_delta)`` streams with ``i`` the prompt's index in ``prompts``.
         """
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)) or \
+                getattr(prompts, "ndim", None) == 1:  # one prompt: text, or ids (a list, a 1-D tensor or array)
             prompts = [prompts]
         params = params or SamplingParams()
         per_req = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)

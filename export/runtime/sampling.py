@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded. ``seed`` None draws from a fresh nondeterministic generator."""
@@ -37,7 +40,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax: temperature 0 (below GREEDY_TEMPERATURE, as vLLM rounds it: a float32 quotient by a temperature of
+        ~1e-45 is 0 / 0 for the top logit) or top-k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -78,6 +78,9 @@ class Step:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:  # else nothing is ever admitted, and generate() spins
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) "
+                             "must be >= 1")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,7 +97,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({seq.params.max_new_tokens}) = {total} exceeds "
                              f"the maximum sequence length {self.max_model_len}; shorten the prompt or max_new_tokens")
-        need = -(-total // self.blocks.block_size)
+        need = -(-(total - 1) // self.blocks.block_size)  # the last new token is sampled, never fed back: not cached
         if need > self.blocks.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the cache has only {self.blocks.num_blocks}; "
                              "raise num_blocks or lower max_new_tokens")

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kv_blocks_needed():
-    # 3 + 8 = 11 tokens -> 3 blocks of 4; 1 + 8 = 9 -> 3; 8 + 8 = 16 -> 4 (a block multiple takes no extra block);
-    # + the scheduler's spare block per sequence
-    assert kv_blocks_needed([[1, 2, 3], [7], list(range(8))], 8, 4) == 3 + 3 + 4 + 3
-    assert kv_blocks_needed([[1]], 0, 16) == 1 + 1
+    # A sequence caches its prompt and all but the last of its new tokens: 3 + 8 - 1 = 10 tokens -> 3 blocks of 4;
+    # 1 + 8 - 1 = 8 -> 2 (a block multiple takes no extra block); 8 + 8 - 1 = 15 -> 4; + the scheduler's spare block
+    # per sequence
+    assert kv_blocks_needed([[1, 2, 3], [7], list(range(8))], 8, 4) == 3 + 2 + 4 + 3
+    assert kv_blocks_needed([[1]], 1, 16) == 1 + 1
 
 
 def test_prompts_in_a_cache_of_kv_blocks_needed_run_as_one_batch():

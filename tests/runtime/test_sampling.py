@@ -133,3 +133,15 @@ def test_temperature_to_zero_equals_greedy():
 def test_bad_params_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_a_temperature_below_greedy_temperature_is_greedy():
+    """A positive temperature that float32 makes 0 (5e-324) gave the top logit 0 / 0 = NaN and a multinomial error;
+    below GREEDY_TEMPERATURE (vLLM's 1e-5) sampling is argmax, as at 0."""
+    from export.runtime.sampling import GREEDY_TEMPERATURE
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for t in (5e-324, 1e-30, GREEDY_TEMPERATURE / 2):
+        p = SamplingParams(temperature=t)
+        assert p.greedy and sample_one(logits, p, make_generator(0, "cpu")) == 1
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy

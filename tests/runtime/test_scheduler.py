@@ -271,6 +271,55 @@ def test_an_error_inside_generate_leaves_nothing_behind(pipeline, where):
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
+def test_a_callback_may_abort_another_request(pipeline):
+    """A server cancelling a group of requests from its token callback: the aborted one's token of the same step is
+    not streamed (it was a KeyError that lost the rest of the step's callbacks), the others go on."""
+    gen = Generator(toy_backend(pipeline, 64, 2))
+    a = gen.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    b = gen.add_request([9, 1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    seen = []
+
+    def on_token(rid, tok, text):
+        seen.append(rid)
+        if rid == a and b in gen._seqs:
+            gen.abort(b)
+
+    while gen.has_unfinished():
+        gen.step(on_token)
+    assert seen.count(a) == 4 and b not in seen and gen.blocks.num_free_blocks == 64
+
+
+def test_a_request_fits_the_blocks_of_all_but_its_last_token():
+    """Prompt 4 + 5 new tokens in blocks of 4: the 5th new token is sampled, never fed back, so 8 tokens are cached
+    and 2 blocks hold the request (it was refused: 'needs 3 KV blocks')."""
+    gen = Generator(toy_backend(False, 2, 4))
+    out = gen.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    toks = [5, 6, 7, 8]
+    for _ in range(5):
+        toks.append(next_token(toks))
+    assert out.token_ids == toks[4:]
+    with pytest.raises(ValueError, match="needs 3 KV blocks"):
+        gen.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+
+
+@pytest.mark.parametrize("limit", ["max_num_seqs", "max_num_batched_tokens"])
+def test_a_scheduler_that_can_admit_nothing_is_refused(limit):
+    """A limit of 0 admitted nothing, and generate() looped forever."""
+    with pytest.raises(ValueError, match=limit):
+        Generator(toy_backend(False, 64, 4), **{limit: 0})
+
+
+def test_one_prompt_of_ids_in_any_integer_container():
+    """A single prompt as a tensor, an array, or numpy ints is one prompt (each id was taken for a prompt)."""
+    import numpy as np
+
+    want = Generator(toy_backend(False, 64, 4)).generate([5, 6, 7], SamplingParams(max_new_tokens=3))[0].token_ids
+    for prompt in (torch.tensor([5, 6, 7]), np.array([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
+        got = Generator(toy_backend(False, 64, 4)).generate(prompt, SamplingParams(max_new_tokens=3))
+        assert len(got) == 1 and got[0].token_ids == want, type(prompt)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
 def test_abort_frees_a_request_and_the_others_go_on(pipeline):
     gen = Generator(toy_backend(pipeline, 64, 2))
     a = gen.add_request([5, 6, 7], SamplingParams(max_new_tokens=20, ignore_eos=True))
