@@ -101,7 +101,7 @@ class Scores:
             self.top1_agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
             self.kl += float(kl.sum())
-            self.kl_max = max(self.kl_max, float(kl.max()))
+            self.kl_max = max(self.kl_max, float(kl.nan_to_num(nan=math.inf).max()))  # max() would skip a NaN
         return logp
 
     def summary(self, ref: Scores | None = None) -> dict:

@@ -216,6 +216,13 @@ def _to_half_torch(dtype: str):
     return lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(getattr(torch, dtype))
 
 
+def _unreadable(out, what: str, e: Exception) -> "VerifyError":
+    """The error (exit 2, not a mismatch's 1) for OUT's graphs failing to run: a graph this version cannot run, e.g.
+    written by an older export whose plugin contract differed."""
+    return VerifyError(f"{what} failed on OUT's graphs ({type(e).__name__}: {e}); rebuild OUT with this version "
+                       f"(`python -m export.build --out {out} ...`), or pass --verbose for the trace")
+
+
 def _trt_runner(out: Path):
     """Polygraphy's TrtRunner on OUT's engine, or (None, why not)."""
     try:
@@ -327,8 +334,11 @@ def _compare_all(info, reference, plugin_ref, plugin_ref32, preloaded, device, d
         return dict(zip(names, sess.run(None, feed)))
 
     start = time.perf_counter()
-    feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
-                                  prefill_runner=prefill_runner)
+    try:
+        feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
+                                      prefill_runner=prefill_runner)
+    except Exception as e:  # ONNX Runtime's InvalidArgument / Fail: a reference graph of another contract
+        raise _unreadable(out, "the reference graph", e) from e
     timings.append(f"{len(feeds)} feeds in {time.perf_counter() - start:.1f} s")
     half, half_dtype = _half_inputs(out / "model.plugin.onnx")
     upcast = half and reference.upcast  # the feeds' caches are fp32: the half runners get them rounded
@@ -344,11 +354,8 @@ def _compare_all(info, reference, plugin_ref, plugin_ref32, preloaded, device, d
     start = time.perf_counter()
     try:
         results = Comparator.run(runners, data_loader=feeds)
-    except (TypeError, ValueError, RuntimeError) as e:
-        # a graph this version cannot run (e.g. written by an older export whose plugin contract differed)
-        raise VerifyError(f"a runner failed on OUT's graphs ({type(e).__name__}: {e}); rebuild OUT with this "
-                          f"version (`python -m export.build --out {out} ...`), or pass --verbose for the trace") \
-            from e
+    except Exception as e:  # KeyError: an op this version has no plugin for; Polygraphy's and ONNX Runtime's own
+        raise _unreadable(out, "a runner", e) from e
     timings.append(f"runners in {time.perf_counter() - start:.1f} s")
     _upcast_outputs(results)
 

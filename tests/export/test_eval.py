@@ -4,6 +4,7 @@ shipped texts are the recorded files and share no passage. The slow test runs th
 
 import hashlib
 import json
+import math
 import re
 
 import pytest
@@ -256,3 +257,50 @@ def test_json_that_cannot_be_written_after_the_run_says_so(builds, capsys, tmp_p
     assert err.strip().splitlines() == [f"error: --json {path}: not written (No space left on device); the table "
                                         "above is the result"]
     assert list(tmp_path.iterdir()) == []
+
+
+class _NextTokenModel:
+    """Logits that put (nearly) all mass on a known next token of each window: the next one in the text, or, with
+    ``shift``, another position's. Scoring it tests evaluate's alignment of logits with labels."""
+
+    def __init__(self, text: torch.Tensor, vocab: int, shift: int = 1, name: str = "oracle"):
+        self.text, self.vocab, self.shift, self.name = text, vocab, shift, name
+
+    def logits(self, windows):
+        rows = []
+        for w in windows:
+            start = _find(self.text, w)
+            nxt = self.text[start + self.shift:start + self.shift + len(w)]
+            nxt = torch.cat([nxt, nxt.new_zeros(len(w) - len(nxt))])
+            rows.append(torch.nn.functional.one_hot(nxt, self.vocab).float() * 30.0)
+        return torch.cat(rows)
+
+
+def _find(text: torch.Tensor, w: torch.Tensor) -> int:
+    return next(i for i in range(len(text) - len(w) + 1) if torch.equal(text[i:i + len(w)], w))
+
+
+def test_position_j_is_scored_against_token_j_plus_1():
+    """A model that knows each next token scores perplexity ~1 and one that predicts the current token scores ~e^30:
+    with random weights (the CLI tests) the perplexity is near the vocabulary size whichever token is the label."""
+    from export.eval import evaluate, windows_of
+
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(0, 50, (200,), generator=gen)
+    windows = windows_of(text.tolist(), 40)
+    oracle = _NextTokenModel(text, 50)
+    r = evaluate([_NextTokenModel(text, 50, shift=0, name="current")], oracle, windows)
+    assert r["reference"]["perplexity"] < 1.001
+    assert r["builds"][0]["perplexity"] > 1e10 and r["builds"][0]["top1_agreement"] < 0.1
+
+
+def test_a_nan_logit_row_is_not_skipped_by_kl_max():
+    """Python's max(prev, nan) keeps prev: a NaN row read kl_max 0.0 beside kl_mean nan."""
+    from export.eval import Scores
+
+    ref = torch.log_softmax(torch.randn(3, 8), -1)
+    logits = torch.randn(3, 8)
+    logits[1] = float("nan")
+    s = Scores(name="b")
+    s.add(logits, torch.tensor([1, 2, 3]), ref)
+    assert math.isinf(s.kl_max) or math.isnan(s.kl_max)

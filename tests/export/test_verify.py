@@ -119,6 +119,27 @@ def test_missing_out_and_files(tmp_path, out_copy, capsys):
     assert "model.plugin.onnx.data" in err and "python -m export.build" in err
 
 
+@pytest.mark.parametrize("change", ["unknown plugin op", "reference input renamed"])
+def test_graphs_this_version_cannot_run_exit_2(out_copy, capsys, change):
+    """An OUT whose graphs this version cannot run (another version's plugin contract) is exit 2 with what to do, not
+    a mismatch's 1 with a traceback: an op with no plugin here (KeyError) and a reference graph that ONNX Runtime
+    refuses the feeds of (its own exception types)."""
+    if change == "unknown plugin op":
+        path = out_copy / "model.plugin.onnx"
+        model = onnx.load(str(path), load_external_data=False)
+        for node in model.graph.node:
+            if node.op_type == "RmsNorm":
+                node.op_type = "RmsNormV2"
+    else:
+        path = out_copy / "model.reference.onnx"
+        model = onnx.load(str(path), load_external_data=False)
+        model.graph.input[-1].name += "_renamed"
+    onnx.save(model, str(path))
+    assert _verify(out_copy) == 2
+    err = capsys.readouterr().err
+    assert "rebuild OUT with this version" in err and err.count("\n") == 1, err
+
+
 def test_broken_build_json(out_copy, capsys):
     (out_copy / "build.json").write_text("{not json")
     assert _verify(out_copy) == 2
