@@ -90,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--max-seq-len", type=int, help="longest sequence (default: min(max_position_embeddings, 8192))")
     p.add_argument("--num-blocks", type=int, help="largest KV-cache pool in blocks the engine accepts "
                    "(default: max-num-seqs full sequences)")
-    p.add_argument("--seed", type=int, help="seed of the built-in tiny model (--tiny; default 0)")
+    p.add_argument("--seed", type=int, help="seed of the built-in tiny model (default: 0; only --tiny uses it)")
     p.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, read and then updated (default: "
                    "$TRITRT_TIMING_CACHE, else trt_timing.cache in $TRITRT_CACHE or ~/.cache/tritrt); an existing "
                    "file TensorRT reads no timings from is left as it was, and a directory, a link or a path in the "
