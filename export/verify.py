@@ -145,11 +145,15 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=None, seed:
 
 
 def _scratch_feed(config, num_seqs: int) -> dict:
-    """The attention scratch inputs, zeros (the counters must be; the partials are zeroed so that feeds repeat)."""
+    """The attention scratch inputs: the counters zero (as the plugin contract needs them), the partials NaN. The
+    runtime allocates the partials once and leaves them as the last step wrote them, so a kernel must write every
+    partial it reads: a stale read shows as NaN in the outputs, not as a plausible number."""
     from .onnx_export import attention_scratch_shapes
 
     shapes = attention_scratch_shapes(config, num_seqs)
-    return {n: torch.zeros(shape, dtype=dt).numpy() for n, (shape, dt) in shapes.items()}
+    return {n: (torch.zeros(shape, dtype=dt) if not dt.is_floating_point else torch.full(shape, float("nan"),
+                                                                                          dtype=dt)).numpy()
+            for n, (shape, dt) in shapes.items()}
 
 
 def _batch_feed(b) -> dict:

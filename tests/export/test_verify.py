@@ -289,6 +289,11 @@ def test_feeds_have_the_documented_layout(built_out):
     np.testing.assert_array_equal(feeds[2]["k_cache_0"], prefill(feeds[1])["k_cache_out_0"])
     assert feeds[0]["block_table"].min() >= 1  # block 0 stays unused (a padding entry never aliases data)
     assert json.loads((built_out / "build.json").read_text())["block_size"] == info["block_size"]
+    # attention scratch as the runtime leaves it between steps: partials stale (NaN here, so a read of one shows),
+    # counters zero (the plugin's contract)
+    for f in feeds:
+        assert np.isnan(f["attn_part_o"]).all() and np.isnan(f["attn_part_lse"]).all()
+        assert not f["attn_counter"].any()
 
 
 @pytest.mark.tensorrt_engine
