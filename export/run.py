@@ -119,9 +119,10 @@ def _device(requested) -> str:
 def kv_blocks_needed(prompts: list[list[int]], max_new_tokens: int, block_size: int) -> int:
     """KV-cache blocks for every prompt to run to ``max_new_tokens`` at once (no sequence waits or is preempted): each
     one's blocks, plus the spare block per running sequence the scheduler keeps free when it admits another (without
-    them, prompts that fit one block each ran one at a time). A sequence caches its prompt and all but its last new
-    token, which is sampled and never fed back."""
-    return sum(-(-(len(ids) + max_new_tokens - 1) // block_size) for ids in prompts) + len(prompts)
+    them, prompts that fit one block each ran one at a time)."""
+    from export.runtime.scheduler import blocks_for_request
+
+    return sum(blocks_for_request(len(ids), max_new_tokens, block_size) for ids in prompts) + len(prompts)
 
 
 def make_backend(args, build: dict, device: str, prompts: list[list[int]] | None = None):

@@ -151,8 +151,7 @@ def _scratch_feed(config, num_seqs: int) -> dict:
     from .onnx_export import attention_scratch_shapes
 
     shapes = attention_scratch_shapes(config, num_seqs)
-    return {n: (torch.zeros(shape, dtype=dt) if not dt.is_floating_point else torch.full(shape, float("nan"),
-                                                                                          dtype=dt)).numpy()
+    return {n: torch.full(shape, float("nan") if dt.is_floating_point else 0, dtype=dt).numpy()
             for n, (shape, dt) in shapes.items()}
 
 

@@ -75,6 +75,12 @@ class Step:
         return [s.num_cached + n == s.num_tokens for s, n in zip(self.seqs, self.num_tokens)]
 
 
+def blocks_for_request(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """KV blocks a request holds at most: its prompt and all but the last of its new tokens, which is sampled and
+    never fed back (so never cached)."""
+    return -(-(prompt_len + max_new_tokens - 1) // block_size)
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None):
@@ -97,7 +103,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({seq.params.max_new_tokens}) = {total} exceeds "
                              f"the maximum sequence length {self.max_model_len}; shorten the prompt or max_new_tokens")
-        need = -(-(total - 1) // self.blocks.block_size)  # the last new token is sampled, never fed back: not cached
+        need = blocks_for_request(n, seq.params.max_new_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the cache has only {self.blocks.num_blocks}; "
                              "raise num_blocks or lower max_new_tokens")
