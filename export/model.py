@@ -46,10 +46,15 @@ def rope_cache(config: LlamaConfig, device="cpu") -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, ops=None) -> torch.Tensor:
-    """``x @ w.T (+ bias)``; weight-only quantized ``w`` runs our W8A16 / W4A16 GEMM (through ``ops``, default
-    ``torch.ops.tritrt``)."""
+    """``x @ w.T (+ bias)`` through ``ops`` (default ``torch.ops.tritrt``): an unquantized ``w`` on CUDA runs the
+    ``linear`` op (our fp16 GEMV at decode sizes, else cuBLAS; ``F.linear`` off CUDA), a weight-only quantized one our
+    W8A16 / W4A16 GEMM."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        if not x.is_cuda:
+            return F.linear(x, w, bias)
+        import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
+
+        return (torch.ops.tritrt if ops is None else ops).linear(x, w, bias)
     from kernels.quant import linear as qlinear
 
     return qlinear(x, w, bias, ops=ops)
@@ -275,12 +280,7 @@ class TorchOps(SplitQkv):
         return h[(cu_seqlens_q[1:] - 1).long()]
 
     def lm_head(self, h, weight):
-        w = self.w[weight]
-        if isinstance(w, torch.Tensor):
-            return F.linear(h, w)
-        from kernels.quant import linear as qlinear
-
-        return qlinear(h, w, ops=self.ops)  # a quantized head (export.quantize.quantize_lm_head)
+        return linear(h, self.w[weight], ops=self.ops)  # quantized: export.quantize.quantize_lm_head
 
 
 class CpuOps(TorchOps):

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from kernels.gemm import gemm_wgmma as _wg
+from kernels.gemm.fp16 import gemv_mma as _f16_gemv
 from kernels.gemm.w4a16 import gemv as _gemv
 from kernels.gemm.w4a16 import gemv_mma as _gemv_mma
 from kernels.gemm.w8a16 import gemv_mma as _w8_gemv_mma
@@ -146,9 +147,15 @@ CUDA_W8_GEMV_TWO_TILE_MIN_FILL = 0.5
 WGMMA_W8 = True
 WGMMA_W8_MIN_M = 17
 
+# M up to which an fp16 dense linear (an unquantized weight: every projection of an fp16 model, the fp16 lm_head of a
+# quantized one) goes to the tensor-core fp16 GEMV (kernels.gemm.fp16.gemv_mma) rather than cuBLAS (0: never).
+# Provisional: to be set from benchmarks/bench_gemm_f16.py.
+F16_GEMV_MAX_M = 8
+
 # The backends a route can name. "reference": no CUDA device (the fp32 torch reference on the dequantized weight).
 W4_BACKENDS = ("w4_gemv_mma", "w4_gemm_wgmma", "w4_gemv", "triton_w4_gemm", "dequant_cublas", "reference")
 W8_BACKENDS = ("w8_gemv_mma", "w8_gemm_wgmma", "triton_w8_gemm", "dequant_cublas", "reference")
+F16_BACKENDS = ("f16_gemv_mma", "cublas")  # "cublas": F.linear, on any device
 # SwiGLU of a route: "none" (swiglu=False), "fused" (the backend's epilogue; a residual goes to the backend too),
 # "after" (the backend runs without SwiGLU and without the residual, then kernels.activation.swiglu, then + residual).
 SWIGLU_MODES = ("none", "fused", "after")
@@ -309,3 +316,15 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
     if M >= DEQUANT_MIN_M_W8:
         return _route("dequant_cublas", after)
     return _route("triton_w8_gemm", after)
+
+
+@lru_cache(maxsize=4096)
+def route_f16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card], *, aligned: bool = True) -> Route:
+    """The kernel the dense ``linear`` op runs for ``x[M, K]`` (``dtype``) times an unquantized ``[N, K]`` weight on
+    ``card`` (None: no CUDA device): the fp16 GEMV up to ``F16_GEMV_MAX_M`` rows where it takes the shape, else
+    cuBLAS (``F.linear``). ``aligned``: the operands are what the GEMV needs beyond shapes
+    (``fp16.gemv_mma.operands_ok``), as ``route_w4a16``."""
+    if (card is not None and aligned and M <= F16_GEMV_MAX_M
+            and _f16_gemv.unsupported_reason(M, N, K, dtype) is None):
+        return _route("f16_gemv_mma", plan=_f16_gemv.gemv_plan(M, N, K, card.sm_count))
+    return _route("cublas")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..gemm import routing
@@ -227,6 +228,38 @@ def _(x, qweight, scales, zeros, group_size, bias=None, residual=None, swiglu=Fa
     return x.new_empty((*x.shape[:-1], n_out))
 
 
+# --------------------------------------------------------------------------------------------------------- linear
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for an unquantized ``weight[N, K]``, on the kernel ``routing.route_f16`` picks:
+    the fp16 GEMV at decode sizes, else cuBLAS (any device, any dtype)."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} [N, K]")
+    N, K = weight.shape
+    if not x.is_cuda or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    card = _card(x)
+    route = routing.route_f16(M, N, K, x.dtype, card)
+    if route.backend == "f16_gemv_mma":
+        from ..gemm.fp16 import gemv_mma as f16
+
+        if f16.operands_ok(x2, weight, bias):
+            return f16.fp16_gemv_mma(x2, weight, bias).reshape(*lead, N)
+    return F.linear(x, weight, bias)
+
+
+linear = torch.library.custom_op("tritrt::linear", _linear, mutates_args=())
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} [N, K]")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 # The ops' implementations by op name: what ``torch.ops.tritrt.<name>`` runs, callable without its dispatch
 # (``kernels.ops.eager``).
-IMPLS = {"w8a16_linear": _w8a16_linear, "w4a16_linear": _w4a16_linear}
+IMPLS = {"w8a16_linear": _w8a16_linear, "w4a16_linear": _w4a16_linear, "linear": _linear}

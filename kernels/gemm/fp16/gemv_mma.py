@@ -1,0 +1,117 @@
+"""Launcher for the tensor-core fp16 GEMV (``gemv_mma.cu``): ``y[M, N] = x[M, K] @ w[N, K]^T (+ bias)`` for M <= 8,
+fp16 weights and activations, fp32 accumulation.
+
+Compiled per (SM, variant) with nvcc by ``kernels.aot.compile_cuda`` (content-addressed cache) and launched on
+torch's current stream by ``kernels.aot.launcher.AotKernel``, as the weight-only GEMVs are. A variant is (warps per
+block, 32-k steps per chunk ``u``, blocks per SM asked of ptxas ``minb``); the plan is a pure function of the shape
+and the SM count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kernels._launch import pdl_enabled
+from kernels.gemm.cuda import cached_kernel, cached_plan, device_sm_count
+
+SOURCE = Path(__file__).with_name("gemv_mma.cu")
+KERNEL = "fp16_gemv_mma"
+MAX_M = 8  # x rows one mma's B operand holds
+ROWS = 16  # rows of W (outputs) per block: the mma's A operand
+US = (4, 2, 1)  # 32-k steps per chunk, the largest that divides K
+# Registers per thread (ptxas, sm_90, nvcc 13.0: u = 4 122-126, u = 2 64-78, u = 1 46), the bound residency assumes.
+REGS = {4: 128, 2: 80, 1: 48}
+WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block that still fit in one wave
+# Past one wave at one warp a block (N > 16 rows x 16 blocks x SMs: 33792 on 132 SMs, a vocabulary-sized head),
+# blocks of this many warps in several waves.
+WIDE_WARPS = 4
+PARAMS = [("x", "*fp16"), ("w", "*fp16"), ("bias", "*fp16"), ("out", "*fp16"), ("M", "i32"), ("N", "i32"),
+          ("K", "i32"), ("stride_xm", "i32"), ("has_bias", "i32")]
+
+_KERNELS: dict = {}
+
+
+def unsupported_reason(M: int, N: int, K: int, dtype: torch.dtype) -> Optional[str]:
+    """None if this GEMV takes the shape, else why not (the op then calls cuBLAS)."""
+    if dtype != torch.float16:
+        return f"activations are {dtype}; the fp16 GEMV is fp16 only"
+    if not 1 <= M <= MAX_M:
+        return f"M={M} is outside 1..{MAX_M}"
+    if N < 1 or K % 32:
+        return f"K={K} is not a multiple of 32 (a warp step is 32 k)" if K % 32 else f"N={N} < 1"
+    return None
+
+
+def _blocks_per_sm(warps: int, regs: int) -> int:
+    return max(1, min(65536 // (regs * 32 * warps), 2048 // (32 * warps), 32))
+
+
+@cached_plan
+def gemv_plan(M: int, N: int, K: int, sm_count: int = 132, warps: Optional[int] = None,
+              u: Optional[int] = None) -> dict:
+    """Variant and grid: ``ROWS`` outputs per block, the whole of K, and the most warps per block (splitting K in
+    chunks, at most one warp per chunk) that still fit every block in one wave (``WIDE_WARPS`` past one wave at one
+    warp). ``warps`` / ``u`` override the plan (tests, benchmarks)."""
+    u = u or next(s for s in US if K % (32 * s) == 0)
+    regs = REGS[u]
+    blocks = -(-N // ROWS)
+    chunks = K // (32 * u)
+    if warps is None:
+        fit = [w for w in WARPS if w <= chunks and blocks <= sm_count * _blocks_per_sm(w, regs)]
+        warps = fit[0] if fit else min(WIDE_WARPS, max(1, chunks))
+    return dict(warps=warps, u=u, minb=min(-(-blocks // sm_count), _blocks_per_sm(warps, regs)), grid=(blocks,))
+
+
+def variant_flags(warps: int, u: int, minb: int) -> tuple:
+    return (f"-DGEMV_WARPS={warps}", f"-DGEMV_U={u}", f"-DGEMV_MINB={minb}")
+
+
+def compile_variant(warps: int, u: int, minb: int, sm: int = 90):
+    """The PTX/cubin artifact for one variant (no GPU needed)."""
+    from kernels.aot.compile import compile_cuda
+
+    return compile_cuda(SOURCE, KERNEL, PARAMS, sm=sm, threads=32 * warps, extra_flags=variant_flags(warps, u, minb))
+
+
+def fp16_gemv_mma(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  out: Optional[torch.Tensor] = None, warps: Optional[int] = None,
+                  u: Optional[int] = None) -> torch.Tensor:
+    """``x[M, K] @ w[N, K]^T (+ bias) -> [M, N]`` fp16 on tensor cores, M <= 8. ``warps`` / ``u`` override the plan
+    (benchmarks, tests)."""
+    if w.dim() != 2 or x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"fp16 GEMV: expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    M, K = x.shape
+    N = w.shape[0]
+    reason = unsupported_reason(M, N, K, x.dtype)
+    if reason:
+        raise ValueError(f"fp16 GEMV: {reason}; use torch.nn.functional.linear")
+    if u is not None and (u not in US or K % (32 * u)):
+        raise ValueError(f"fp16 GEMV: u={u} must be one of {US} and divide K / 32 = {K // 32}")
+    if not (x.is_cuda and w.is_cuda):
+        raise ValueError("fp16 GEMV needs CUDA tensors")
+    if w.dtype != torch.float16 or (bias is not None and (bias.dtype != torch.float16 or tuple(bias.shape) != (N,))):
+        raise ValueError(f"fp16 GEMV: w must be float16 and bias float16 [{N}]")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("fp16 GEMV: x rows must be contiguous and 16-byte aligned (call .contiguous())")
+    if not w.is_contiguous() or w.data_ptr() % 16 or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("fp16 GEMV: w must be contiguous and 16-byte aligned, bias contiguous")
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.float16 or not out.is_contiguous()):
+        raise ValueError(f"fp16 GEMV: out must be contiguous float16 {(M, N)}")
+    plan = gemv_plan(M, N, K, device_sm_count(x.device), warps, u)
+    out = torch.empty((M, N), dtype=torch.float16, device=x.device) if out is None else out
+    cached_kernel(_KERNELS, compile_variant, plan["warps"], plan["u"], plan["minb"]).launch(
+        plan["grid"], x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), int(bias is not None),
+        pdl=pdl_enabled())
+    return out
+
+
+def operands_ok(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether the tensors are what the GEMV needs beyond shapes (the op calls cuBLAS if not): fp16 w, contiguous and
+    16-byte aligned; x rows contiguous and 16-byte aligned; bias, if any, contiguous fp16 ``[N]``."""
+    return (x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.dtype == torch.float16
+            and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float16
+                                  and tuple(bias.shape) == (w.shape[0],))))
