@@ -35,21 +35,24 @@ def test_f16_gemv_compiles_to_ptx_and_cubin(variant, sm, tmp_path):
 
 
 def test_f16_gemv_plan():
-    """One wave of 16-row blocks with the most warps that fit it, never more warps than chunks of K; past one wave at
-    one warp (a vocabulary-sized N), WIDE_WARPS a block; the chunk the largest u that divides K."""
-    for N, K in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (2048, 2048), (960, 576), (1000, 96)]:
+    """16-row blocks; the most warps whose grid fits MAX_WAVES waves, no more than the power of two at or above the
+    chunks of K; past that at one warp (a vocabulary-sized N), WIDE_WARPS a block; the chunk the largest u that
+    divides K."""
+    for N, K in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (2048, 2048), (960, 576), (1000, 96),
+                 (49152, 576)]:
         p = f16.gemv_plan(1, N, K, 132)
-        blocks = -(-N // 16)
+        blocks, chunks = -(-N // 16), K // (32 * p["u"])
         assert p["grid"] == (blocks,)
         assert K % (32 * p["u"]) == 0 and all(K % (32 * u) for u in f16.US if u > p["u"])
-        assert p["warps"] <= K // (32 * p["u"])
+        assert p["warps"] < 2 * chunks
         per_sm = f16._blocks_per_sm(p["warps"], f16.REGS[p["u"]])
-        assert blocks <= 132 * per_sm  # one wave
+        assert blocks <= f16.MAX_WAVES * 132 * per_sm
         bigger = 2 * p["warps"]
-        assert (bigger > 16 or bigger > K // (32 * p["u"])
-                or blocks > 132 * f16._blocks_per_sm(bigger, f16.REGS[p["u"]]))  # the most warps that fit
+        assert (bigger > 16 or bigger >= 2 * chunks
+                or blocks > f16.MAX_WAVES * 132 * f16._blocks_per_sm(bigger, f16.REGS[p["u"]]))  # the most that fit
         assert 1 <= p["minb"] <= per_sm
-    assert f16.gemv_plan(1, 4096, 4096, 132)["warps"] == 8  # 256 blocks: two a SM
+    assert [f16.gemv_plan(1, N, 4096, 132)["warps"] for N in (6144, 4096, 28672)] == [8, 8, 2]  # 1.45, 0.97, 1.7 waves
+    assert f16.gemv_plan(1, 576, 576, 132)["warps"] == 16  # 9 chunks: one a warp
     assert f16.gemv_plan(1, 128256, 4096, 132)["warps"] == f16.WIDE_WARPS  # 8016 blocks: several waves
     assert f16.gemv_plan(1, 4096, 4096, 132, warps=2, u=1) == dict(warps=2, u=1, minb=2, grid=(256,))
 
