@@ -36,6 +36,9 @@ weight-only GEMM (``kernels.ops.gemm``; weights from ``kernels.quant``)
   (``kernels.quant.interleave_columns``) and ``y[..., N / 2] = silu(gate) * up`` (+ residual ``[..., N / 2]``).
   Layouts (int8 ``[K, N]``; int4 packed int32 ``[K // 8, N]``, scales/zeros ``[K // G, N]``) are documented in
   ``kernels.quant``; a GPTQ act-order ``perm`` is applied to x by ``kernels.quant.linear``, not by the ops.
+- ``linear(x[..., K], weight[N, K], bias: Optional) -> y[..., N]``: ``F.linear`` for an unquantized weight, on the
+  kernel ``kernels.gemm.routing.route_f16`` picks (our fp16 GEMV at decode sizes on CUDA, else cuBLAS; ``F.linear``
+  itself off CUDA)
 """
 
 from types import SimpleNamespace

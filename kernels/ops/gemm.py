@@ -1,4 +1,5 @@
-"""Weight-only GEMM as torch custom ops (``torch.ops.tritrt.w8a16_linear`` / ``w4a16_linear``), per the contract in
+"""Weight-only GEMM as torch custom ops (``torch.ops.tritrt.w8a16_linear`` / ``w4a16_linear``) and the dense
+``linear`` (an unquantized weight: our fp16 GEMV at decode sizes, else cuBLAS), per the contract in
 ``kernels/ops/__init__.py``; weights come from ``kernels.quant`` (use ``kernels.quant.linear`` rather than these).
 
 Which kernel runs is ``kernels.gemm.routing``'s decision (``route_w4a16`` / ``route_w8a16``: a pure function of the
