@@ -80,10 +80,18 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 @dataclass
 class _Stream:
-    """Incremental detokenization of one request: emit only the text that the new token added."""
+    """Incremental detokenization of one request: emit only the text that the new token added, decoding a window of
+    the tokens rather than the whole output at every token (which cost O(length) a token: at thousands of tokens,
+    milliseconds a token, more than a small model's decode step). ``toks`` is the prompt's last ``PROMPT_CONTEXT``
+    tokens and the output's (``ids``); the window ``toks[prefix:]`` starts at the tokens emitted last, whose text
+    (``toks[prefix:read]``) is cut from the window's, so a leading space the decoder strips from the window's first
+    token is stripped from both."""
 
-    text: str = ""
+    text: str = ""  # emitted so far
     ids: list[int] = field(default_factory=list)
+    toks: list[int] = field(default_factory=list)
+    prefix: int = 0
+    read: int = 0
 
 
 class Generator:
@@ -359,17 +367,31 @@ class Generator:
         add up to the result's text."""
         if self.tokenizer is None:
             return ""
+        if not stream.toks:
+            stream.toks = list(seq.prompt_ids[-PROMPT_CONTEXT:])
+            stream.read = len(stream.toks)
         stream.ids.append(tok)
+        stream.toks.append(tok)
         if not last and self._is_byte_token(tok):
             # A byte-fallback decoder decodes a run of byte tokens as a whole, and an invalid run (a stray lead byte)
             # turns every byte of it into U+FFFD, rewriting a character already complete: the run's text is final
             # only once a token that is not a byte ends it.
             return ""
-        text = self._decode(seq.prompt_ids, stream.ids)
-        # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back, unless no
-        # token follows (the result's text ends with it too).
-        if text.endswith("\ufffd") and not last:
+        if last:
+            # The result's text is the whole output decoded once (_decode); what the stream has not sent of it ends
+            # the stream, so the deltas add up to it.
+            text = self._decode(seq.prompt_ids, stream.ids)
+            delta = text[len(stream.text):] if text.startswith(stream.text) else text
+            stream.text = text
+            return delta
+        before = self.tokenizer.decode(stream.toks[stream.prefix:stream.read], skip_special_tokens=True)
+        text = self.tokenizer.decode(stream.toks[stream.prefix:], skip_special_tokens=True)
+        # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back (the
+        # window grows until a token completes it, or the last token sends it). So does a window whose earlier text
+        # the new token rewrote.
+        if text.endswith("\ufffd") or not text.startswith(before):
             return ""
-        delta = text[len(stream.text):] if text.startswith(stream.text) else text
-        stream.text = text
+        delta = text[len(before):]
+        stream.prefix, stream.read = stream.read, len(stream.toks)
+        stream.text += delta
         return delta

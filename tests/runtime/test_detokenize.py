@@ -72,3 +72,25 @@ def test_streamed_deltas_add_up_to_the_text_through_byte_runs(sp_tokenizer, piec
     run's U+FFFDs (before, the deltas were ['', 'é', '', '\\ufffd\\ufffd\\ufffdx'])."""
     r, deltas = _run(sp_tokenizer, sp_tokenizer.convert_tokens_to_ids(pieces))
     assert r.text == text and "".join(deltas) == text
+
+
+def test_streaming_decodes_a_window_not_the_whole_output(sp_tokenizer, monkeypatch):
+    """Each streamed token decodes the tokens since the last text sent (and the prompt's context once), not the whole
+    output so far: over 60 tokens every decode but the final one (the result's text, once) is at most the context and
+    a few tokens long; the deltas still add up to the text. (Decoding everything at every token cost O(length) a
+    token: O(length^2) a request.)"""
+    from export.runtime.generator import PROMPT_CONTEXT
+
+    lengths = []
+    decode = type(sp_tokenizer).decode
+
+    def counting(self, ids, *a, **k):
+        lengths.append(len(ids))
+        return decode(self, ids, *a, **k)
+
+    monkeypatch.setattr(type(sp_tokenizer), "decode", counting)
+    script = sp_tokenizer.convert_tokens_to_ids(["▁the", "▁time", "<0xC3>", "<0xA9>", "x"] * 12)  # 60: 16 blocks of 4
+    r, deltas = _run(sp_tokenizer, script)
+    assert r.text == " the timeéx" * 12 and "".join(deltas) == r.text
+    long = [n for n in lengths if n > PROMPT_CONTEXT + 3]
+    assert len(long) <= 2 * 2 and max(lengths) >= len(script), lengths  # the result's decodes: stream end + result()
