@@ -22,10 +22,11 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
+
+from kernels.aot.files import new_dir
 
 MARKER_KEY = "tritrt_version"  # build.json of every OUT we write has it; its absence means "not ours"
 # Entries that belong to an OUT besides those build.json lists: the AOT kernels and an engine built later with
@@ -156,20 +157,6 @@ def _lock(path: Path) -> Optional[int]:
             os.close(fd)
             return None
     return fd
-
-
-def new_dir(out: Path, kind: str) -> Path:
-    """A new directory ``.OUT.<kind>-<pid>-<random>`` beside ``out`` (the names ``clean_stale`` knows).
-
-    os.mkdir, not mkdtemp: mkdtemp makes mode 0700, and what is renamed into place would keep it; this one follows
-    the umask."""
-    while True:
-        path = out.with_name(f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
 
 
 def clean_stale(out: Path, log: Callable[[str], None], restorable: Optional[Callable[[Path], bool]] = None,

@@ -14,11 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 
-from .files import cache_dir
+from .files import cache_dir, new_dir
 
 
 def default_root() -> Path:
@@ -53,9 +52,7 @@ class AotCache:
     def put(self, key: str, meta: dict, ptx: str, cubin: bytes) -> Path:
         final = self._dir(key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        # not mkdtemp: its 0700 would make the entry private to this user in a cache users share; mkdir keeps umask's
-        tmp = final.parent / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
-        tmp.mkdir()
+        tmp = new_dir(final, "tmp")
         try:
             (tmp / "kernel.ptx").write_text(ptx)
             (tmp / "kernel.cubin").write_bytes(cubin)
@@ -66,8 +63,8 @@ class AotCache:
                 if not (final.is_dir() and self.get(key) is None):
                     raise
                 # a damaged entry (a file lost or unreadable, which get() reported as a miss): put this one in its place
-                trash = final.parent / f".trash-{os.getpid()}-{secrets.token_hex(6)}"
-                os.rename(final, trash)
+                trash = new_dir(final, "trash")
+                os.replace(final, trash)
                 os.rename(tmp, final)
                 shutil.rmtree(trash, ignore_errors=True)
         except OSError:

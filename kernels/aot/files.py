@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 
 
@@ -15,6 +16,21 @@ def cache_dir(*parts: str) -> Path:
     ``gguf``, ...); nothing is created."""
     base = os.environ.get("TRITRT_CACHE")
     return Path(base if base else Path.home() / ".cache" / "tritrt", *parts)
+
+
+def new_dir(beside: Path, kind: str) -> Path:
+    """A new empty directory ``.NAME.<kind>-<pid>-<random>`` beside ``beside`` (NAME its name), to fill and then rename
+    into place (``export.outdir.clean_stale`` knows these names).
+
+    os.mkdir, not mkdtemp: mkdtemp makes mode 0700, and what is renamed into place would keep it (a cache or an OUT
+    that users share would become private to one); this one follows the umask."""
+    while True:
+        path = beside.with_name(f".{beside.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
 
 
 def write_atomic(path: Path, data) -> None:
