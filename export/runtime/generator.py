@@ -108,7 +108,7 @@ class Generator:
         self._pinned: list = []  # two pinned token buffers, used in turn by consecutive in-flight steps
         self._decode_clock = 0.0  # when the last pipelined decode step was read (or the first one launched)
         self.tokenizer = tokenizer
-        self._byte_tokens: dict[int, bool] = {}  # token id -> whether a byte-fallback token (_is_byte_token)
+        self._run_tokens: dict[int, bool] = {}  # token id -> whether a byte or special token (_joins_byte_run)
         # A backend with fixed limits (an engine's optimization profile) caps what one step may hold.
         max_num_seqs = min(max_num_seqs, getattr(backend, "max_num_seqs", None) or max_num_seqs)
         max_num_batched_tokens = min(max_num_batched_tokens,
@@ -356,11 +356,13 @@ class Generator:
         text = self.tokenizer.decode(ctx + list(ids), skip_special_tokens=True)
         return text[len(before):] if text.startswith(before) else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _is_byte_token(self, tok: int) -> bool:
-        """Whether ``tok`` is a byte-fallback token (``<0xE2>``: SentencePiece's for bytes outside its vocabulary)."""
-        if tok not in self._byte_tokens:
-            self._byte_tokens[tok] = bool(BYTE_TOKEN.fullmatch(str(self.tokenizer.convert_ids_to_tokens(tok))))
-        return self._byte_tokens[tok]
+    def _joins_byte_run(self, tok: int) -> bool:
+        """Whether ``tok`` is a byte-fallback token (``<0xE2>``: SentencePiece's for bytes outside its vocabulary) or a
+        special token, which the decode skips, so that the bytes on either side of it decode as one run."""
+        if tok not in self._run_tokens:
+            self._run_tokens[tok] = (tok in set(self.tokenizer.all_special_ids)
+                                      or bool(BYTE_TOKEN.fullmatch(str(self.tokenizer.convert_ids_to_tokens(tok)))))
+        return self._run_tokens[tok]
 
     def _text_delta(self, stream: _Stream, seq: Sequence, tok: int, last: bool = False) -> str:
         """The text ``tok`` adds to its request's stream; ``last``: the request's final token, after which the deltas
@@ -372,7 +374,7 @@ class Generator:
             stream.read = len(stream.toks)
         stream.ids.append(tok)
         stream.toks.append(tok)
-        if not last and self._is_byte_token(tok):
+        if not last and self._joins_byte_run(tok):
             # A byte-fallback decoder decodes a run of byte tokens as a whole, and an invalid run (a stray lead byte)
             # turns every byte of it into U+FFFD, rewriting a character already complete: the run's text is final
             # only once a token that is not a byte ends it.
@@ -381,7 +383,9 @@ class Generator:
             # The result's text is the whole output decoded once (_decode); what the stream has not sent of it ends
             # the stream, so the deltas add up to it.
             text = self._decode(seq.prompt_ids, stream.ids)
-            delta = text[len(stream.text):] if text.startswith(stream.text) else text
+            # (Text sent is never sent again: where the whole decode disagrees with what was streamed, the stream
+            # ends as it is and the result holds the whole decode.)
+            delta = text[len(stream.text):] if text.startswith(stream.text) else ""
             stream.text = text
             return delta
         before = self.tokenizer.decode(stream.toks[stream.prefix:stream.read], skip_special_tokens=True)
@@ -392,6 +396,10 @@ class Generator:
         if text.endswith("\ufffd") or not text.startswith(before):
             return ""
         delta = text[len(before):]
+        if not delta:
+            # Nothing new (a special token skipped): the window keeps its start, so that the next token is decoded
+            # after the text it follows (a window starting at a skipped token would strip the next word's space).
+            return ""
         stream.prefix, stream.read = stream.read, len(stream.toks)
         stream.text += delta
         return delta

@@ -94,3 +94,18 @@ def test_streaming_decodes_a_window_not_the_whole_output(sp_tokenizer, monkeypat
     assert r.text == " the timeéx" * 12 and "".join(deltas) == r.text
     long = [n for n in lengths if n > PROMPT_CONTEXT + 3]
     assert len(long) <= 2 * 2 and max(lengths) >= len(script), lengths  # the result's decodes: stream end + result()
+
+
+@pytest.mark.parametrize("pieces, text", [
+    (["▁the", "</s>", "▁time", "x"], " the timex"),  # ignore_eos: the next word keeps its space
+    (["<0x20>", "<s>", "<0xA9>", "▁the"], "\ufffd\ufffd the"),  # the skipped token joins the bytes around it in one run
+    (["<0xC3>", "<unk>", "<0xA9>", "▁a"], "é a"),
+])
+def test_skipped_special_tokens_mid_output_stream_as_the_text(sp_tokenizer, pieces, text):
+    """A special token in the output decodes to '' (skip_special_tokens): the stream neither starts a window at it
+    (the next word lost its leading space, and the end re-sent the whole text: ' the', '', 'time', ' the timex') nor
+    decodes the byte run it splits in two (a space sent, then rewritten into U+FFFD by the run's decode)."""
+    r, deltas = _run(sp_tokenizer, sp_tokenizer.convert_tokens_to_ids(pieces))
+    assert r.text == text
+    assert all(r.text.startswith("".join(deltas[:k])) for k in range(len(deltas) + 1)), deltas  # never retracted
+    assert "".join(deltas) == r.text, deltas
