@@ -50,8 +50,8 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, ops=None) ->
     ``linear`` op (our fp16 GEMV at decode sizes, else cuBLAS; ``F.linear`` off CUDA), a weight-only quantized one our
     W8A16 / W4A16 GEMM."""
     if isinstance(w, torch.Tensor):
-        if not x.is_cuda:
-            return F.linear(x, w, bias)
+        if not x.is_cuda or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return F.linear(x, w, bias)  # the op has no backward
         import kernels.ops  # noqa: F401  (registers torch.ops.tritrt.*)
 
         return (torch.ops.tritrt if ops is None else ops).linear(x, w, bias)

@@ -344,6 +344,12 @@ class Generator:
             del self._seqs[r], self._streams[r]
         return results
 
+    def _text(self, ids: list[int]) -> str:
+        """The text of ``ids``: special tokens skipped, and no clean-up of spaces (clean_up_tokenization_spaces, which
+        Llama-3's tokenizer config sets, turns ' .' into '.': it would rewrite text the stream already sent, and it is
+        no part of the tokens' text)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     def _decode(self, prompt_ids: list[int], ids: list[int]) -> str | None:
         """The text of output ``ids``, decoded after the prompt's last ``PROMPT_CONTEXT`` tokens and cut after them:
         a SentencePiece decoder drops the leading space of the first token it decodes, which the output's first word
@@ -352,9 +358,9 @@ class Generator:
         if self.tokenizer is None:
             return None
         ctx = list(prompt_ids[-PROMPT_CONTEXT:])
-        before = self.tokenizer.decode(ctx, skip_special_tokens=True)
-        text = self.tokenizer.decode(ctx + list(ids), skip_special_tokens=True)
-        return text[len(before):] if text.startswith(before) else self.tokenizer.decode(ids, skip_special_tokens=True)
+        before = self._text(ctx)
+        text = self._text(ctx + list(ids))
+        return text[len(before):] if text.startswith(before) else self._text(ids)
 
     def _joins_byte_run(self, tok: int) -> bool:
         """Whether ``tok`` is a byte-fallback token (``<0xE2>``: SentencePiece's for bytes outside its vocabulary) or a
@@ -388,8 +394,8 @@ class Generator:
             delta = text[len(stream.text):] if text.startswith(stream.text) else ""
             stream.text = text
             return delta
-        before = self.tokenizer.decode(stream.toks[stream.prefix:stream.read], skip_special_tokens=True)
-        text = self.tokenizer.decode(stream.toks[stream.prefix:], skip_special_tokens=True)
+        before = self._text(stream.toks[stream.prefix:stream.read])
+        text = self._text(stream.toks[stream.prefix:])
         # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back (the
         # window grows until a token completes it, or the last token sends it). So does a window whose earlier text
         # the new token rewrote.

@@ -34,6 +34,21 @@ def test_f16_gemv_compiles_to_ptx_and_cubin(variant, sm, tmp_path):
     assert art.cubin[:4] == b"\x7fELF"
 
 
+@needs_nvcc
+@pytest.mark.parametrize("u", f16.US)
+def test_f16_gemv_registers_fit_the_residency_the_plan_assumes(u, tmp_path):
+    """ptxas's registers per thread at minb = 1 (the loosest bound) are at most REGS[u], which _blocks_per_sm and
+    the plan's wave count assume."""
+    import re
+    import subprocess
+
+    for warps in (1, 16):
+        res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                              *f16.variant_flags(warps, u, 1), str(f16.SOURCE)], capture_output=True, text=True)
+        regs = int(re.search(r"Used (\d+) registers", res.stderr + res.stdout)[1])
+        assert regs <= f16.REGS[u], (warps, u, regs)
+
+
 def test_f16_gemv_plan():
     """16-row blocks; the most warps whose grid fits MAX_WAVES waves, no more than the power of two at or above the
     chunks of K; past that at one warp (a vocabulary-sized N), WIDE_WARPS a block; the chunk the largest u that
@@ -62,6 +77,7 @@ def test_f16_gemv_support_and_route():
     assert "bfloat16" in f16.unsupported_reason(1, 4096, 4096, torch.bfloat16)
     assert "M=9" in f16.unsupported_reason(9, 4096, 4096, torch.float16)
     assert "multiple of 32" in f16.unsupported_reason(1, 4096, 4100, torch.float16)
+    assert "multiple of 32" in f16.unsupported_reason(1, 4096, 48, torch.float16)  # K % 16 == 0 is not enough
     card = routing.H100
     for M in range(1, routing.F16_GEMV_MAX_M + 1):
         r = routing.route_f16(M, 4096, 4096, torch.float16, card)
@@ -71,6 +87,13 @@ def test_f16_gemv_support_and_route():
                  (1, 4096, 4096, torch.float16, None)]:
         assert routing.route_f16(*args).backend == "cublas", args
     assert routing.route_f16(1, 4096, 4096, torch.float16, card, aligned=False).backend == "cublas"
+
+
+def test_f16_gemv_operands_ok_needs_one_device():
+    """A weight or bias on another device than x goes to cuBLAS (which raises), never to a launch reading it."""
+    x, w, b = torch.zeros(1, 64, dtype=torch.float16), torch.zeros(32, 64, dtype=torch.float16), torch.zeros(32).half()
+    assert f16.operands_ok(x, w, b)
+    assert not f16.operands_ok(x, w.to("meta"), b) and not f16.operands_ok(x, w, b.to("meta"))
 
 
 def test_linear_op_is_f_linear_off_cuda_and_traces():
@@ -123,9 +146,10 @@ def test_f16_gemv_matches_reference(M, N, K):
     variants = [{}, dict(warps=max(1, plan["warps"] // 2))]
     variants += [dict(u=u) for u in f16.US if u != plan["u"] and K % (32 * u) == 0]
     for ov in variants:
-        out = poisoned((M, N), torch.float16, "cuda")
+        canary = poisoned((M * N + 256,), torch.float16, "cuda")  # a store past [M, N] lands in the NaN tail
+        out = canary[:M * N].view(M, N)
         y = f16.fp16_gemv_mma(x, w, bias, out=out, **ov)
-        assert y is out
+        assert y is out and canary[M * N:].isnan().all(), ov
         # fp16 products exact in fp32, fp32 tensor-core sums, one fp16 rounding: at most twice cuBLAS's error plus
         # half an ulp of the largest output (assert_gemm_close).
         assert_gemm_close(y, ref, base)
@@ -152,3 +176,14 @@ def test_linear_op_routes_decode_sizes_to_the_gemv():
                        F.linear(x[:1].bfloat16(), w.bfloat16()))
     wt = w.t().contiguous().t()  # same values, column-major
     assert torch.equal(torch.ops.tritrt.linear(x[:1], wt, None), F.linear(x[:1], wt))
+
+
+@pytest.mark.gpu
+def test_linear_op_refuses_operands_off_xs_device():
+    """A bias (or weight) off x's GPU must give an error, as F.linear does, never a launch with a host pointer."""
+    import kernels.ops  # noqa: F401
+
+    x, w, bias = _case(1, 64, 64, 1)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.ops.tritrt.linear(x, w, bias.cpu())
+    torch.cuda.synchronize()  # a bad launch would surface here as an illegal address

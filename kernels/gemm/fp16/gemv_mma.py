@@ -119,9 +119,11 @@ def fp16_gemv_mma(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 def operands_ok(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether the tensors are what the GEMV needs beyond shapes (the op calls cuBLAS if not): fp16 w, contiguous and
-    16-byte aligned; x rows contiguous and 16-byte aligned; bias, if any, contiguous fp16 ``[N]``."""
-    return (x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.dtype == torch.float16
+    """Whether the tensors are what the GEMV needs beyond shapes (the op calls cuBLAS, which raises its own errors,
+    if not): all on x's device; fp16 w, contiguous and 16-byte aligned; x rows contiguous and 16-byte aligned; bias,
+    if any, contiguous fp16 ``[N]``."""
+    return (w.device == x.device and (bias is None or bias.device == x.device)
+            and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.dtype == torch.float16
             and w.is_contiguous() and w.data_ptr() % 16 == 0
             and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float16
                                   and tuple(bias.shape) == (w.shape[0],))))
