@@ -296,7 +296,9 @@ class Generator:
 
     def result(self, req_id: int) -> GenerationResult:
         """Request ``req_id`` as far as the host knows it: between steps (a server loop), its tokens so far, without
-        a pipelined step's token still on the device; ``finish_reason`` None while it runs."""
+        a pipelined step's token still on the device; ``finish_reason`` None while it runs. A server loop calls
+        ``abort(req_id)`` once it has read a finished request's result: that drops its bookkeeping, which is otherwise
+        kept (``generate`` drops its own requests')."""
         s = self._seqs[req_id]
         ids = list(s.output_ids)
         if _PENDING in ids:
@@ -308,7 +310,9 @@ class Generator:
                  on_token: TokenCallback | None = None) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids), batched; ``params`` one for all or one per prompt.
 
-        ``on_token(i, token_id, text_delta)`` streams with ``i`` the prompt's index in ``prompts``.
+        ``on_token(i, token_id, text_delta)`` streams with ``i`` the prompt's index in ``prompts``. Requests queued
+        with ``add_request`` before the call run to completion with it (their tokens are not streamed to ``on_token``;
+        read them with ``result``).
         """
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)) or \
                 getattr(prompts, "ndim", None) == 1:  # one prompt: text, or ids (a list, a 1-D tensor or array)
