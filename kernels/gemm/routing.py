@@ -324,12 +324,12 @@ def route_w8a16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]
 
 
 @lru_cache(maxsize=4096)
-def route_f16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card], *, aligned: bool = True) -> Route:
+def route_f16(M: int, N: int, K: int, dtype: torch.dtype, card: Optional[Card]) -> Route:
     """The kernel the dense ``linear`` op runs for ``x[M, K]`` (``dtype``) times an unquantized ``[N, K]`` weight on
     ``card`` (None: no CUDA device): the fp16 GEMV up to ``F16_GEMV_MAX_M`` rows where it takes the shape, else
-    cuBLAS (``F.linear``). ``aligned``: the operands are what the GEMV needs beyond shapes
-    (``fp16.gemv_mma.operands_ok``), as ``route_w4a16``."""
-    if (card is not None and aligned and M <= F16_GEMV_MAX_M
+    cuBLAS (``F.linear``; the op calls it too where the tensors are not what the GEMV loads,
+    ``fp16.gemv_mma.operands_ok``)."""
+    if (card is not None and M <= F16_GEMV_MAX_M
             and _f16_gemv.unsupported_reason(M, N, K, dtype) is None):
         return _route("f16_gemv_mma", plan=_f16_gemv.gemv_plan(M, N, K, card.sm_count))
     return _route("cublas")
