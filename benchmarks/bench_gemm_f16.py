@@ -1,12 +1,19 @@
 """The fp16 dense GEMV (``kernels.gemm.fp16.gemv_mma``) vs cuBLAS (``F.linear``) at decode sizes, M = 1, 2, 4, 8.
 
-Shapes (K -> N): Llama-3-8B's projections and lm_head (the ``tuned`` set: what the plan's constants were read off),
-then ``bench_gemm.GENERAL_SHAPES`` and SmolLM2-135M's projections and head (the ``judge`` set: never tuned on). Every
-kernel is timed as a CUDA graph of back-to-back calls cycling through weight copies at distinct addresses (no call
-finds its weight in L2), with ``benchmarks.harness.bench``, in one run: cuBLAS, the GEMV's plan, one change of the
-plan at a time (warps per block doubled / halved, the other chunk lengths), and the routed op
-(``torch.ops.tritrt.linear``, what the model runs). Reported: time, weight GB/s, its fraction of the copy bandwidth
-measured in the run, the speed-up over cuBLAS and the relative error against the fp32 product.
+Shapes (K -> N): Llama-3-8B's projections and lm_head (the ``tuned`` set: what the plan's MAX_WAVES was read off),
+then ``bench_gemm.GENERAL_SHAPES`` and SmolLM2-135M's projections and head (the ``judge`` set, except that the plan's
+chunk cap was read off SmolLM2's projections: see ``gemv_plan``). Every kernel is timed as a CUDA graph of
+back-to-back calls cycling through weight copies at distinct addresses, with ``benchmarks.harness.bench``, in one run:
+cuBLAS, the GEMV's plan, one change of the plan at a time (warps per block doubled / halved, the other chunk
+lengths), and the routed op (``torch.ops.tritrt.linear``, what the model runs). Reported: time, weight GB/s, its
+fraction of the copy bandwidth measured in the run (read-only streams can pass 100%: the copy counts a write too),
+the speed-up over cuBLAS and the relative error against the fp32 product.
+
+Two things favour the GEMV against what a model step sees, most on the shortest rows (SmolLM2's, 2-4 us): its
+launches are programmatic dependents (``TRITRT_PDL``, on by default), so in a graph of GEMVs each one's launch and
+first weight loads overlap the previous GEMV, where in the model it follows a norm or an activation; and the harness
+rotates at most 64 weight copies, which for weights under ~0.8 MB (SmolLM2's o: 64 x 0.66 MB) fit the 50 MB L2
+together, for cuBLAS and the GEMV alike. The model-level number is bench_e2e's.
 
 Run: ``python benchmarks/bench_gemm_f16.py`` (``BENCH_GEMM_MS=1,8`` / ``BENCH_GEMM_SHAPES=o,1b_o`` restrict it).
 Writes ``benchmarks/results/<card>/bench_gemm_f16.{json,md}``.

@@ -149,12 +149,14 @@ WGMMA_W8_MIN_M = 17
 
 # M up to which an fp16 dense linear (an unquantized weight: every projection of an fp16 model, the fp16 lm_head of a
 # quantized one) goes to the tensor-core fp16 GEMV (kernels.gemm.fp16.gemv_mma) rather than cuBLAS (0: never): every M
-# it takes. H100, first run of benchmarks/bench_gemm_f16.py (at e5a7836, before the plan's MAX_WAVES rule), speed-up
-# over cuBLAS alike at M = 1, 2, 4 and 8 on each shape: Llama-3-8B's o 1.24x (cuBLAS at 69% of copy bandwidth), down
-# 1.07x, lm_head 1.09x, q|k|v 0.99x, 8k 1.00x, gate/up 0.94x; SmolLM2-135M's projections 1.27-1.89x (small grids that
-# cuBLAS runs at 6-28% of copy bandwidth). The Llama-3-8B-shaped fp16 decode step (bench_e2e, same run) at bs 1
-# 170 -> 175 tok/s, bs 8 1300 -> 1323. Where cuBLAS reads at 95-99% (wide gate/up, vocabulary-sized heads) the two are
-# within a few percent either way (see bench_gemm_f16.md): one rule, no table of shapes.
+# it takes. H100, first run of benchmarks/bench_gemm_f16.py (at e5a7836, before the plan's MAX_WAVES rule:
+# benchmarks/results/dev-logs/h100/bench_gemm_f16_run1_e5a7836.json), speed-up over cuBLAS at M = 1 (M = 8):
+# Llama-3-8B's o 1.24x (1.04x; cuBLAS at 69% of copy bandwidth at M = 1, 80% at M = 8), down 1.07x (1.05x), lm_head
+# 1.09x (1.08x), q|k|v 0.99x (0.99x), 8k 1.00x (1.00x), gate/up 0.94x (0.94x); SmolLM2-135M's projections 1.27-1.89x
+# (1.22-1.70x: small grids that cuBLAS runs at 6-28% of copy bandwidth). The Llama-3-8B-shaped fp16 decode step
+# (bench_e2e, two processes back to back on one machine, the first with this set to 0) at bs 1 170 -> 175 tok/s, bs 8
+# 1300 -> 1323. Where cuBLAS reads at 95-99% (wide gate/up, vocabulary-sized heads) the two are within a few percent
+# either way (h100/bench_gemm_f16.md): one rule, no table of shapes.
 F16_GEMV_MAX_M = 8
 
 # The backends a route can name. "reference": no CUDA device (the fp32 torch reference on the dequantized weight).

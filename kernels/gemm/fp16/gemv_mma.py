@@ -26,15 +26,17 @@ US = (4, 2, 1)  # 32-k steps per chunk, the largest that divides K
 REGS = {4: 128, 2: 80, 1: 48}
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block whose grid fits MAX_WAVES waves
 # How many waves of blocks (at the residency REGS allows) a plan may take. H100, every warp count of each shape at
-# M = 1 (benchmarks/results/h100/bench_gemm_f16.md, first run at e5a7836; read off Llama-3-8B's six shapes): q|k|v
-# (384 blocks) 8 warps (1.45 waves) 1.06x cuBLAS against 4 warps (0.73) 0.99x; gate/up (1792) 2 warps (1.70) 0.98x
-# against 1 (0.85) 0.94x; o (256) 8 warps (0.97) 1.24x against 16 (1.94) 1.21x; 8k (512) 4 warps (0.97) 1.00x against
-# 8 (1.94) 0.99x. Judged on the generalization set (13B-70B / 4 and 1B / 3B projections) with the first run's numbers:
-# of the 11 plans it changes, 10 faster (3b_qkv, 13b_o, 13b_down, 32b_down 320 blocks: 0.89-0.92x -> 0.97-1.01x)
-# and 1 slower (1b_qkv, 192 blocks: 1.08x -> 1.04x).
+# M = 1 (first run, at e5a7836: benchmarks/results/dev-logs/h100/bench_gemm_f16_run1_e5a7836.json; read off
+# Llama-3-8B's six shapes): q|k|v (384 blocks) 8 warps (1.45 waves) 1.06x cuBLAS against 4 warps (0.73) 0.99x;
+# gate/up (1792) 2 warps (1.70) 0.98x against 1 (0.85) 0.94x; o (256) 8 warps (0.97) 1.24x against 16 (1.94) 1.21x; 8k
+# (512) 4 warps (0.97) 1.00x against 8 (1.94) 0.99x (any bound from 1.70 to 1.94 plans the six alike). Judged on the
+# generalization set (1B-70B / 4 projections, M = 1..8), the new plan against the old one timed in the same run: 36 of
+# the 40 changed rows faster (to 1.093x), 4 slower (1b_qkv, 192 blocks: 0.966-0.973x); in the run at b016031 35 and
+# 5 (1b_qkv 0.960-0.974x, 14b_qkv at M = 8 0.998x).
 MAX_WAVES = 1.75
 # Past MAX_WAVES at one warp a block (N > 16 rows x 16 blocks x SMs x MAX_WAVES: a vocabulary-sized head), blocks of
-# this many warps in several waves (lm_head, 8016 blocks: 1.09x cuBLAS, 1 warp not measured, 2 warps 1.07x).
+# this many warps in several waves (lm_head, 8016 blocks: 1.09x cuBLAS; 2 warps 1.07x, 8 warps 1.10x, 1 warp not
+# measured: first run, M = 1).
 WIDE_WARPS = 4
 PARAMS = [("x", "*fp16"), ("w", "*fp16"), ("bias", "*fp16"), ("out", "*fp16"), ("M", "i32"), ("N", "i32"),
           ("K", "i32"), ("stride_xm", "i32"), ("has_bias", "i32")]
@@ -63,8 +65,9 @@ def gemv_plan(M: int, N: int, K: int, sm_count: int = 132, warps: Optional[int] 
     """Variant and grid: ``ROWS`` outputs per block, the whole of K, and the most warps per block (splitting K in
     chunks) whose grid fits ``MAX_WAVES`` waves (``WIDE_WARPS`` where one warp a block does not), with no more warps
     than the power of two at or above the number of chunks: a warp left without a chunk costs little, a second chunk
-    in turn a memory round trip (SmolLM2-135M's projections, K 576 in 9 chunks: 16 warps 1.54-2.42x cuBLAS against 8
-    warps 1.27-1.89x; H100, bench_gemm_f16 first run). ``warps`` / ``u`` override the plan (tests, benchmarks)."""
+    in turn a memory round trip (read off SmolLM2-135M's projections, K 576 in 9 chunks and 1536 in 12, the only
+    shapes of the first run it changes: 16 warps 1.16-1.33x faster than 8 at M = 1..8, same run; no held-out shape
+    judges it). ``warps`` / ``u`` override the plan (tests, benchmarks)."""
     u = u or next(s for s in US if K % (32 * s) == 0)
     regs = REGS[u]
     blocks = -(-N // ROWS)
