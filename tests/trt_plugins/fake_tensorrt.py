@@ -42,6 +42,8 @@ class ShapeExpr:
 
     @property
     def is_constant(self):
+        if self.is_fake:  # TensorRT raises here (tensorrt/plugin/_tensor.py, ShapeExpr.is_constant)
+            raise RuntimeError("Not accessible for fake 'ShapeExpr's. Check is_fake to determine accessibility.")
         return self.const is not None
 
     def constant_value(self):
@@ -74,6 +76,12 @@ class ShapeExpr:
     def __bool__(self):
         raise TypeError("a ShapeExpr has no truth value at build time")
 
+    def _cmp(self, o):  # TensorRT's ==/< build expressions (truthy before 11.0); never a Python bool
+        raise TypeError("a ShapeExpr cannot be compared at build time (TensorRT returns an expression, not a bool)")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _cmp
+    __hash__ = None  # TensorRT's ShapeExpr defines __eq__ without __hash__: unhashable
+
     def __index__(self):
         raise TypeError("a ShapeExpr is not an int at build time (use is_constant / constant_value())")
 
@@ -95,8 +103,20 @@ class Tensor:
 
 
 class KernelLaunchParams:
-    grid_x = grid_y = grid_z = block_x = block_y = block_z = 1
-    shared_mem = 0
+    """TensorRT wraps every field in SymInt32(value); anything but an int or an expression becomes a null expression
+    there (tensorrt/plugin/_tensor.py, SymIntExpr.__init__), so only those are accepted here."""
+
+    def __init__(self):
+        for n in ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"):
+            setattr(self, n, 1)
+        self.shared_mem = 0
+
+    def __setattr__(self, name, value):
+        if name not in ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared_mem"):
+            raise AttributeError(f"KernelLaunchParams object has no attribute '{name}'")
+        if type(value) is not int and not isinstance(value, ShapeExpr):
+            raise TypeError(f"KernelLaunchParams.{name} takes an int or a ShapeExpr, got {type(value).__name__}")
+        object.__setattr__(self, name, value)
 
 
 class SymExprs(tuple):
@@ -212,8 +232,12 @@ def _run(spec, s, tactic, trt, env):
     fake_outs = fake_outs if isinstance(fake_outs, tuple) else (fake_outs,)
     outs = entry["register"](*descs.values(), **attrs)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    combos = entry["autotune"](*descs.values(), **attrs, outputs=outs)
-    name, ptx, launch, extra = entry["aot_impl"](*descs.values(), **attrs, outputs=outs, tactic=tactic)
+    # TensorRT calls autotune and aot_impl positionally, aot_impl with *every* attribute in the creator's field order
+    # (the register signature's; tensorrt/plugin/_plugin_class.py get_supported_format_combinations /
+    # get_launch_params), whatever subset the function declares.
+    vals = [attrs[a] for a in entry["attrs"]]
+    combos = entry["autotune"](*descs.values(), *vals, outs)
+    name, ptx, launch, extra = entry["aot_impl"](*descs.values(), *vals, outs, tactic)
     ev = lambda v: v.eval(env) if isinstance(v, ShapeExpr) else v  # noqa: E731
     return dict(
         kernel=name, ptx_has_entry=f".entry {name}" in ptx,
