@@ -83,13 +83,13 @@ class _Stream:
     """Incremental detokenization of one request: emit only the text that the new token added, decoding a window of
     the tokens rather than the whole output at every token (which cost O(length) a token: at thousands of tokens,
     milliseconds a token, more than a small model's decode step). ``toks`` is the prompt's last ``PROMPT_CONTEXT``
-    tokens and the output's (``ids``); the window ``toks[prefix:]`` starts at the tokens emitted last, whose text
-    (``toks[prefix:read]``) is cut from the window's, so a leading space the decoder strips from the window's first
-    token is stripped from both."""
+    tokens (the first ``ctx``) and the output's; the window ``toks[prefix:]`` starts at the tokens emitted last, whose
+    text (``toks[prefix:read]``) is cut from the window's, so a leading space the decoder strips from the window's
+    first token is stripped from both."""
 
     text: str = ""  # emitted so far
-    ids: list[int] = field(default_factory=list)
     toks: list[int] = field(default_factory=list)
+    ctx: int = 0
     prefix: int = 0
     read: int = 0
 
@@ -108,7 +108,8 @@ class Generator:
         self._pinned: list = []  # two pinned token buffers, used in turn by consecutive in-flight steps
         self._decode_clock = 0.0  # when the last pipelined decode step was read (or the first one launched)
         self.tokenizer = tokenizer
-        self._run_tokens: dict[int, bool] = {}  # token id -> whether a byte or special token (_joins_byte_run)
+        # token id -> whether a byte or special token (_joins_byte_run); the special ones known from the start
+        self._run_tokens: dict[int, bool] = {} if tokenizer is None else dict.fromkeys(tokenizer.all_special_ids, True)
         # A backend with fixed limits (an engine's optimization profile) caps what one step may hold.
         max_num_seqs = min(max_num_seqs, getattr(backend, "max_num_seqs", None) or max_num_seqs)
         max_num_batched_tokens = min(max_num_batched_tokens,
@@ -370,8 +371,7 @@ class Generator:
         """Whether ``tok`` is a byte-fallback token (``<0xE2>``: SentencePiece's for bytes outside its vocabulary) or a
         special token, which the decode skips, so that the bytes on either side of it decode as one run."""
         if tok not in self._run_tokens:
-            self._run_tokens[tok] = (tok in set(self.tokenizer.all_special_ids)
-                                      or bool(BYTE_TOKEN.fullmatch(str(self.tokenizer.convert_ids_to_tokens(tok)))))
+            self._run_tokens[tok] = bool(BYTE_TOKEN.fullmatch(str(self.tokenizer.convert_ids_to_tokens(tok))))
         return self._run_tokens[tok]
 
     def _text_delta(self, stream: _Stream, seq: Sequence, tok: int, last: bool = False) -> str:
@@ -381,8 +381,7 @@ class Generator:
             return ""
         if not stream.toks:
             stream.toks = list(seq.prompt_ids[-PROMPT_CONTEXT:])
-            stream.read = len(stream.toks)
-        stream.ids.append(tok)
+            stream.ctx = stream.read = len(stream.toks)
         stream.toks.append(tok)
         if not last and self._joins_byte_run(tok):
             # A byte-fallback decoder decodes a run of byte tokens as a whole, and an invalid run (a stray lead byte)
@@ -392,7 +391,7 @@ class Generator:
         if last:
             # The result's text is the whole output decoded once (_decode); what the stream has not sent of it ends
             # the stream, so the deltas add up to it.
-            text = self._decode(seq.prompt_ids, stream.ids)
+            text = self._decode(seq.prompt_ids, stream.toks[stream.ctx:])
             # (Text sent is never sent again: where the whole decode disagrees with what was streamed, the stream
             # ends as it is and the result holds the whole decode.)
             delta = text[len(stream.text):] if text.startswith(stream.text) else ""
