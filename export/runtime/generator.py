@@ -23,7 +23,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from .blocks import BlockManager
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import NO_TOKEN, SamplingParams, flag_unusable, make_generator, sample
 from .scheduler import Scheduler, Sequence
 
 
@@ -32,7 +32,9 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens (a stop token that ended generation is included, as HF does)
     text: str | None  # decoded generated text without special tokens (None without a tokenizer)
-    finish_reason: str | None  # "stop" or "length"; None while the request runs (``Generator.result`` mid-way)
+    # "stop" or "length"; "error" where the model gave logits no token can be chosen from (a NaN, +inf: see
+    # sampling.NO_TOKEN); None while the request runs (``Generator.result`` mid-way)
+    finish_reason: str | None
     num_preemptions: int = 0
 
 
@@ -201,11 +203,16 @@ class Generator:
             seq.num_cached += n
         taken = [(seq, tok, self._take(seq, len(seq.output_ids), tok)) for seq, tok in zip(sampling, tokens)]
         self._stream(taken, on_token)
-        return [(seq.req_id, tok) for seq, tok in zip(sampling, tokens)]
+        return [(seq.req_id, tok) for seq, tok in zip(sampling, tokens) if tok != NO_TOKEN]
 
     def _take(self, seq: Sequence, k: int, tok: int) -> bool:
         """``tok`` is output ``k`` of ``seq`` (appended, or in place of its placeholder); finish the sequence at a stop
-        token or its last token (dropping any placeholder after ``k``). Returns whether it finished."""
+        token or its last token (dropping any placeholder after ``k``), or with "error" at ``NO_TOKEN`` (unusable
+        logits: no token is added). Returns whether it finished."""
+        if tok == NO_TOKEN:
+            del seq.output_ids[k:]
+            self.scheduler.finish(seq, "error")
+            return True
         if k == len(seq.output_ids):
             seq.output_ids.append(tok)
         else:
@@ -219,12 +226,13 @@ class Generator:
 
     def _stream(self, taken: list[tuple[Sequence, int, bool]], on_token) -> None:
         """``on_token`` for each (sequence, token, whether it was the last) of a step, once the step's bookkeeping is
-        done for every sequence: a callback that raises leaves no sequence half-updated."""
+        done for every sequence: a callback that raises leaves no sequence half-updated. A request that ended in
+        "error" gets no call for it (its result holds its text)."""
         if on_token is None:
             return
         for seq, tok, last in taken:
             stream = self._streams.get(seq.req_id)
-            if stream is not None:  # None: aborted by an earlier callback of this step
+            if stream is not None and tok != NO_TOKEN:  # None: aborted by an earlier callback of this step
                 on_token(seq.req_id, tok, self._text_delta(stream, seq, tok, last))
 
     # -- pipelined decode ------------------------------------------------------------------------------------------
@@ -244,16 +252,17 @@ class Generator:
         own) and start its greedy tokens' way to the host, without waiting for them."""
         logits = self.backend.forward(step.batch, input_ids=input_ids) if input_ids is not None else \
             self.backend.forward(step.batch)
-        tokens = torch.argmax(logits, dim=-1)  # the same argmax as sample()'s greedy rows
+        tokens = torch.argmax(logits, dim=-1)  # the same argmax as sample()'s greedy rows: the next step's input
+        flagged = flag_unusable(logits, tokens)  # what the host reads: NO_TOKEN where the logits were unusable
         ready = None
-        host = tokens
+        host = flagged
         if tokens.is_cuda:
             if not self._pinned:
                 n = self.scheduler.max_num_seqs
                 self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._pinned.reverse()  # the other buffer than the in-flight step's (read before it is reused)
             host = self._pinned[0][:tokens.shape[0]]
-            host.copy_(tokens, non_blocking=True)
+            host.copy_(flagged, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         index = []
@@ -276,8 +285,9 @@ class Generator:
         for seq, k, tok in zip(inflight.seqs, inflight.index, tokens):
             if seq.finish_reason is not None:
                 continue  # stopped at the step before (or aborted): this token was computed ahead and is dropped
-            self.stats.decode_tokens += 1
-            out.append((seq.req_id, tok))
+            if tok != NO_TOKEN:
+                self.stats.decode_tokens += 1
+                out.append((seq.req_id, tok))
             taken.append((seq, tok, self._take(seq, k, tok)))
             if taken[-1][2] and self._inflight is not None:
                 self._inflight.aligned = False

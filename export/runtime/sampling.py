@@ -13,6 +13,10 @@ import torch
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+# What ``sample`` gives a row it cannot choose from: one whose largest logit is not finite (a NaN, which argmax takes
+# for the largest, an overflow to +inf, or every logit -inf). The generator ends that request with finish_reason
+# "error" and the batch's other requests go on.
+NO_TOKEN = -2
 
 
 @dataclass
@@ -93,8 +97,17 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def flag_unusable(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` [S], the argmax of ``logits`` [S, V], with ``NO_TOKEN`` on rows whose chosen logit is not finite:
+    argmax picks a row's NaN (NaN ranks above every number), its +inf, or a -inf when all are -inf, so that one
+    gathered logit a row tells what a reduction over the vocabulary would (three small kernels, no host sync)."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.where(torch.isfinite(picked), tokens, torch.full_like(tokens, NO_TOKEN))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """Next token of every sequence from logits [S, V]; greedy rows share one argmax and one device sync."""
-    if all(p.greedy for p in params):
-        return torch.argmax(logits, dim=-1).tolist()
-    return [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]
+    """Next token of every sequence from logits [S, V], ``NO_TOKEN`` for a row that has none (see there); greedy rows
+    share one argmax and one device sync. A row without a token draws nothing from its generator."""
+    tokens = flag_unusable(logits, torch.argmax(logits, dim=-1)).tolist()
+    return [t if p.greedy or t == NO_TOKEN else sample_one(logits[i], p, g)
+            for i, (t, p, g) in enumerate(zip(tokens, params, generators))]

@@ -37,7 +37,7 @@ class Sequence:
     generator: object = None  # torch.Generator of this request (sampled rows only)
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is already in the cache
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     num_preemptions: int = 0
 
     @property

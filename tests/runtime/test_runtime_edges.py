@@ -56,3 +56,58 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption():
         [[9, 9], [5, 6, 7], [1, 2, 3, 4], [8], [3, 3, 3]], [others[0], p, *others[1:]])
     assert sum(r.num_preemptions for r in res) > 0
     assert res[1].token_ids == alone
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("bad", ["nan", "inf", "all_neg_inf"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_unusable_logits_end_their_request_with_an_error_and_the_others_go_on(pipeline, bad, sampled):
+    """The model gives one request a row of logits no token can be chosen from (a NaN, an overflow to +inf, all
+    -inf) at its third output token: that request ends with finish_reason "error" and its first two tokens, gets no
+    callback for it, frees its blocks; the others' tokens equal the reference. (Before, a sampled row raised out of
+    step() at every retry, the whole batch stuck; a greedy row's argmax took the NaN's index as a token.)"""
+
+    from tests.runtime.test_scheduler import ToyPipelinedBackend, next_token
+
+    def reference(prompt, n):  # ignore_eos
+        toks = list(prompt)
+        for _ in range(n):
+            toks.append(next_token(toks))
+        return toks[len(prompt):]
+
+    poisoned = [5, 6, 7]
+
+    class PoisonBackend(ToyPipelinedBackend if pipeline else ToyPagedBackend):
+        def forward(self, b, input_ids=None):
+            logits = super().forward(b, input_ids) if pipeline else super().forward(b)
+            for i in range(b.num_seqs):
+                end = int(b.cu_seqlens_q[i + 1]) - 1
+                n = int(b.seq_lens[i])
+                toks = self.cache[[int(b.block_table[i, p // self.block_size]) * self.block_size +
+                                   p % self.block_size for p in range(n)]].tolist()
+                if toks[:3] == poisoned and n == len(poisoned) + 2 and end >= 0:
+                    logits[i] = {"nan": float("nan"), "inf": 0.0, "all_neg_inf": float("-inf")}[bad]
+                    if bad == "inf":
+                        logits[i, 3] = float("inf")
+                    if bad == "nan":
+                        logits[i, :5] = 1.0  # a NaN among numbers: argmax still picks it
+            return logits
+
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True, **(dict(temperature=0.8, seed=s) if sampled else {}))
+              for s in range(3)]
+    backend = PoisonBackend(64, 2)
+    gen = Generator(backend)
+    assert gen.pipeline == pipeline
+    prompts = [[1, 2, 3], poisoned, [9, 8]]
+    streamed = {i: [] for i in range(3)}
+    res = gen.generate(prompts, params, on_token=lambda i, t, d: streamed[i].append(t))
+    bad_res = res[1]
+    assert bad_res.finish_reason == "error" and len(bad_res.token_ids) == 2
+    assert streamed[1] == bad_res.token_ids
+    if not sampled:
+        assert bad_res.token_ids == reference(poisoned, 2)
+        for i in (0, 2):
+            assert res[i].token_ids == reference(prompts[i], 6) and res[i].finish_reason == "length"
+    else:
+        assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in (res[0], res[2]))
+    assert gen.blocks.num_free_blocks == 64

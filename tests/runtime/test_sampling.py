@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from export.runtime.sampling import SamplingParams, make_generator, sample, sample_one, top_k_mask, top_p_mask
+from export.runtime.sampling import (NO_TOKEN, SamplingParams, make_generator, sample, sample_one, top_k_mask,
+                                     top_p_mask)
 
 
 def _brute_top_p(logits: torch.Tensor, p: float) -> set[int]:
@@ -145,3 +146,23 @@ def test_a_temperature_below_greedy_temperature_is_greedy():
         p = SamplingParams(temperature=t)
         assert p.greedy and sample_one(logits, p, make_generator(0, "cpu")) == 1
     assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+
+
+def test_rows_without_a_usable_logit_get_no_token_and_draw_nothing():
+    """A row with a NaN (argmax takes it for the largest), a +inf, or only -inf gets NO_TOKEN, greedy or sampled,
+    and its generator is not advanced; the other rows are sampled as sample_one samples them."""
+    logits = torch.randn(5, 11)
+    logits[1, 4] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3] = float("-inf")
+    for greedy in (True, False):
+        params = [SamplingParams() if greedy else SamplingParams(temperature=0.9, seed=i) for i in range(5)]
+        gens = [None if greedy else make_generator(i, "cpu") for i in range(5)]
+        states = [None if g is None else g.get_state() for g in gens]
+        got = sample(logits, params, gens)
+        assert [got[i] for i in (1, 2, 3)] == [NO_TOKEN] * 3
+        for i in (1, 2, 3):
+            assert gens[i] is None or torch.equal(gens[i].get_state(), states[i])
+        for i in (0, 4):
+            want = int(logits[i].argmax()) if greedy else sample_one(logits[i], params[i], make_generator(i, "cpu"))
+            assert got[i] == want
