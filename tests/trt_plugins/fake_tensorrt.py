@@ -15,6 +15,8 @@ import sys
 import types
 import typing
 
+import numpy as np
+
 
 class DataType:
     def __init__(self, name):
@@ -224,7 +226,8 @@ def _run(spec, s, tactic, trt, env):
         dims = [ShapeExpr(const=d) if (n, i) in static else ShapeExpr(lambda e, d=d: e["T"] * d)
                 for i, d in enumerate(s.shapes[n])]
         descs[n] = TensorDesc(dims, getattr(trt, LONG_NAMES[s.dtypes[n]]))
-    attrs = spec.full_attrs(s.attrs)
+    # Float attributes arrive as float32 (TensorRT keeps them in a float32 plugin field): 1e-5 as 9.99999975e-06.
+    attrs = {k: np.float32(v) if isinstance(v, float) else v for k, v in spec.full_attrs(s.attrs).items()}
     # TensorRT asks for the output dtypes first, calling the shape function on placeholder dims (is_fake, neither
     # constant nor evaluable) that have no reflected operators either: it must get through on those too.
     fakes = [TensorDesc([ShapeExpr.fake() for _ in d.shape_expr], d.dtype) for d in descs.values()]

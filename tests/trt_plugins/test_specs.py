@@ -3,6 +3,7 @@ functions that work on symbolic dims, constexprs that do not depend on dynamic d
 
 import inspect
 
+import numpy as np
 import pytest
 
 from kernels.aot.wrapper import fed_names
@@ -169,3 +170,14 @@ def test_unknown_op_names_the_known_ones():
 
     with pytest.raises(KeyError, match="RmsNorm"):
         get_spec("RMSNorm2")
+
+
+@pytest.mark.parametrize("op", sorted(op for op, s in SPECS.items() if any(a.type is float for a in s.attrs.values())))
+def test_float_attributes_as_tensorrt_gives_them_specialise_as_compile_all_does(op):
+    """TensorRT hands a float attribute over as float32 (eps 1e-5 as 9.99999975e-06); ``compile_all`` reads the
+    sample's Python float. Both must reach the same constants, so that the engine build finds the kernels compile_all
+    wrote (before, a second AOT cache key and a recompile of every norm kernel)."""
+    spec = SPECS[op]
+    for s in spec.samples:
+        f32 = {k: np.float32(v) if isinstance(v, float) else v for k, v in spec.full_attrs(s.attrs).items()}
+        assert spec.specialise(s.shapes, s.dtypes, f32) == spec.specialise(s.shapes, s.dtypes, s.attrs)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 # Our dtype name -> the long name, which is the attribute name in torch and tensorrt and numpy's dtype name.
 LONG_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "int8": "int8",
               "uint8": "uint8", "int64": "int64"}
@@ -83,6 +85,13 @@ class Attr:
     type: type  # float, int or bool (an ONNX attribute of that type)
     default: Any
     doc: str = ""
+
+
+def _canonical(kind: type, value):
+    """An attribute's value as every path sees it: a float rounded to float32, what an ONNX attribute holds and what
+    TensorRT hands ``aot_impl`` (eps 1e-5 arrives as 9.99999975e-06), so that ``compile_all``, the ONNX export and the
+    engine build agree on a kernel's constants and its AOT cache key."""
+    return float(np.float32(value)) if kind is float else kind(value)
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,7 @@ class PluginSpec:
         unknown = sorted(set(attrs) - set(self.attrs))
         if unknown:
             raise ValueError(f"{self.op_type}: unknown attributes {unknown}; it takes {sorted(self.attrs)}")
-        return {k: self.attrs[k].type(attrs.get(k, a.default)) for k, a in self.attrs.items()}
+        return {k: _canonical(a.type, attrs.get(k, a.default)) for k, a in self.attrs.items()}
 
     def check_inputs(self, shapes: dict, dtypes: dict, attrs: dict | None = None) -> None:
         for t in self.input_specs:
