@@ -22,10 +22,6 @@ from trt_plugins.specs.paged_attention import MAX_SPLITS as ATTN_MAX_SPLITS
 from .onnx_graph import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype, tensor_proto, uint4_tensor_proto
 from .onnx_quant import quant_parts
 
-# Attributes on every plugin node that are for TensorRT's ONNX parser, not for the op (CPU runners drop them).
-TRT_PARSER_ATTRS = {"plugin_namespace": PLUGIN_DOMAIN, "plugin_version": "1", "aot": 1}
-
-
 def _names(items) -> list[str]:
     """Names from a spec's ``inputs``/``outputs``/``attrs``: plain strings, objects with ``.name``, or dict keys."""
     if isinstance(items, dict):
@@ -63,10 +59,12 @@ class OpEmitter:
             ordered.pop()
         # Every spec attribute is written, defaults filled in: TensorRT's Python plugins have no attribute defaults,
         # so an attribute missing from the node could not be supplied at engine build. Unknown ones are an error.
-        node_attrs = get_spec(op_type).full_attrs(attrs)
-        # How TensorRT's ONNX parser finds a Python (QDP) plugin: op_type == the plugin name, plus these attributes
-        # (namespace, version, and aot=1 to take the ahead-of-time kernel, so the engine runs without Python).
-        node_attrs.update(TRT_PARSER_ATTRS)
+        spec = get_spec(op_type)
+        node_attrs = spec.full_attrs(attrs)
+        # How TensorRT's ONNX parser finds a Python (QDP) plugin: op_type == the plugin name, plus PARSER_ATTRS
+        # (the spec's namespace and version, and aot=1 to take the ahead-of-time kernel: the engine runs without
+        # Python).
+        node_attrs.update(plugin_namespace=spec.namespace, plugin_version=spec.version, aot=1)
         return self.g.op(op_type, ordered, n_out, domain=PLUGIN_DOMAIN, name=name, outputs=outputs, **node_attrs)
 
     # -- small helpers ------------------------------------------------------------------------------------------------

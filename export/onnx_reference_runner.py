@@ -19,7 +19,6 @@ import numpy as np
 import onnx
 
 from .onnx_graph import PLUGIN_DOMAIN
-from .onnx_ops import TRT_PARSER_ATTRS
 
 
 def run_plugin_op(op_type: str, inputs: list, attrs: dict, device="cpu") -> list:
@@ -85,8 +84,9 @@ def plugin_op_classes(model: onnx.ModelProto, device="cpu") -> list[type]:
     from onnx.reference.op_run import OpRun
 
     def _run(self, *inputs, **attrs):
-        # only the node's own attributes: OpRun may add defaults of a same-named op from another schema
-        own = {a.name for a in self.onnx_node.attribute} - set(TRT_PARSER_ATTRS)
+        # only the node's own attributes: OpRun may add defaults of a same-named op from another schema (run_reference
+        # drops the ones for TensorRT's parser)
+        own = {a.name for a in self.onnx_node.attribute}
         attrs = {k: v for k, v in attrs.items() if k in own and v is not None}
         return tuple(run_plugin_op(self.op_type, list(inputs), attrs, device=device))
 

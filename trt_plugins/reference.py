@@ -18,7 +18,8 @@ from .specs import get_spec
 from .specs._base import dtype_name, torch_dtype
 
 
-_PARSER_ATTRS = ("plugin_namespace", "plugin_version", "aot")
+# Attributes on a plugin node that are for TensorRT's ONNX parser (export.onnx_ops writes them), not for the op.
+PARSER_ATTRS = ("plugin_namespace", "plugin_version", "aot")
 
 
 def to_torch(a, device="cpu"):
@@ -71,7 +72,7 @@ def run_reference(op_type: str, inputs: list, attrs: dict | None = None, *, allo
     as_numpy = not isinstance(inputs[0], torch.Tensor)
     tensors = [to_torch(a, device) for a in inputs]
     # Attributes addressed to TensorRT's ONNX parser, not to the op, may ride along on an exported node.
-    attrs = {k: v for k, v in (attrs or {}).items() if k not in _PARSER_ATTRS}
+    attrs = {k: v for k, v in (attrs or {}).items() if k not in PARSER_ATTRS}
     full = spec.full_attrs(attrs)
     shapes = {n: tuple(t.shape) for n, t in zip(spec.inputs, tensors)}
     dtypes = {n: dtype_name(t.dtype) for n, t in zip(spec.inputs, tensors)}
