@@ -98,6 +98,13 @@ def parse_args(argv=None):
     p.add_argument("--no-engine", action="store_true", help="skip the TensorRT engine even if TensorRT is present")
     p.add_argument("--from-onnx", type=Path, metavar="OUT", help="only build model.engine for an existing OUT")
     args = p.parse_args(argv)
+    if args.from_onnx is not None:  # it builds OUT's engine from OUT's build.json: every build option is moot
+        moot = [a.option_strings[0] for a in p._actions if a.dest not in ("help", "from_onnx", "timing_cache")
+                and getattr(args, a.dest) != a.default]
+        if moot:
+            p.error(f"--from-onnx OUT builds only OUT/model.engine, as OUT's build.json says; {', '.join(moot)} "
+                    f"cannot apply to it: drop {'them' if len(moot) > 1 else 'it'}, or run a full build without "
+                    f"--from-onnx")
     int4 = "int4" in (args.quant, args.lm_head_quant)
     if int4 and args.group_size is not None and args.group_size not in GROUP_SIZES:
         p.error(f"--group-size {args.group_size}: choose 32, 64 or 128")
@@ -209,7 +216,7 @@ def plan_build(args) -> Plan:
             check_out(out, ckpt_dir)
         hf = read_hf_config(ckpt_dir)
         config = LlamaConfig.from_hf(hf, str(ckpt_dir / "config.json"))
-        check_weight_files(ckpt_dir)
+        check_weight_files(ckpt_dir, config)
     else:
         hf = None
         from .tiny import tiny_config  # exactly the config.json make_tiny_llama writes for TINY_BUILD

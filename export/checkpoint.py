@@ -12,6 +12,7 @@ that says what to do. GPTQ/AWQ checkpoints keep their packed tensors per project
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -79,6 +80,13 @@ class LlamaConfig:
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
+            sizes = {k: int(hf[k]) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads")}
+            sizes.update({k: int(hf[k]) for k in ("num_key_value_heads", "head_dim") if hf.get(k)})  # 0: unset
+            bad = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+            if bad:  # else a ZeroDivisionError here, or a traceback deep in the ONNX export
+                raise CheckpointError(f"{where}: {', '.join(bad)}; every size must be >= 1: the config is damaged, "
+                                      f"re-download or fix it")
             head_dim = int(hf.get("head_dim") or hidden // num_heads)
             theta, scaling = _rope(hf)
             model_type = hf["model_type"]
@@ -93,6 +101,8 @@ class LlamaConfig:
                 attention_bias=bool(hf.get("attention_bias", False)) or model_type == "qwen2",
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), model_type=model_type,
                 qk_norm=model_type == "qwen3")
+        except CheckpointError:  # already says what is wrong (a ValueError too: not "a field of the wrong type")
+            raise
         except KeyError as e:
             raise CheckpointError(f"{where} lacks the field {e}; is this a complete Hugging Face LLaMA config?") from e
         except (TypeError, ValueError) as e:
@@ -244,13 +254,30 @@ def _open_shard(shard: Path):
         raise CheckpointError(f"cannot read {shard} ({e}); the file is truncated or corrupt: re-download it") from e
 
 
-def check_weight_files(path) -> None:
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(names, config: LlamaConfig, path: Path) -> None:
+    """Weights of layers past ``num_hidden_layers`` mean that config.json does not describe these weights (a wrong or
+    edited config): the model would be built from its first layers only, silently. Refused."""
+    extra = sorted({int(m.group(1)) for m in map(_LAYER_INDEX.match, names) if m} - set(range(config.num_layers)))
+    if extra:
+        raise CheckpointError(f"the weights in {path} have layer(s) {', '.join(map(str, extra[:5]))}"
+                              f"{' ...' if len(extra) > 5 else ''} but config.json says num_hidden_layers="
+                              f"{config.num_layers}; the config does not match the weights: fix or re-download it")
+
+
+def check_weight_files(path, config: Optional[LlamaConfig] = None) -> None:
     """Open the header of every weight shard of the checkpoint ``path``, and each tokenizer file it has: a missing,
     unreadable, truncated or corrupt shard, or an unreadable tokenizer file, is a ``CheckpointError`` before any
-    tensor is read (headers only, cheap even for a large model)."""
-    for shard in sorted(set(_weight_files(Path(path)).values())):
+    tensor is read (headers only, cheap even for a large model). With ``config``: weights of more layers than it
+    has are one too."""
+    files = _weight_files(Path(path))
+    for shard in sorted(set(files.values())):
         with _open_shard(shard):
             pass
+    if config is not None:
+        _check_layer_count(files, config, Path(path))
     for name in TOKENIZER_FILES:
         f = Path(path) / name
         try:
@@ -309,6 +336,7 @@ def load_checkpoint(path, dtype: Optional[torch.dtype] = None) -> Checkpoint:
     if qcfg is not None and quant_method not in ("gptq", "awq"):
         raise CheckpointError(f"quantization_config.quant_method '{quant_method}' is not supported (gptq, awq)")
     tensors = _LazyTensors(_weight_files(path))
+    _check_layer_count(tensors.files, config, path)
     shapes = expected_shapes(config)
 
     def read(hf_name: str) -> torch.Tensor:

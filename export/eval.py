@@ -161,7 +161,9 @@ def evaluate(builds: list, reference, windows: list[torch.Tensor], batch_windows
 
 # --- CLI ----------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m export.eval", description=__doc__.splitlines()[0])
+    from .cli import ArgumentParser  # one-line errors, exit code 2, as the other export CLIs
+
+    p = ArgumentParser(prog="python -m export.eval", description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="+", type=Path, help="build output directories (python -m export.build --out)")
     p.add_argument("--against", type=Path, required=True, metavar="CHECKPOINT",
                    help="the unquantized model: an HF checkpoint directory or a .gguf file")
@@ -337,6 +339,11 @@ def main(argv=None) -> int:
     except (EvalError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. the GGUF cache ($TRITRT_CACHE) cannot be created or written
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; free space or make it writable (the GGUF cache is $TRITRT_CACHE, "
+              f"default ~/.cache/tritrt)", file=sys.stderr)
+        return 2
     print(format_table(result))
     if args.json:
         try:
@@ -345,6 +352,12 @@ def main(argv=None) -> int:
             print(f"error: --json {args.json}: not written ({e.strerror}); the table above is the result",
                   file=sys.stderr)
             return 2
+    broken = [s["name"] for s in [result["reference"], *result["builds"]]
+              if not all(math.isfinite(s.get(k, 0.0)) for k in ("perplexity", "kl_mean"))]
+    if broken:  # a NaN / inf logit somewhere: the numbers above measure nothing
+        print(f"error: non-finite scores (NaN or inf logits) for {', '.join(broken)}: the model is broken, not "
+              f"merely worse; check it with `python -m export.verify OUT`", file=sys.stderr)
+        return 1
     return 0
 
 

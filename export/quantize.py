@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import torch
 
@@ -228,18 +229,25 @@ def save_weights(state: dict, path) -> None:
 
 
 def load_weights(path, device="cpu") -> dict:
-    """Inverse of ``save_weights``."""
-    from safetensors import safe_open
+    """Inverse of ``save_weights``. A truncated or corrupt file (an OUT copied in part, a disk that filled up) is a
+    ``CheckpointError`` that names it, not safetensors' own exception."""
+    from safetensors import SafetensorError, safe_open
+
+    from .checkpoint import CheckpointError
 
     state, fields = {}, {}
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        meta = f.metadata() or {}
-        for key in f.keys():
-            if "::" in key:
-                name, field = key.split("::", 1)
-                fields.setdefault(name, {})[field] = f.get_tensor(key)
-            else:
-                state[key] = f.get_tensor(key)
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            meta = f.metadata() or {}
+            for key in f.keys():
+                if "::" in key:
+                    name, field = key.split("::", 1)
+                    fields.setdefault(name, {})[field] = f.get_tensor(key)
+                else:
+                    state[key] = f.get_tensor(key)
+    except SafetensorError as e:
+        raise CheckpointError(f"cannot read {path} ({e}); the file is truncated or corrupt: rebuild its OUT with "
+                              f"`python -m export.build --out {Path(path).parent} ...`") from e
     if fields:
         from kernels import quant as kq
 

@@ -84,7 +84,16 @@ def _passive_openmp(args) -> None:
 
 def _build_json(out: Path) -> dict:
     f = out / "build.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
+    if not f.is_file():
+        return {}
+    try:
+        build = json.loads(f.read_text())
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{f} cannot be read ({e}); rebuild OUT with `{BUILD_HINT.format(out=out)}`") from None
+    if not isinstance(build, dict):
+        raise ValueError(f"{f} holds a JSON {type(build).__name__}, not an object (damaged?); rebuild OUT with "
+                         f"`{BUILD_HINT.format(out=out)}`")
+    return build
 
 
 def _check_out(out: Path, args) -> None:
@@ -214,7 +223,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted")
         return 130
-    if stream:
+    if stream and started:
         print()
     elif args.prompt is not None:
         for prompt, r in zip(args.prompt, results):
@@ -230,6 +239,13 @@ def main(argv=None) -> int:
           f"{s.prefill_s * 1e3:.1f} ms ({s.prefill_tokens_per_s:.1f} tok/s); decode {s.decode_tokens} tok at "
           f"{s.decode_tokens_per_s:.1f} tok/s; first token after {1e3 * (s.time_to_first_token_s or 0):.1f} ms",
           file=sys.stdout)
+    failed = [i for i, r in enumerate(results) if r.finish_reason == "error"]
+    if failed:  # logits no token can be chosen from (NaN / inf): the output is not the model's text
+        which = "the prompt" if len(results) == 1 else f"prompt(s) {', '.join(map(str, failed))} (from 0)"
+        print_error(f"generation failed for {which}: the model gave logits no token can be chosen from (NaN or inf) "
+                    f"after {len(results[failed[0]].token_ids)} token(s); its weights or build are broken (check OUT "
+                    f"with `python -m export.verify {args.out}`)")
+        return 1
     return 0
 
 

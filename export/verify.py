@@ -67,6 +67,9 @@ def load_out(out) -> dict:
     try:
         build = json.loads((out / "build.json").read_text())
         hf_config = json.loads((out / "config.json").read_text())
+        for name, data in (("build.json", build), ("config.json", hf_config)):
+            if not isinstance(data, dict):
+                raise TypeError(f"{name} holds a JSON {type(data).__name__}, not an object")
         config = LlamaConfig(**build["config"]) if "config" in build else LlamaConfig.from_hf(hf_config)
     except json.JSONDecodeError as e:
         raise VerifyError(f"cannot parse a JSON file in {out} ({e}); rebuild OUT") from e
@@ -306,7 +309,10 @@ def run_verify(out, atol=None, rtol=None, decode: bool = True, log=print, device
         try:
             timings.append(f"ONNX Runtime session in {seconds:.1f} s")
             rule = Rule({}, config.num_layers, atol=FP32_ATOL if atol is None else atol, rtol=rtol)
-            plugin32 = Fp32Copy(out / "model.plugin.onnx")
+            try:
+                plugin32 = Fp32Copy(out / "model.plugin.onnx")
+            except Exception as e:  # onnx's DecodeError for a corrupt or truncated graph: OUT is unusable (2), not a
+                raise _unreadable(out, "loading model.plugin.onnx", e) from e  # mismatch (1)
             try:
                 plugin_ref32 = PluginReferenceRunner(str(plugin32.path), name="plugin-ref-fp32",
                                                      device=device) if plugin32.upcast else None
