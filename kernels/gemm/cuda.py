@@ -18,6 +18,7 @@ def cached_plan(plan_fn):
     def plan(*args, **kwargs) -> dict:
         return dict(cached(*args, **kwargs))
 
+    plan.cache_clear = cached.cache_clear  # after a plan constant changes (A/B probes, tests)
     return plan
 
 

@@ -37,16 +37,18 @@ def test_f16_gemv_compiles_to_ptx_and_cubin(variant, sm, tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("u", f16.US)
 def test_f16_gemv_registers_fit_the_residency_the_plan_assumes(u, tmp_path):
-    """ptxas's registers per thread at minb = 1 (the loosest bound) are at most REGS[u], which _blocks_per_sm and
-    the plan's wave count assume."""
+    """Each block size, built for the most blocks per SM that REGS[u] allows (the plan's minb at most), takes at most
+    REGS[u] registers a thread and spills nothing: the residency the plan's wave count assumes is reached."""
     import re
     import subprocess
 
-    for warps in (1, 16):
+    for warps in f16.WARPS:
+        minb = f16._blocks_per_sm(warps, f16.REGS[u])
         res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                              *f16.variant_flags(warps, u, 1), str(f16.SOURCE)], capture_output=True, text=True)
-        regs = int(re.search(r"Used (\d+) registers", res.stderr + res.stdout)[1])
-        assert regs <= f16.REGS[u], (warps, u, regs)
+                              *f16.variant_flags(warps, u, minb), str(f16.SOURCE)], capture_output=True, text=True)
+        log = res.stderr + res.stdout
+        regs = int(re.search(r"Used (\d+) registers", log)[1])
+        assert regs <= f16.REGS[u] and " 0 bytes spill stores" in log, (warps, u, minb, log)
 
 
 def test_f16_gemv_plan():

@@ -197,7 +197,8 @@ def test_mma_gemv_splits_k_over_a_cluster_only_where_columns_leave_sms_idle():
         p = mma.gemv_plan(M, N, K, 128)
         assert p["ksplit"] == want, (M, N, K)
         assert p["grid"] == (-(-N // 32) * -(-M // (8 * p["mt"])), want)
-        assert (K // (32 * p["u"])) % want == 0 and 1 <= p["warps"] <= K // (32 * p["u"] * want)
+        # at most the power of two at or above the chunks a block has (DOUBLE_FEW_CHUNKS)
+        assert (K // (32 * p["u"])) % want == 0 and 1 <= p["warps"] < 2 * (K // (32 * p["u"] * want))
         assert mma.gemv_plan(M, N, K, 128, clusters=False)["ksplit"] == 1
     assert "ksplit=3" in mma.unsupported_reason(1, 4096, 4096, 128, torch.float16, ksplit=3)  # 32 chunks
     assert "ksplit=9" in mma.unsupported_reason(1, 4096, 13824, 128, torch.float16, ksplit=9)  # past a cluster
@@ -206,6 +207,21 @@ def test_mma_gemv_splits_k_over_a_cluster_only_where_columns_leave_sms_idle():
     # The unsplit builds' flags (so their cache keys and code) are what they were before the split existed.
     assert not any("KSPLIT" in f for f in mma.variant_flags(8, 4, 4, 8))
     assert "-DGEMV_KSPLIT=4" in mma.variant_flags(8, 4, 4, 8, ksplit=4)
+
+
+def test_mma_gemv_doubles_the_warps_of_few_chunks(monkeypatch):
+    """Short K (SmolLM2's 576: 9 chunks of 64 k; Qwen2.5-0.5B's 896: 7 of 128): the one-wave plan's 8 / 4 warps would
+    leave one or three warps a second chunk in turn; twice the warps take one each, where they still fit one wave
+    (SmolLM2-360M's gate/up, 160 blocks, keeps 8) and never past WARPS[0] (K 2560: 20 chunks, 16 warps)."""
+    for M, N, K, want in [(1, 960, 576, 16), (8, 3072, 576, 16), (1, 576, 1536, 16), (1, 1152, 896, 8),
+                          (1, 5120, 960, 8), (1, 960, 2560, 16), (16, 576, 576, 16), (1, 4096, 4096, 16)]:
+        p = mma.gemv_plan(M, N, K, 128)
+        chunks = K // (32 * p["u"] * p["ksplit"])
+        assert p["warps"] == want and p["warps"] < 2 * chunks, (M, N, K, p)
+    monkeypatch.setattr(mma, "DOUBLE_FEW_CHUNKS", False)  # shapes not planned above (the plans are cached)
+    assert [mma.gemv_plan(1, n, 576, 128)["warps"] for n in (992, 1984)] == [8, 8]
+    monkeypatch.setattr(mma, "DOUBLE_FEW_CHUNKS", True)
+    assert [mma.gemv_plan(1, n, 576, 128)["warps"] for n in (1024, 2048)] == [16, 16]
 
 
 def test_mma_gemv_two_row_tiles_where_one_leaves_half_the_sms_idle():
@@ -274,8 +290,9 @@ def test_mma_gemv_rejects_unsupported_input():
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("N,K,group_size,symmetric", [(4096, 4096, 128, False), (1000, 14336, 32, True),
                                                       (28672, 4096, 64, False), (36, 128, 32, False),
-                                                      (4100, 8192, 128, True)])
+                                                      (4100, 8192, 128, True), (960, 576, 64, False)])
 def test_mma_gemv_matches_reference(M, N, K, group_size, symmetric):
+    """The plan and one change at a time; (960, 576): SmolLM2's q|k|v, 9 chunks over 16 warps (DOUBLE_FEW_CHUNKS)."""
     x, qw, bias, ref, base = w4_gpu_case(M, N, K, group_size, symmetric, seed=M * 13 + N + K)
     plan = mma.gemv_plan(M, N, K, group_size)
     variants = [{}, dict(chains=1), dict(l2_256=True), dict(warps=max(1, plan["warps"] // 2)),

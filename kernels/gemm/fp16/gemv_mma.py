@@ -22,8 +22,11 @@ KERNEL = "fp16_gemv_mma"
 MAX_M = 8  # x rows one mma's B operand holds
 ROWS = 16  # rows of W (outputs) per block: the mma's A operand
 US = (4, 2, 1)  # 32-k steps per chunk, the largest that divides K
-# Registers per thread (ptxas, sm_90, nvcc 13.0: u = 4 122-126, u = 2 64-78, u = 1 46), the bound residency assumes.
-REGS = {4: 128, 2: 80, 1: 48}
+# Registers per thread the residency estimate assumes: the most ptxas (sm_90, nvcc 13.0) takes when the launch bound
+# asks for that residency, with no spill (u = 4 118-126; u = 2 64 at any residency, 78 where minb asks for few
+# blocks; u = 1 40-46). u = 2 assumed 80 before (its unbounded 78): SmolLM2's lm_head then took one warp a block
+# where two fit (see the tests).
+REGS = {4: 128, 2: 64, 1: 48}
 WARPS = (16, 8, 4, 2, 1)  # tried in this order: the most warps per block whose grid fits MAX_WAVES waves
 # How many waves of blocks (at the residency REGS allows) a plan may take. H100, every warp count of each shape at
 # M = 1 (first run, at e5a7836: benchmarks/results/dev-logs/h100/bench_gemm_f16_run1_e5a7836.json; read off

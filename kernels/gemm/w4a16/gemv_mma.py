@@ -114,6 +114,14 @@ MT_DEFAULT = 2
 # 18-64 column blocks) at M = 10 / 12 / 14 / 16: 32 of 32 rows 1.046-1.261x.
 TILE_SPLIT_MAX_M = 16
 WIDE_WARPS = 4  # warps a block where the one-wave rule leaves one (M <= 8, unsplit): see gemv_plan
+# Unsplit plans whose warps take one chunk of K each and then a few more (warps < chunks < 2 warps: short K, as
+# SmolLM2's 576 in 9 chunks over 8 warps) take twice the warps where those still fit one wave, so that no warp
+# takes a second chunk in turn (a memory round trip on a latency-bound call). Read off SmolLM2-135M's projections
+# (first on the fp16 GEMV, whose loop is the same), then on this kernel, H100, plan against its warps halved back in one
+# process (benchmarks/results/dev-logs/h100/w4_few_chunks_0829c71.md): SmolLM2-135M's four 1.08-1.32x at M = 1 / 8;
+# judged on SmolLM2-360M's and a Qwen2.5-0.5B-like q|k|v and o, 1.18-1.41x; vocabulary-sized heads unchanged (0.994-
+# 1.002x, the rule does not apply). SmolLM2-135M int4 decode step (bs 1, ctx 512, graphs) 612.7 -> 526.7 us.
+DOUBLE_FEW_CHUNKS = True
 
 
 def _plan_warps(blocks: int, chunks: int, mt: int, regs: int, sm_count: int) -> int:
@@ -211,6 +219,9 @@ def gemv_plan(M: int, N: int, K: int, group_size: int, u: Optional[int] = None, 
     blocks = col_blocks * ksplit
     if warps is None:
         warps = _plan_warps(blocks, chunks, mt, regs, sm_count)
+    if (DOUBLE_FEW_CHUNKS and planned_warps and ksplit == 1 and warps < chunks < 2 * warps and 2 * warps in WARPS
+            and 2 * warps * mt <= 32 and blocks <= sm_count * _blocks_per_sm(2 * warps, regs)):
+        warps *= 2  # see DOUBLE_FEW_CHUNKS
     if planned_warps and warps == 1 and M <= MAX_M and ksplit == 1 and chunks >= WIDE_WARPS:
         # One warp a block is what one wave leaves past ~1056 column blocks (N > ~33800). WIDE_WARPS a block, in two
         # or more waves, read 1.03-1.24x faster on the 5 such shapes it was read off and 1.004-1.173x on 6 it was
