@@ -125,12 +125,23 @@ def decode_batch(bs: int, ctx: int, vocab: int):
                       input_ids=torch.randint(0, vocab, (bs,)))
 
 
+def generate(gen, prompts, new_tokens: int) -> None:
+    """``new_tokens`` for every prompt, or an error: a request that ended otherwise (logits no token can be chosen
+    from end it in "error") timed fewer tokens than the row divides by."""
+    from export.runtime import SamplingParams
+
+    res = gen.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    ended = sorted({r.finish_reason for r in res} - {"length"})
+    if ended:
+        raise RuntimeError(f"generation ended in {ended}, not after {new_tokens} tokens: the model is broken")
+
+
 def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: float, profiles: dict,
              copy_gbs: float):
     """Our rows of ``quant``: a quant mode, or one with a quantized lm_head (``"int4+lm_head_int8"``: the build's
     ``--quant int4 --lm-head-quant int8``), which labels its rows."""
     from export.model import LlamaModel, make_batch
-    from export.runtime import Generator, SamplingParams
+    from export.runtime import Generator
     from export.runtime.backends import TorchBackend
 
     torch.cuda.reset_peak_memory_stats()
@@ -180,10 +191,10 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
     print_profile(f"{quant} prefill", profiles[f"{quant} prefill"])
     gen = Generator(backend, max_num_seqs=max(BATCHES), max_num_batched_tokens=PREFILL_LEN)
     prompt = torch.randint(0, config.vocab_size, (PREFILL_LEN,)).tolist()
-    gen.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm: JIT + graph capture
+    generate(gen, [prompt], 2)  # warm: JIT + graph capture
     ttfts = []
     for _ in range(TTFT_SAMPLES):
-        gen.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        generate(gen, [prompt], 2)
         ttfts.append(gen.stats.time_to_first_token_s * 1e3)
     ttft = statistics.median(ttfts)
     rows.append(dict(impl=impl, quant=quant, phase="ttft", batch=1, ctx=PREFILL_LEN, ms=ttft,
@@ -207,7 +218,7 @@ def run_ours(config, weights, quant: str, rows: list, hf_ref: dict, deadline: fl
         rows.append(dict(impl=impl, quant=quant, phase="decode step", batch=bs, ctx=DECODE_CTX, ms=ms,
                          tok_s=bs / ms * 1e3))  # no vs_hf: HF is timed as a loop, compared with our loop below
         prompts = [torch.randint(0, config.vocab_size, (loop_prompt_len(DECODE_NEW),)).tolist() for _ in range(bs)]
-        gen.generate(prompts, SamplingParams(max_new_tokens=DECODE_NEW, ignore_eos=True))
+        generate(gen, prompts, DECODE_NEW)
         loop_ms = gen.stats.decode_s / (gen.stats.decode_tokens / bs) * 1e3
         rows.append(dict(impl=impl, quant=quant, phase="decode loop", batch=bs, ctx=DECODE_CTX, ms=loop_ms,
                          tok_s=gen.stats.decode_tokens_per_s, vs_hf=ratio(ref, loop_ms)))

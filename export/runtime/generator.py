@@ -56,7 +56,8 @@ class GenerationStats:
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
 
-# on_token(request_index, token_id, text_delta): text_delta is "" without a tokenizer.
+# on_token(request_index, token_id, text_delta): text_delta is "" without a tokenizer; token_id is NO_TOKEN in the
+# last call of a request that ended in "error" (see Generator._stream).
 TokenCallback = Callable[[int, int, str], None]
 
 _PENDING = -1  # an output token still on the device (pipelined decode): replaced when the host reads it
@@ -194,10 +195,10 @@ class Generator:
         if step.is_prefill:
             stats.prefill_tokens += int(step.batch.input_ids.shape[0])
             stats.prefill_s += dt
-            if stats.time_to_first_token_s is None and rows:
+            if stats.time_to_first_token_s is None and len(tokens) > tokens.count(NO_TOKEN):
                 stats.time_to_first_token_s = time.perf_counter() - self._t_start
         else:
-            stats.decode_tokens += len(step.seqs)
+            stats.decode_tokens += len(tokens) - tokens.count(NO_TOKEN)  # a row that ended in "error" made none
             stats.decode_s += dt
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_cached += n
@@ -227,13 +228,20 @@ class Generator:
     def _stream(self, taken: list[tuple[Sequence, int, bool]], on_token) -> None:
         """``on_token`` for each (sequence, token, whether it was the last) of a step, once the step's bookkeeping is
         done for every sequence: a callback that raises leaves no sequence half-updated. A request that ended in
-        "error" gets no call for it (its result holds its text)."""
+        "error" gets one last call with token ``NO_TOKEN`` and the text its stream held back (a byte run not yet
+        ended; often ""), so that a stream learns how its request ended and its deltas still add up to the result's
+        text."""
         if on_token is None:
             return
         for seq, tok, last in taken:
             stream = self._streams.get(seq.req_id)
-            if stream is not None and tok != NO_TOKEN:  # None: aborted by an earlier callback of this step
+            if stream is None:  # aborted by an earlier callback of this step
+                continue
+            if tok != NO_TOKEN:
                 on_token(seq.req_id, tok, self._text_delta(stream, seq, tok, last))
+            else:
+                held = self._final_delta(stream, seq) if self.tokenizer is not None and stream.toks else ""
+                on_token(seq.req_id, NO_TOKEN, held)
 
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
@@ -384,6 +392,17 @@ class Generator:
             self._run_tokens[tok] = bool(BYTE_TOKEN.fullmatch(str(self.tokenizer.convert_ids_to_tokens(tok))))
         return self._run_tokens[tok]
 
+    def _final_delta(self, stream: _Stream, seq: Sequence) -> str:
+        """What ends the stream of a request whose tokens are all in ``stream.toks``."""
+        # The result's text is the whole output decoded once (_decode); what the stream has not sent of it ends the
+        # stream, so the deltas add up to it.
+        text = self._decode(seq.prompt_ids, stream.toks[stream.ctx:])
+        # (Text sent is never sent again: where the whole decode disagrees with what was streamed, the stream ends as
+        # it is and the result holds the whole decode.)
+        delta = text[len(stream.text):] if text.startswith(stream.text) else ""
+        stream.text = text
+        return delta
+
     def _text_delta(self, stream: _Stream, seq: Sequence, tok: int, last: bool = False) -> str:
         """The text ``tok`` adds to its request's stream; ``last``: the request's final token, after which the deltas
         add up to the result's text."""
@@ -399,14 +418,7 @@ class Generator:
             # only once a token that is not a byte ends it.
             return ""
         if last:
-            # The result's text is the whole output decoded once (_decode); what the stream has not sent of it ends
-            # the stream, so the deltas add up to it.
-            text = self._decode(seq.prompt_ids, stream.toks[stream.ctx:])
-            # (Text sent is never sent again: where the whole decode disagrees with what was streamed, the stream
-            # ends as it is and the result holds the whole decode.)
-            delta = text[len(stream.text):] if text.startswith(stream.text) else ""
-            stream.text = text
-            return delta
+            return self._final_delta(stream, seq)
         before = self._text(stream.toks[stream.prefix:stream.read])
         text = self._text(stream.toks[stream.prefix:])
         # A token that ends mid-character decodes to U+FFFD until the next token completes it: hold it back (the

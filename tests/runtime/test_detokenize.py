@@ -130,3 +130,45 @@ def test_a_decode_that_rewrites_sent_text_does_not_stall_the_stream(tmp_path):
     (r,) = gen.generate([prompt], SamplingParams(max_new_tokens=len(ids), ignore_eos=True),
                         on_token=lambda i, t, d: deltas.append(d))
     assert sum(bool(d) for d in deltas[4:]) >= 10, deltas  # streaming went on after the rewrite
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("pieces, text", [
+    (["▁the", "<0xC3>", "<0xA9>"], " theé"),  # a complete character in a byte run the error cut short
+    (["▁the", "<0xC3>"], " the\ufffd"),  # a stray lead byte
+    (["▁the", "▁time"], " the time"),  # nothing held back: the last call's text is ""
+])
+def test_a_request_that_ends_in_an_error_streams_the_text_it_held_back(sp_tokenizer, pieces, text, pipeline):
+    """Unusable logits (a NaN) after a byte run: the stream held the run back waiting for the token that ends it, which
+    never comes; the result's text has the run. The stream ends in one call with token NO_TOKEN and the held-back
+    text, so that the deltas add up to the result's text (before: ' the' streamed, ' theé' the result: a streaming
+    client, `python -m export.run`'s single prompt, never showed the 'é' the model did generate)."""
+    import dataclasses
+
+    from export.runtime.sampling import NO_TOKEN
+
+    script = sp_tokenizer.convert_tokens_to_ids(pieces)
+    prompt = sp_tokenizer.convert_tokens_to_ids(PROMPT)
+
+    class NaNAfterScript(ScriptedBackend):
+        supports_device_tokens = pipeline
+
+        def forward(self, b, input_ids=None):
+            if input_ids is not None:
+                b = dataclasses.replace(b, input_ids=input_ids)
+            self.cache[b.slot_mapping.long()] = b.input_ids
+            logits = torch.zeros(b.num_seqs, self.vocab_size)
+            for i in range(b.num_seqs):
+                k = int(b.seq_lens[i]) - self.prompt_len
+                logits[i, self.script[k] if k < len(self.script) else 7] = 1.0 if k < len(self.script) else float("nan")
+            return logits
+
+    gen = Generator(NaNAfterScript(script, len(prompt)), sp_tokenizer)
+    assert gen.pipeline == pipeline
+    calls = []
+    (r,) = gen.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True),
+                        on_token=lambda i, t, d: calls.append((t, d)))
+    assert r.finish_reason == "error" and r.token_ids == script and r.text == text
+    assert "".join(d for _, d in calls) == text, calls
+    assert [t for t, _ in calls] == script + [NO_TOKEN]
+    assert gen.blocks.num_free_blocks == gen.blocks.num_blocks

@@ -63,10 +63,12 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption():
 @pytest.mark.parametrize("sampled", [False, True])
 def test_unusable_logits_end_their_request_with_an_error_and_the_others_go_on(pipeline, bad, sampled):
     """The model gives one request a row of logits no token can be chosen from (a NaN, an overflow to +inf, all
-    -inf) at its third output token: that request ends with finish_reason "error" and its first two tokens, gets no
-    callback for it, frees its blocks; the others' tokens equal the reference. (Before, a sampled row raised out of
-    step() at every retry, the whole batch stuck; a greedy row's argmax took the NaN's index as a token.)"""
+    -inf) at its third output token: that request ends with finish_reason "error" and its first two tokens, its
+    stream ends in a call with token NO_TOKEN, it frees its blocks; the others' tokens equal the reference. (Before,
+    a sampled row raised out of step() at every retry, the whole batch stuck; a greedy row's argmax took the NaN's
+    index as a token.)"""
 
+    from export.runtime.sampling import NO_TOKEN
     from tests.runtime.test_scheduler import ToyPipelinedBackend, next_token
 
     def reference(prompt, n):  # ignore_eos
@@ -103,7 +105,7 @@ def test_unusable_logits_end_their_request_with_an_error_and_the_others_go_on(pi
     res = gen.generate(prompts, params, on_token=lambda i, t, d: streamed[i].append(t))
     bad_res = res[1]
     assert bad_res.finish_reason == "error" and len(bad_res.token_ids) == 2
-    assert streamed[1] == bad_res.token_ids
+    assert streamed[1] == bad_res.token_ids + [NO_TOKEN]
     if not sampled:
         assert bad_res.token_ids == reference(poisoned, 2)
         for i in (0, 2):
@@ -111,3 +113,27 @@ def test_unusable_logits_end_their_request_with_an_error_and_the_others_go_on(pi
     else:
         assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in (res[0], res[2]))
     assert gen.blocks.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_row_that_ends_in_an_error_is_no_decode_token_nor_a_first_token(pipeline):
+    """stats.decode_tokens counts the tokens decoded: a decode row of unusable logits (NaN) made none, with or
+    without the pipelined decode (before: the synchronous step counted every row of the step, the pipelined one
+    only the tokens, so decode tok/s differed by path); a prefill whose only row is unusable gave no first token."""
+    from tests.runtime.test_scheduler import ToyPipelinedBackend
+
+    class NaNAt(ToyPipelinedBackend if pipeline else ToyPagedBackend):
+        def forward(self, b, input_ids=None):
+            logits = super().forward(b, input_ids) if pipeline else super().forward(b)
+            for i in range(b.num_seqs):
+                if int(b.seq_lens[i]) in (5, 20):  # [1, 2, 3]'s 3rd output token; [4] * 20's first
+                    logits[i] = float("nan")
+            return logits
+
+    gen = Generator(NaNAt(64, 2))
+    res = gen.generate([[1, 2, 3], [7, 8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [(r.finish_reason, len(r.token_ids)) for r in res] == [("error", 2), ("length", 6)]
+    assert gen.stats.decode_tokens == sum(len(r.token_ids) - 1 for r in res) == 6
+    (r,) = gen.generate([[4] * 20], SamplingParams(max_new_tokens=3))
+    assert r.finish_reason == "error" and r.token_ids == [] and gen.stats.time_to_first_token_s is None
+    assert gen.stats.decode_tokens == 0
