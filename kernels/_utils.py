@@ -34,6 +34,10 @@ def table_row_stride(block_table: torch.Tensor) -> int:
     """The block table's row stride as the attention kernels take it, which also bounds a row's KV length (stride x
     block size): a one-row table's ``stride(0)`` is whatever torch made it (size-1 dims do not count for
     contiguity, so ``(1, W)`` may have stride 1), so its width."""
+    # A table of width 0 has no row to read: torch gives it stride 1 (and no storage), which let a sequence claim
+    # one page per row of it (reads past the table: a null pointer); 0 clamps every KV length to 0.
+    if block_table.shape[1] == 0:
+        return 0
     return block_table.stride(0) if block_table.shape[0] > 1 else block_table.shape[1]
 
 

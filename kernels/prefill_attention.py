@@ -224,7 +224,7 @@ def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int, triton_path: 
 
 
 def _check_cu(name: str, cu: torch.Tensor) -> None:
-    if cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype != torch.int32:
+    if cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype != torch.int32:  # [0]: a batch of no sequences
         raise ValueError(f"{name} must be int32 [num_seqs + 1] (offsets of each sequence); got {cu.dtype} "
                          f"{tuple(cu.shape)}")
     check_index(name, cu)
@@ -237,6 +237,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal:
                          f"{tuple(v.shape)}")
     check_heads(q, k.shape[1], k.shape[2])
     _check_cu("cu_seqlens", cu_seqlens)
+    if cu_seqlens.shape[0] == 1 and q.shape[0] > 0:
+        raise ValueError(f"q has {q.shape[0]} tokens but cu_seqlens [0] holds no sequence")
     for name, x in (("k", k), ("v", v)):
         if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
             raise ValueError(f"{name} must have contiguous heads; got strides {x.stride()}: call .contiguous()")

@@ -305,6 +305,7 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     if slot_mapping.shape != (T,) or slot_mapping.dtype != torch.int32:
         raise ValueError(f"rope_write_kv_cache: slot_mapping must be int32 [{T}]; got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
+    check_index("rope_write_kv_cache: slot_mapping", slot_mapping)  # the kernel reads slot t at ptr + t
     check_device(v, k_cache, v_cache, slot_mapping)
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0:

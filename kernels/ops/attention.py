@@ -48,6 +48,8 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, m
                          "call .contiguous()")
     if max_seqlen_q < 1:
         raise ValueError(f"max_seqlen_q must be >= 1 (1 for a pure decode step); got {max_seqlen_q}")
+    if seq_lens.shape[0] == 0 and q.shape[0] > 0:
+        raise ValueError(f"q has {q.shape[0]} tokens but the batch has no sequences (seq_lens is empty)")
     if max_seqlen_q == 1 and q.shape[0] > seq_lens.shape[0]:
         raise ValueError(f"max_seqlen_q=1 but q has {q.shape[0]} tokens for {seq_lens.shape[0]} sequences: pass the "
                          "step's longest run of new tokens per sequence")
@@ -97,6 +99,8 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                     scale: float) -> torch.Tensor:
     check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q)
+    if q.shape[0] == 0:  # no new tokens (or no sequences): nothing to attend, nothing to launch
+        return torch.empty_like(q)
     if not q.is_cuda:
         # One new token per sequence (max_seqlen_q == 1 and T == S): the batched CPU decode path; else the reference.
         if max_seqlen_q == 1 and q.shape[0] == seq_lens.shape[0]:
@@ -126,6 +130,8 @@ def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                          f"{tuple(v.shape)}")
     check_heads(q, k.shape[1], k.shape[2], triton_path=False)
     _check_cu("cu_seqlens", cu_seqlens)
+    if cu_seqlens.shape[0] == 1 and q.shape[0] > 0:
+        raise ValueError(f"q has {q.shape[0]} tokens but cu_seqlens [0] holds no sequence")
     return ref.varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, causal).to(q.dtype)
 
 

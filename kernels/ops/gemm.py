@@ -54,13 +54,21 @@ def _flatten(x: Tensor, residual: Optional[Tensor], N: int):
     if residual is not None:
         if tuple(residual.shape) != (*lead, N):
             raise ValueError(f"residual must have shape {(*lead, N)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            # Kernels that fuse the add round to x's dtype; the routes that add it after the GEMM would promote the
+            # output (an fp32 residual made an fp32 result at some M, x's dtype at others, against the fake impl).
+            raise ValueError(f"residual is {residual.dtype} but x is {x.dtype}: pass residual.to({x.dtype})")
         r2 = residual.reshape(-1, N).contiguous()
     return lead, x2, r2
 
 
-def _check_bias(bias: Optional[Tensor], N: int, op: str) -> None:
+def _check_bias(bias: Optional[Tensor], N: int, op: str, dtype: torch.dtype) -> None:
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{op}: bias must have shape [{N}], got {tuple(bias.shape)}")
+    if bias is not None and bias.dtype != dtype:
+        # The Triton kernels took any float bias, dequantize + cuBLAS (addmm) and the CUDA kernels refused one that is
+        # not x's dtype: whether a call ran depended on M.
+        raise ValueError(f"{op}: bias is {bias.dtype} but x is {dtype}: pass bias.to({dtype})")
     if bias is not None and not bias.is_contiguous():
         raise ValueError(f"{op}: bias must be contiguous (a strided view is read as other values); pass "
                          "bias.contiguous()")
@@ -73,7 +81,7 @@ def _w8_shapes(x, qweight, scales, bias, swiglu, op="w8a16_linear"):
     from ..gemm.common import epilogue_width
 
     _, N = check_w8_weight(qweight, scales, x.shape[-1])
-    _check_bias(bias, N, op)
+    _check_bias(bias, N, op, x.dtype)
     return N, epilogue_width(N, swiglu, op)
 
 
@@ -155,14 +163,21 @@ def _w4_shapes(x, qweight, scales, zeros, group_size, bias, swiglu, op="w4a16_li
     from ..gemm.common import epilogue_width
 
     _, N = check_w4_weight(qweight, scales, zeros, group_size, x.shape[-1])
-    _check_bias(bias, N, op)
+    _check_bias(bias, N, op, x.dtype)
     return N, epilogue_width(N, swiglu, op)
+
+
+def aligned_rows(x2: Tensor) -> Tensor:
+    """``x2`` as the W4A16 GEMVs load it: contiguous and 16-byte aligned. A contiguous view that starts off 16 bytes
+    (e.g. ``buf[1:].view(M, K)``) is copied: ``.contiguous()`` returns it as it is, and the GEMVs refused it."""
+    x2 = x2.contiguous()
+    return x2 if x2.data_ptr() % 16 == 0 else x2.clone()
 
 
 def _w4_gemv_mma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
     from ..gemm.w4a16 import gemv_mma as mma
 
-    return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias, swiglu=swiglu)
+    return mma.w4a16_gemv_mma(aligned_rows(x2), qweight, scales, zeros, group_size, bias, swiglu=swiglu)
 
 
 def _w4_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
@@ -174,7 +189,7 @@ def _w4_gemm_wgmma(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
 def _w4_gemv(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):
     from ..gemm.w4a16 import gemv as cu
 
-    return cu.w4a16_gemv(x2.contiguous(), qweight, scales, zeros, group_size, bias)
+    return cu.w4a16_gemv(aligned_rows(x2), qweight, scales, zeros, group_size, bias)
 
 
 def _w4_triton(x2, qweight, scales, zeros, group_size, bias, r2, swiglu):

@@ -27,7 +27,8 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x.is_cuda:
         return k.rms_norm(x, weight, eps)
     _flat_shape_check(x, weight, "rms_norm")
-    return k.rms_norm_ref(x, weight, eps)
+    # contiguous, as the fake impl says (and the Triton path makes): the reference keeps a strided x's layout
+    return k.rms_norm_ref(x, weight, eps).contiguous()
 
 
 rms_norm = torch.library.custom_op("tritrt::rms_norm", _rms_norm, mutates_args=())
@@ -52,7 +53,8 @@ def _fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
     if x.is_cuda:
         return k.fused_add_rms_norm(x, residual, weight, eps)
     _fused_add_check(x, residual, weight)
-    return k.fused_add_rms_norm_ref(x, residual, weight, eps)
+    y, res_out = k.fused_add_rms_norm_ref(x, residual, weight, eps)
+    return y.contiguous(), res_out.contiguous()  # as the fake impl says
 
 
 fused_add_rms_norm = torch.library.custom_op("tritrt::fused_add_rms_norm", _fused_add_rms_norm, mutates_args=())
@@ -72,7 +74,7 @@ def _layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -
     if x.is_cuda:
         return k.layer_norm(x, weight, bias, eps)
     _flat_shape_check(x, weight, "layer_norm")
-    return k.layer_norm_ref(x, weight, bias, eps)
+    return k.layer_norm_ref(x, weight, bias, eps).contiguous()  # as the fake impl says
 
 
 layer_norm = torch.library.custom_op("tritrt::layer_norm", _layer_norm, mutates_args=())
@@ -101,7 +103,7 @@ def _swiglu(x: Tensor, up: Optional[Tensor]) -> Tensor:
     if x.is_cuda:
         return k.swiglu(x, up)
     _gated_out(x, up, "swiglu")
-    return k.swiglu_ref(x, up)
+    return k.swiglu_ref(x, up).contiguous()  # as the fake impl says
 
 
 swiglu = torch.library.custom_op("tritrt::swiglu", _swiglu, mutates_args=())
@@ -118,7 +120,7 @@ def _geglu(x: Tensor, up: Optional[Tensor], approximate: str = "tanh") -> Tensor
     if x.is_cuda:
         return k.geglu(x, up, approximate)
     _gated_out(x, up, "geglu")
-    return k.geglu_ref(x, up, approximate)
+    return k.geglu_ref(x, up, approximate).contiguous()  # as the fake impl says
 
 
 geglu = torch.library.custom_op("tritrt::geglu", _geglu, mutates_args=())

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kernels.ops.gemm import aligned_rows
+
 CUDA_GEMV_MAX_M = 1
 CUDA_GEMV_MMA_MAX_M = 32
 DEQUANT_MIN_M_W4 = 256
@@ -153,7 +155,8 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         from kernels.gemm.w4a16 import gemv_mma as mma
 
         if mma.unsupported_reason(M, N, K, group_size, x.dtype) is None:
-            return mma.w4a16_gemv_mma(x2.contiguous(), qweight, scales, zeros, group_size, bias,
+            # Changed on purpose: a misaligned x is copied (kernels.ops.gemm.aligned_rows), as the GEMV needs.
+            return mma.w4a16_gemv_mma(aligned_rows(x2), qweight, scales, zeros, group_size, bias,
                                       swiglu=swiglu).reshape(*lead, n_out)
     if wg_plan is not None:
         from kernels.gemm import gemm_wgmma as wg
@@ -163,5 +166,5 @@ def w4a16_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Ten
         from kernels.gemm.w4a16 import gemv as cu
 
         if cu.unsupported_reason(M, N, K, group_size, x.dtype) is None:
-            return cu.w4a16_gemv(x2.contiguous(), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
+            return cu.w4a16_gemv(aligned_rows(x2), qweight, scales, zeros, group_size, bias).reshape(*lead, N)
     return k.w4a16_gemm(x2, qweight, scales, zeros, group_size, bias, r2, swiglu=swiglu).reshape(*lead, n_out)
