@@ -1,7 +1,8 @@
 """``python -m export.verify OUT``: compare everything ``python -m export.build`` wrote, with Polygraphy's runners.
 
 Runners, all fed the same inputs (a prefill of two sequences of different lengths on fresh caches, then a decode
-step and a chunked-prefill step, each on the caches ONNX Runtime wrote the step before):
+step and a chunked-prefill step, each on the caches ONNX Runtime wrote the step before; every step also carries one
+padding sequence as the runtime pads a batch, whose token writes no cache slot: slot -1, see ``make_feeds``):
 
 - ``onnxrt``: ONNX Runtime on ``model.reference.onnx`` (standard ops only: the independent runtime). An fp16 / bf16
   graph runs as its exact fp32 upcast (``export.verify_ort`` says why that is right);
@@ -101,7 +102,7 @@ FOLLOW_UP_STEPS = ((1, 1), (3, 2))
 
 
 def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=None, seed: int = 0, decode: bool = True,
-               prefill_runner=None):
+               prefill_runner=None, pad: bool = False):
     """``(feeds, sequences)``: graph feeds and, per feed, each sequence's full tokens so far.
 
     The first feed is a prefill of ``lens`` tokens on fresh (zero) caches (default ``block_size + 5`` and 3: the
@@ -110,6 +111,12 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=None, seed:
     supplies (ONNX Runtime on the reference flavour). Block 0 is left unused so that a table entry of 0 (padding) is
     never a block that holds a sequence's tokens; the others are handed out in descending order, so that a lookup
     assuming a sequence's blocks are consecutive reads the wrong keys.
+
+    ``pad``: each feed ends with one padding sequence as the runtime pads a step (``export.runtime.backends``,
+    ``pad_decode_batch``): one token at position 0 whose slot is -1 (writes no cache slot), seq_len 1, a block-table
+    row of zeros (attends to block 0, slot 0). ``sequences`` leaves it out; its logits row is the runtime's to
+    ignore, but a write it should have skipped shows in the caches (a slot of -1 taken as an index lands in the
+    last block, which holds the first sequence's tokens).
     """
     from .model import make_batch
 
@@ -142,9 +149,34 @@ def make_feeds(config, block_size: int, cache_dtype=np.float32, lens=None, seed:
         feed["block_table"] = shuffle[table].astype(table.dtype)
         feed["slot_mapping"] = np.where(slots >= 0, shuffle[slots // block_size] * block_size + slots % block_size,
                                         slots).astype(slots.dtype)
-        feeds.append({**feed, **caches, **_scratch_feed(config, len(step_lens))})
+        if pad:
+            feed = _pad_feed(feed)
+        feeds.append({**feed, **caches, **_scratch_feed(config, len(step_lens) + pad)})
         sequences.append([t.copy() for t in tokens])
     return feeds, sequences
+
+
+def _pad_feed(feed: dict) -> dict:
+    """``feed`` with one padding sequence appended (see ``make_feeds``'s ``pad``), dtypes kept."""
+    def add(name, value):
+        return np.concatenate([feed[name], np.asarray([value], feed[name].dtype)])
+
+    table = feed["block_table"]
+    return {**feed, "input_ids": add("input_ids", 0), "positions": add("positions", 0),
+            "slot_mapping": add("slot_mapping", -1), "seq_lens": add("seq_lens", 1),
+            "cu_seqlens_q": add("cu_seqlens_q", feed["cu_seqlens_q"][-1] + 1),
+            "block_table": np.concatenate([table, np.zeros((1, table.shape[1]), table.dtype)])}
+
+
+def _drop_padding_logits(results, sequences) -> None:
+    """Each graph runner's logits without the padding sequence's row (``make_feeds``'s ``pad``): the HF runner gives
+    the real sequences' rows only. The caches stay whole: a write the padding token should have skipped fails there."""
+    for name, iters in results:
+        if name == "hf":
+            continue
+        for it, seqs in zip(iters, sequences):
+            if "logits" in it.keys():
+                it["logits"] = it["logits"][:len(seqs)]
 
 
 def _scratch_feed(config, num_seqs: int) -> dict:
@@ -344,8 +376,9 @@ def _compare_all(info, reference, plugin_ref, plugin_ref32, preloaded, device, d
 
     start = time.perf_counter()
     try:
+        # The padding sequence makes a step of 3 sequences: an engine whose profile takes fewer goes without it.
         feeds, sequences = make_feeds(config, info["block_size"], cache_dtype, decode=decode,
-                                      prefill_runner=prefill_runner)
+                                      prefill_runner=prefill_runner, pad=info["build"].get("max_num_seqs", 64) >= 3)
     except Exception as e:  # ONNX Runtime's InvalidArgument / Fail: a reference graph of another contract
         raise _unreadable(out, "the reference graph", e) from e
     timings.append(f"{len(feeds)} feeds in {time.perf_counter() - start:.1f} s")
@@ -367,6 +400,7 @@ def _compare_all(info, reference, plugin_ref, plugin_ref32, preloaded, device, d
         raise _unreadable(out, "a runner", e) from e
     timings.append(f"runners in {time.perf_counter() - start:.1f} s")
     _upcast_outputs(results)
+    _drop_padding_logits(results, sequences)
 
     precision = {"hf": "float32", "onnxrt": "float32" if reference.upcast else dtype, "plugin-ref": dtype,
                  "plugin-ref-fp32": "float32", "trt": dtype}

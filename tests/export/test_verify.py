@@ -296,6 +296,35 @@ def test_feeds_have_the_documented_layout(built_out):
         assert not f["attn_counter"].any()
 
 
+def test_a_padding_token_that_writes_the_cache_fails(built_out, monkeypatch, capsys):
+    """The runtime pads a step with tokens whose slot is -1 (``pad_decode_batch``, CUDA-graph capture): they must
+    write no cache slot. verify's feeds carry one such padding sequence per step, so a cache write that takes -1 as an
+    index (torch and numpy wrap it to the last slot, which holds the first sequence's tokens) fails; feeds of real
+    sequences only let this kernel/reference defect pass (an audit's mutant of write_kv_cache_ref, exit 0)."""
+    import kernels.attention_ref as ar
+    from export.verify import load_out, make_feeds, ort_session
+
+    def write_without_skipping(k, v, k_cache, v_cache, slot_mapping):
+        hk, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, hk, d)[slot_mapping.long()] = k.to(k_cache.dtype)  # -1 -> the last slot
+        v_cache.view(-1, hk, d)[slot_mapping.long()] = v.to(v_cache.dtype)
+
+    monkeypatch.setattr(ar, "write_kv_cache_ref", write_without_skipping)
+    assert _verify(built_out) == 1
+    fails = [m for m in map(ROW.match, capsys.readouterr().out.splitlines()) if m and m[1] == "FAIL"]
+    assert {(m[2], m[5]) for m in fails} >= {("plugin-ref", "k_cache_out_0"), ("plugin-ref", "v_cache_out_0")}
+    monkeypatch.undo()
+    assert _verify(built_out) == 0  # the padding sequence itself passes (its logits row is dropped)
+    info = load_out(built_out)
+    sess = ort_session(built_out / "model.reference.onnx")
+    names = [o.name for o in sess.get_outputs()]
+    feeds, seqs = make_feeds(info["config"], info["block_size"], pad=True,
+                             prefill_runner=lambda f: dict(zip(names, sess.run(None, f))))
+    for feed, seq in zip(feeds, seqs):  # the padding sequence comes last and is not one of the real sequences
+        assert feed["slot_mapping"][-1] == -1 and not feed["block_table"][-1].any() and feed["seq_lens"][-1] == 1
+        assert len(feed["seq_lens"]) == len(seq) + 1
+
+
 @pytest.mark.tensorrt_engine
 def test_engine_matches_onnxruntime(tmp_path, capsys):
     """Where TensorRT exists: build the fp16 int4 engine and compare it with ONNX Runtime (never run in this repo's
