@@ -40,6 +40,9 @@ class GenerationResult:
 
 @dataclass
 class GenerationStats:
+    """Tokens and wall time by kind of step: a step that feeds any prompt tokens counts as prefill, its decode rows
+    (sequences decoding alongside a prompt's chunk) included; decode counts the steps of decode rows only."""
+
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     decode_tokens: int = 0

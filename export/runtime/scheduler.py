@@ -1,13 +1,15 @@
 """Which sequences run in the next model step, and the packed ``Batch`` for that step.
 
-Policy (simple, and friendly to CUDA graphs): a step is either a *prefill* step or a *decode* step, never both.
-Waiting requests are admitted first-come first-served while the step's token budget, the sequence limit and the
-free KV blocks allow; admitted prompts of different lengths are packed into one prefill step, and a prompt longer
-than the budget is prefilled in chunks over several steps. When no prompt tokens are pending, every running
-sequence decodes one token. New requests may be added between steps.
+Policy (as vLLM's chunked prefill): every step first gives each running sequence that decodes its one token, then
+spends the rest of the step's token budget on prompt tokens: the rest of partly prefilled prompts, then waiting
+requests, admitted first-come first-served while the budget, the sequence limit and the free KV blocks allow. A
+prompt longer than what is left of the budget is prefilled in chunks over several steps, and running sequences
+keep decoding meanwhile (a step may mix decode rows and prompt chunks: a long prompt never stalls the others'
+tokens). A step of decode rows only is what CUDA graphs and pipelined decode replay. New requests may be added
+between steps.
 
-Out of KV blocks during decode: the most recently admitted running sequence is preempted (its blocks freed, its
-prompt + generated tokens put back at the head of the queue, recomputed by a later prefill), so memory pressure
+Out of KV blocks for a decode token: the most recently admitted running sequence is preempted (its blocks freed,
+its prompt + generated tokens put back at the head of the queue, recomputed by a later prefill), so memory pressure
 delays requests but never corrupts them. A request that could never fit is refused when it is added.
 """
 
@@ -67,7 +69,7 @@ class Step:
     seqs: list[Sequence]
     num_tokens: list[int]  # new tokens each sequence feeds in this step (a prompt chunk, or 1 when decoding)
     batch: Batch  # on CPU; the backend moves it to its device
-    is_prefill: bool
+    is_prefill: bool  # some sequence feeds prompt tokens (or recomputes after preemption); else every row decodes
 
     @property
     def samples(self) -> list[bool]:
@@ -87,6 +89,9 @@ class Scheduler:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:  # else nothing is ever admitted, and generate() spins
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) "
                              "must be >= 1")
+        if max_num_batched_tokens < max_num_seqs:  # a step decodes every running sequence, one token each
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): a decode step feeds one token per sequence; lower max_num_seqs")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,31 +133,39 @@ class Scheduler:
             self.blocks.free(seq.req_id)
 
     def schedule(self) -> Step | None:
-        """The next step: prefill chunks if any sequence has uncached tokens or can be admitted, else one decode."""
-        chosen = self._prefill_chunks()
-        if chosen:
-            seqs, counts = [c[0] for c in chosen], [c[1] for c in chosen]
-            return Step(seqs, counts, self._build(seqs, counts), is_prefill=True)
-        if not self.running:
+        """The next step: one token for every running sequence that decodes, then prompt chunks within the rest of
+        the token budget (see the module docstring); None when nothing runs or waits."""
+        if not self.running and not self.waiting:
             return None
-        seqs = self._reserve_decode()
-        return Step(seqs, [1] * len(seqs), self._build(seqs, [1] * len(seqs)), is_prefill=False)
+        self._reserve_decode()
+        # Decode rows first: at most max_num_seqs <= max_num_batched_tokens of them, so they always fit.
+        budget = self.max_num_batched_tokens - sum(1 for seq in self.running if seq.num_new_tokens == 1)
+        chosen = []
+        for seq in self.running:
+            n = seq.num_new_tokens
+            if n > 1:  # the rest of a partly prefilled prompt (its blocks were reserved at admission)
+                n = min(n, budget)
+                budget -= n
+            if n:
+                chosen.append((seq, n))
+        chosen += self._admit(budget)
+        if not chosen:  # requests wait for blocks that running sequences hold, and none of those runs: cannot be
+            return None  # (a running sequence always has a token to feed), kept as a guard for generate()'s loop
+        seqs, counts = [c[0] for c in chosen], [c[1] for c in chosen]
+        # A decode row feeds the last sampled token of a sequence that has output; anything else feeds prompt tokens
+        # (a prompt's last chunk may be one token) or recomputes a preempted sequence.
+        is_prefill = any(n != 1 or not seq.output_ids or seq.num_new_tokens != 1 for seq, n in chosen)
+        return Step(seqs, counts, self._build(seqs, counts), is_prefill=is_prefill)
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _prefill_chunks(self) -> list[tuple[Sequence, int]]:
-        """Packed prompt chunks within the token budget: first the rest of partly prefilled prompts, then new ones.
+    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Admit waiting requests into ``budget`` prompt tokens: each one's first chunk.
 
-        A prompt longer than the budget is prefilled in chunks over several steps (chunked prefill), so no step
+        A prompt longer than the budget left is prefilled in chunks over several steps (chunked prefill), so no step
         exceeds ``max_num_batched_tokens`` (an engine's profile limit). Its KV blocks are reserved whole at
         admission, so a half-prefilled sequence never waits for memory.
         """
-        budget = self.max_num_batched_tokens
         chosen = []
-        for seq in self.running:
-            if seq.num_new_tokens > 1 and budget > 0:
-                n = min(seq.num_new_tokens, budget)
-                chosen.append((seq, n))
-                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_new_tokens
@@ -170,16 +183,16 @@ class Scheduler:
             budget -= min(n, budget)
         return chosen
 
-    def _reserve_decode(self) -> list[Sequence]:
+    def _reserve_decode(self) -> None:
+        """A KV slot for every running sequence's next token, preempting the newest sequence while blocks lack."""
         for seq in list(self.running):
             while seq in self.running:
                 try:
-                    # The new token needs a slot unless its chunk was reserved at admission (a prompt's last token).
+                    # The new token needs a slot unless its chunk was reserved at admission (a prompt's tokens).
                     self.blocks.reserve(seq.req_id, seq.num_tokens - self.blocks.num_tokens(seq.req_id))
                     break
                 except OutOfBlocks:
                     self._preempt(self.running[-1])
-        return list(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

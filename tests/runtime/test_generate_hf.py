@@ -43,15 +43,26 @@ def assert_same_tokens(hf_model, prompt_ids, ours, want):
     assert len(ours) == len(want), f"ours {len(ours)} tokens, HF {len(want)}"
 
 
-@pytest.mark.parametrize("num_blocks,block_size,pipeline", [(None, 4, False), (24, 2, False), (None, 4, True)])
-def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block_size, pipeline):
+# (24 blocks of 2 tokens cannot hold all four sequences at once: the scheduler queues and preempts; a budget of 5
+# tokens chunks the longer prompts, and the sequences that decode meanwhile share those steps.)
+@pytest.mark.parametrize("num_blocks,block_size,pipeline,budget", [(None, 4, False, 8192), (24, 2, False, 8192),
+                                                                   (None, 4, True, 8192), (None, 4, False, 5)])
+def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block_size, pipeline, budget):
     from export.model import LlamaModel
 
     tok = load_tokenizer(tiny_dir)
     model = LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32)
-    # (24 blocks of 2 tokens cannot hold all four sequences at once: the scheduler queues and preempts.)
     backend = TorchBackend(model, num_blocks=num_blocks, block_size=block_size)
-    gen = Generator(backend, tok, max_num_seqs=4, pipeline=pipeline)  # pipelined: the model on device-side ids
+    # pipelined: the model on device-side ids
+    gen = Generator(backend, tok, max_num_seqs=4, max_num_batched_tokens=budget, pipeline=pipeline)
+    mixed = []  # steps that feed prompt tokens and decode rows together
+    schedule = gen.scheduler.schedule
+    def spy():
+        step = schedule()
+        if step is not None and step.is_prefill:
+            mixed.append(any(n == 1 and s.output_ids for s, n in zip(step.seqs, step.num_tokens)))
+        return step
+    gen.scheduler.schedule = spy
     max_new = 16
     res = gen.generate(PROMPTS, SamplingParams(max_new_tokens=max_new))
     assert gen.stats.steps < len(PROMPTS) * max_new, "prompts were not batched"
@@ -63,6 +74,8 @@ def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block
         assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
     if num_blocks == 24:
         assert any(r.num_preemptions for r in res), "the small cache should have forced a preemption"
+    if budget == 5:
+        assert any(mixed), "the small budget should mix prompt chunks and decode rows in a step"
 
 
 def test_greedy_qwen3_equals_hf_generate(tiny_dirs):

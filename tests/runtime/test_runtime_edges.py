@@ -52,7 +52,7 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption():
     p = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
     alone = Generator(SoftBackend(64, 4)).generate([[5, 6, 7]], p)[0].token_ids
     others = [SamplingParams(max_new_tokens=12, temperature=0.7, seed=s, ignore_eos=True) for s in range(4)]
-    res = Generator(SoftBackend(9, 2), max_num_batched_tokens=3).generate(
+    res = Generator(SoftBackend(9, 2), max_num_seqs=3, max_num_batched_tokens=3).generate(
         [[9, 9], [5, 6, 7], [1, 2, 3, 4], [8], [3, 3, 3]], [others[0], p, *others[1:]])
     assert sum(r.num_preemptions for r in res) > 0
     assert res[1].token_ids == alone

@@ -82,7 +82,7 @@ def toy_backend(pipeline, *args, **kw):
 
 
 # (cache blocks, block size, seed, whether the cache is small enough that a decode step must preempt)
-@pytest.mark.parametrize("num_blocks,block_size,seed,preempts", [(200, 4, 0, False), (12, 4, 1, True),
+@pytest.mark.parametrize("num_blocks,block_size,seed,preempts", [(200, 4, 0, False), (8, 4, 1, True),
                                                                  (22, 1, 2, True), (6, 8, 3, None)])
 @pytest.mark.parametrize("token_budget", [8192, 5])  # 5 < most prompts: chunked prefill
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -131,6 +131,38 @@ def test_requests_join_between_steps(pipeline):
     assert gen.result(b).token_ids == ref([9, 1], 4)
     gen.blocks.check_invariants()
     assert gen.blocks.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_running_sequences_decode_while_a_long_prompt_is_prefilled_in_chunks(pipeline):
+    """A prompt longer than the token budget arrives while a request decodes: every step gives the decoding request
+    its token and the prompt's chunk the rest of the budget (the decode stalled for all the chunks before), no step
+    exceeds the budget, and both requests equal their unbatched references."""
+    backend = toy_backend(pipeline, 64, 4)
+    gen = Generator(backend, max_num_seqs=4, max_num_batched_tokens=6)
+    a = gen.add_request([5, 6, 7], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    gen.step()
+    gen.step()
+    long_prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(30)]
+    b = gen.add_request(long_prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    steps = 0
+    while b not in dict(out := gen.step()):
+        assert [rid for rid, _ in out] == [a], f"step {steps} of the chunked prefill gave {out}"
+        steps += 1
+    assert steps >= 30 // 6, "the prompt was not chunked"
+    while gen.has_unfinished():
+        gen.step()
+
+    def ref(p, n):
+        toks = list(p)
+        for _ in range(n):
+            toks.append(next_token(toks))
+        return toks[len(p):]
+    assert gen.result(a).token_ids == ref([5, 6, 7], 20)
+    assert gen.result(b).token_ids == ref(long_prompt, 3)
+    assert backend.max_tokens_seen <= 6
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        Generator(backend, max_num_seqs=8, max_num_batched_tokens=4)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])

@@ -69,7 +69,9 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
     nb = rng.choice([4, 6, 10, 20])
     bs = rng.choice([1, 2, 4])
     backend = poisoned(ToyPipelinedBackend if pipeline else ToyPagedBackend, salt)(nb, bs)
-    gen = Generator(backend, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 12))
+    seqs = rng.randint(1, 6)
+    budget = rng.randint(seqs, 12)
+    gen = Generator(backend, max_num_seqs=seqs, max_num_batched_tokens=budget)
     assert gen.pipeline == pipeline
     want, aborted, streamed, sampled = {}, set(), {}, set()
 
@@ -128,4 +130,5 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
             assert streamed.get(q, []) == w[0] + ([NO_TOKEN] if w[1] == "error" else []), q
             gen.abort(q)  # a server drops a finished request's bookkeeping: works after "error" too
     assert not gen._seqs and gen._inflight is None
+    assert backend.max_tokens_seen <= budget, "a step exceeded the token budget"
     assert (backend.nan_rows > 0) == unusable_rows
