@@ -143,14 +143,14 @@ class Scheduler:
         chosen = []
         for seq in self.running:
             n = seq.num_new_tokens
-            if n > 1:  # the rest of a partly prefilled prompt (its blocks were reserved at admission)
+            if n > 1:  # the rest of a partly prefilled prompt or recompute (its blocks were reserved at admission)
                 n = min(n, budget)
                 budget -= n
             if n:
                 chosen.append((seq, n))
         chosen += self._admit(budget)
-        if not chosen:  # requests wait for blocks that running sequences hold, and none of those runs: cannot be
-            return None  # (a running sequence always has a token to feed), kept as a guard for generate()'s loop
+        if not chosen:  # nothing runs, and the first waiting request's blocks are not free (add() refuses one that
+            return None  # could never fit, so only a caller's own BlockManager use gets here)
         seqs, counts = [c[0] for c in chosen], [c[1] for c in chosen]
         # A decode row feeds the last sampled token of a sequence that has output; anything else feeds prompt tokens
         # (a prompt's last chunk may be one token) or recomputes a preempted sequence.
