@@ -36,6 +36,7 @@ class GenerationResult:
     # sampling.NO_TOKEN); None while the request runs (``Generator.result`` mid-way)
     finish_reason: str | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (at the last admission), not prefilled
 
 
 @dataclass
@@ -105,9 +106,11 @@ class Generator:
     requests join a running batch between steps (what a server loop does)."""
 
     def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
-                 pipeline: bool | None = None):
+                 pipeline: bool | None = None, prefix_caching: bool = True):
         """``pipeline``: pipelined greedy decode (see the module docstring); default: when the backend supports
-        device-side input ids (the torch backend on CUDA)."""
+        device-side input ids (the torch backend on CUDA). ``prefix_caching``: a prompt that starts with full KV
+        blocks an earlier request computed (a shared system prompt, the turns of a chat) reuses them instead of
+        prefilling them again (``export.runtime.blocks``)."""
         self.backend = backend
         self.pipeline = bool(getattr(backend, "supports_device_tokens", False)) if pipeline is None else pipeline
         self._inflight: _InFlight | None = None
@@ -121,7 +124,8 @@ class Generator:
         max_num_batched_tokens = min(max_num_batched_tokens,
                                      getattr(backend, "max_num_tokens", None) or max_num_batched_tokens)
         self.blocks = BlockManager(backend.num_blocks, backend.block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, backend.max_model_len)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, backend.max_model_len,
+                                   prefix_caching)
         self.stats = GenerationStats()
         self._eos = self._eos_ids()
         self._next_id = 0
@@ -326,7 +330,7 @@ class Generator:
         if _PENDING in ids:
             del ids[ids.index(_PENDING):]
         return GenerationResult(s.prompt_ids, ids, self._decode(s.prompt_ids, ids), s.finish_reason,
-                                s.num_preemptions)
+                                s.num_preemptions, s.num_prefix_cached)
 
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
                  on_token: TokenCallback | None = None) -> list[GenerationResult]:

@@ -24,7 +24,7 @@ import torch
 
 from export.batch import Batch
 
-from .blocks import BlockManager, OutOfBlocks
+from .blocks import BlockManager, OutOfBlocks, block_keys
 from .sampling import SamplingParams
 
 
@@ -39,6 +39,9 @@ class Sequence:
     generator: object = None  # torch.Generator of this request (sampled rows only)
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is already in the cache
+    num_prefix_cached: int = 0  # of those, tokens found in the prefix cache at the last admission
+    block_keys: list[bytes] = field(default_factory=list)  # content keys of its first full blocks (blocks.block_keys)
+    num_registered: int = 0  # leading blocks of its table registered in the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     num_preemptions: int = 0
 
@@ -85,7 +88,7 @@ def blocks_for_request(prompt_len: int, max_new_tokens: int, block_size: int) ->
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefix_caching: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:  # else nothing is ever admitted, and generate() spins
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) "
                              "must be >= 1")
@@ -96,6 +99,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len or blocks.num_blocks * blocks.block_size
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -120,7 +124,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.blocks.free(seq.req_id)
+        self._release(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is (running or waiting), freeing any blocks it holds."""
@@ -130,13 +134,15 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.req_id in self.blocks:
-            self.blocks.free(seq.req_id)
+            self._release(seq)
 
     def schedule(self) -> Step | None:
         """The next step: one token for every running sequence that decodes, then prompt chunks within the rest of
         the token budget (see the module docstring); None when nothing runs or waits."""
         if not self.running and not self.waiting:
             return None
+        for seq in self.running:  # blocks the steps launched so far have filled
+            self._register(seq)
         self._reserve_decode()
         # Decode rows first: at most max_num_seqs <= max_num_batched_tokens of them, so they always fit.
         budget = self.max_num_batched_tokens - sum(1 for seq in self.running if seq.num_new_tokens == 1)
@@ -168,20 +174,53 @@ class Scheduler:
         chosen = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_new_tokens
+            hits = self._cached_prefix(seq)
             # Keep one spare block per running sequence so that admitting does not force an immediate preemption.
             spare = len(self.running)
-            if self.running and self.blocks.blocks_needed(seq.req_id, n) + spare > self.blocks.num_free_blocks:
+            if self.running and self.blocks.admit_cost(hits, seq.num_tokens) + spare > self.blocks.num_free_blocks:
                 break
             try:
-                self.blocks.reserve(seq.req_id, n)
+                self.blocks.admit(seq.req_id, hits, seq.num_tokens)
             except OutOfBlocks:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            chosen.append((seq, min(n, budget)))
-            budget -= min(n, budget)
+            seq.num_cached = seq.num_prefix_cached = len(hits) * self.blocks.block_size
+            seq.num_registered = len(hits)
+            n = min(seq.num_new_tokens, budget)
+            chosen.append((seq, n))
+            budget -= n
         return chosen
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The registered blocks ``seq`` may start from: the longest cached run of its full blocks before its last
+        token (fed whatever the cache holds: its logits give the next token)."""
+        if not self.prefix_caching:
+            return []
+        n = (seq.num_tokens - 1) // self.blocks.block_size
+        if len(seq.block_keys) < n:
+            block_keys(seq.block_keys, seq.token_ids, self.blocks.block_size, n)
+        return self.blocks.cached_prefix(seq.block_keys[:n])
+
+    def _register(self, seq: Sequence) -> None:
+        """Register ``seq``'s full blocks whose K/V the steps launched so far compute, and whose tokens the host
+        knows (a pipelined step's token is not known yet: its block waits for a later call)."""
+        if not self.prefix_caching:
+            return
+        n = min(seq.num_cached, seq.num_tokens) // self.blocks.block_size
+        if n <= seq.num_registered:
+            return
+        if len(seq.block_keys) < n:
+            block_keys(seq.block_keys, seq.token_ids, self.blocks.block_size, n)
+        n = min(n, len(seq.block_keys))
+        self.blocks.register(seq.req_id, seq.block_keys[:n], seq.num_registered)
+        seq.num_registered = max(seq.num_registered, n)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks, registering its full computed ones first (a later request may start from them)."""
+        self._register(seq)
+        self.blocks.free(seq.req_id)
+        seq.num_registered = 0
 
     def _reserve_decode(self) -> None:
         """A KV slot for every running sequence's next token, preempting the newest sequence while blocks lack."""
@@ -196,7 +235,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.req_id)
+        self._release(seq)
         seq.num_cached = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -85,3 +85,87 @@ def test_errors():
     with pytest.raises(IndexError):
         bm.reserve(1, 1)
         bm.slot(1, 1)
+
+
+@pytest.mark.parametrize("num_blocks,block_size,seed", [(6, 1, 0), (12, 2, 1), (20, 4, 2), (9, 3, 3)])
+def test_prefix_cache_walk_reads_back_every_sequence(num_blocks, block_size, seed):
+    """A random walk of admissions (prompts drawn from a few shared prefixes, so that blocks are shared), decode
+    appends, registrations of computed blocks and frees, over a model of the cache's slots: each sequence writes
+    only the slots of its tokens past its cached prefix, and reads every one of its tokens back through its block
+    table. A block shared while being written, registered under the wrong content or reused while held fails the
+    read-back; the invariants are checked every step."""
+    from export.runtime.blocks import block_keys
+
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, block_size)
+    stems = [[rng.randrange(50) for _ in range(3 * block_size + 1)] for _ in range(3)]
+    cache = [None] * (num_blocks * block_size)  # what each slot holds: a token id
+    live: dict[int, list[int]] = {}  # sequence -> its tokens (all computed: written at reservation)
+    keys: dict[int, list[bytes]] = {}
+    hits_seen = 0
+    for sid in range(1500):
+        op = rng.random()
+        if op < 0.35 or not live:
+            toks = rng.choice(stems)[:rng.randint(1, 3 * block_size + 1)] + [rng.randrange(50)] * rng.randint(0, 2)
+            k = block_keys([], toks, block_size, (len(toks) - 1) // block_size)
+            hits = bm.cached_prefix(k)
+            try:
+                bm.admit(sid, hits, len(toks))
+            except OutOfBlocks:
+                assert bm.admit_cost(hits, len(toks)) > bm.num_free_blocks and sid not in bm
+                continue
+            hits_seen += len(hits)
+            for p in range(len(hits) * block_size, len(toks)):
+                cache[bm.slot(sid, p)] = toks[p]
+            live[sid], keys[sid] = toks, k
+        elif op < 0.7:
+            sid = rng.choice(list(live))
+            try:
+                bm.reserve(sid, 1)
+            except OutOfBlocks:
+                continue
+            live[sid].append(rng.randrange(50))
+            cache[bm.slot(sid, len(live[sid]) - 1)] = live[sid][-1]
+        elif op < 0.85:
+            sid = rng.choice(list(live))
+            full = len(live[sid]) // block_size
+            bm.register(sid, block_keys(keys[sid], live[sid], block_size, full), rng.randint(0, full))
+        else:
+            sid = rng.choice(list(live))
+            bm.free(sid)
+            del live[sid], keys[sid]
+        bm.check_invariants()
+        for s, toks in live.items():
+            assert [cache[bm.slot(s, p)] for p in range(len(toks))] == toks, f"sequence {s} reads other tokens"
+    assert hits_seen > 20, "too few prefix hits: the walk does not test sharing"
+    for s in list(live):
+        bm.free(s)
+    bm.check_invariants()
+    assert bm.num_free_blocks == num_blocks
+
+
+def test_prefix_hits_are_taken_from_the_evictable_pool_and_evicted_last_released_first():
+    from export.runtime.blocks import block_keys
+
+    bm = BlockManager(4, 2)
+    toks = [1, 2, 3, 4, 5]
+    bm.reserve("a", 5)  # 3 blocks
+    k = block_keys([], toks, 2, 2)
+    bm.register("a", k)
+    first, second, third = bm.block_table("a")
+    bm.free("a")
+    assert bm.num_free_blocks == 4  # two evictable, two free
+    assert bm.cached_prefix(k) == [first, second]
+    assert bm.admit_cost([first, second], 5) == 1 + 2  # one new block, and both hits leave the evictable pool
+    bm.admit("b", [first], 3)  # the first block from the cache, one new (the never-registered third block)
+    assert bm.block_table("b") == [first, third] and bm.num_free_blocks == 2
+    bm.reserve("c", 3)  # the last free block, then the one evictable block: unregistered as it is taken
+    assert bm.block_table("c")[1] == second and bm.cached_prefix(k) == [first]
+    # a key stands for the tokens from the sequence's start: the same block after another first block is no hit
+    assert block_keys([], [7, 7, 3, 4, 5], 2, 2)[1] != k[1]
+    assert block_keys([], [1, 2, 3, -1], 2, 2) == k[:1]  # a token not known yet ends the keys
+    with pytest.raises(ValueError, match="leave one token to feed"):
+        bm.admit("d", [first], 2)
+    with pytest.raises(ValueError, match="only full blocks"):
+        bm.register("b", block_keys([], [1, 2, 3, 4], 2, 2))
+    bm.check_invariants()

@@ -78,6 +78,24 @@ def test_greedy_batched_equals_hf_generate(tiny_dir, hf_model, num_blocks, block
         assert any(mixed), "the small budget should mix prompt chunks and decode rows in a step"
 
 
+def test_prefix_cached_chat_turn_equals_hf_generate(tiny_dir, hf_model):
+    """A chat's next turn (the first prompt, its output and a reply) starts from the first request's KV blocks in
+    the prefix cache, prefills only the rest, and still generates HF's tokens."""
+    from export.model import LlamaModel
+
+    tok = load_tokenizer(tiny_dir)
+    gen = Generator(TorchBackend(LlamaModel.from_checkpoint(tiny_dir, dtype=torch.float32), block_size=4), tok)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    first = tok.encode(PROMPTS[1])
+    out = gen.generate([first], params)[0].token_ids
+    turn = first + out + tok.encode(PROMPTS[0])[1:]  # the reply without its BOS
+    r = gen.generate([turn], SamplingParams(max_new_tokens=16))[0]
+    # every full block of the first request but its last token's (never fed: its K/V was not computed)
+    assert r.num_cached_tokens == (len(first) + len(out) - 1) // 4 * 4 > 0
+    assert gen.stats.prefill_tokens == len(turn) - r.num_cached_tokens
+    assert_same_tokens(hf_model, turn, r.token_ids, hf_greedy(hf_model, turn, 16, tok.eos_token_id))
+
+
 def test_greedy_qwen3_equals_hf_generate(tiny_dirs):
     """Qwen3 (q/k norms per head, head_dim 32 != hidden / heads) through the same loop: transformers'
     Qwen3ForCausalLM generates the same tokens."""

@@ -165,6 +165,66 @@ def test_running_sequences_decode_while_a_long_prompt_is_prefilled_in_chunks(pip
         Generator(backend, max_num_seqs=8, max_num_batched_tokens=4)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_prefix_cache_serves_shared_prompts_and_chat_turns(pipeline, prefix_caching):
+    """Requests that start with the full blocks of an earlier one (a shared system prompt; the next turn of a chat,
+    which holds the previous turn's output too) take those blocks from the cache and prefill only the rest; the
+    tokens equal the unbatched reference either way (the toy reads every token back through the shared blocks)."""
+    backend = toy_backend(pipeline, 64, 4)
+    gen = Generator(backend, max_num_seqs=4, prefix_caching=prefix_caching)
+    system = [(3 * i) % (VOCAB - 1) + 1 for i in range(13)]  # three full blocks of 4, and one token
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def ref(p, n=6):
+        toks = list(p)
+        for _ in range(n):
+            toks.append(next_token(toks))
+        return toks[len(p):]
+
+    def run(prompts):  # each request's cached tokens, and the prompt tokens the steps fed
+        res = gen.generate(prompts, params)
+        for p, r in zip(prompts, res):
+            assert r.token_ids == ref(p)
+        return [r.num_cached_tokens for r in res], gen.stats.prefill_tokens
+
+    first = system + [5, 6]
+    assert run([first]) == ([0], 15)
+    # 14 tokens: the three blocks before the last token are the system prompt's; 8 tokens: one block before it
+    cached, fed = run([system + [7], system[:8]])
+    assert cached == ([12, 4] if prefix_caching else [0, 0]) and fed == 22 - sum(cached)
+    # The next turn: the first prompt, its output (its K/V computed but for the last token's) and a reply. The
+    # output's blocks were registered when the first request finished.
+    turn = first + ref(first) + [9, 9]
+    cached, fed = run([turn])
+    assert cached == ([20] if prefix_caching else [0]) and fed == len(turn) - cached[0]
+    gen.blocks.check_invariants()
+    assert gen.blocks.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_prefix_cache_offers_only_blocks_whose_kv_a_step_has_computed(pipeline):
+    """A second copy of a long prompt arrives while the first is still prefilled in chunks: it starts from the blocks
+    the first's chunks have filled so far, not from blocks still to be computed (they would be read unwritten)."""
+    backend = toy_backend(pipeline, 64, 4)
+    gen = Generator(backend, max_num_seqs=4, max_num_batched_tokens=8)
+    prompt = [(5 * i) % (VOCAB - 1) + 1 for i in range(30)]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    a = gen.add_request(prompt, params)
+    gen.step()  # a's first chunk: 8 tokens
+    b = gen.add_request(prompt + [8], params)
+    while gen.has_unfinished():
+        gen.step()
+    # b is admitted beside a's last chunk (tokens 24-29: the budget's 8 leave room for b's first 2 tokens), when a's
+    # first 6 blocks are computed; a's seventh, which b's prompt holds too, is being computed in that step
+    assert gen.result(b).num_cached_tokens == 24
+    for rid, p in ((a, prompt), (b, prompt + [8])):
+        toks = list(p)
+        for _ in range(3):
+            toks.append(next_token(toks))
+        assert gen.result(rid).token_ids == toks[len(p):]
+
+
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_result_between_steps_is_what_the_host_knows(pipeline):
     """A server loop reads ``result`` between steps: the tokens so far (a pipelined step's token, still on the

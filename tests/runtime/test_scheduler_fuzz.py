@@ -1,5 +1,6 @@
 """Random add / abort / step (aborts from inside token callbacks too) under memory pressure, greedy and sampled
-requests mixed, with and without the pipelined decode, and with or without rows of unusable logits (NaN, +inf, all
+requests mixed, prompts sharing stems (prefix-cache hits: about one request in 15), with and without the pipelined
+decode, and with or without rows of unusable logits (NaN, +inf, all
 -inf) that the model gives at a context chosen by a hash of it (so a recompute after preemption gives them again), in
 any chunk of a prefill (sampling or not) or decode: the block pool's invariants hold at every step, every block
 returns, an errored request keeps exactly its tokens before the bad row and ends with "error", every other request
@@ -74,6 +75,7 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
     gen = Generator(backend, max_num_seqs=seqs, max_num_batched_tokens=budget)
     assert gen.pipeline == pipeline
     want, aborted, streamed, sampled = {}, set(), {}, set()
+    stems = [[rng.randrange(1, VOCAB) for _ in range(9)] for _ in range(3)]
 
     def cb(rid, tok, d):
         streamed.setdefault(rid, []).append(tok)
@@ -87,7 +89,10 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
     for _ in range(600):
         r = rng.random()
         if r < 0.3 and len(want) < 40:
-            p = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 10))]
+            # half the prompts start with one of a few shared stems: the prefix cache shares their blocks
+            length = rng.randint(1, 10)
+            p = rng.choice(stems)[:rng.randint(0, length - 1)] if rng.random() < 0.5 else []
+            p += [rng.randrange(1, VOCAB) for _ in range(length - len(p))]
             n = rng.randint(1, 12)
             # a sampled request: one-hot logits * 100 at temperature 0.8 draw the argmax (the rest underflow to 0)
             kw = dict(temperature=0.8, seed=rng.randrange(99)) if rng.random() < 0.3 else {}
