@@ -85,6 +85,32 @@ def test_greedy_matches_hf_fp32(tiny_dirs, variant, quant):
     assert exact >= len(PROMPTS) - 1, f"only {exact} of {len(PROMPTS)} prompts matched all {MAX_NEW} tokens"
 
 
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_mixed_steps_and_prefix_cache_match_hf_fp32(tiny_dirs, quant):
+    """The scheduler's mixed steps (decode rows beside prompt chunks, with a budget of 8 tokens) and prefix-cache hits
+    (a chat turn that starts with an earlier request's prompt and output; a prompt that shares a first block) on
+    CUDA, graphs and pipelined decode on: the prefill kernels read the cached blocks as context, and the tokens match
+    HF fp32 as in the test above."""
+    from export.model import LlamaModel
+
+    model = LlamaModel.from_checkpoint(tiny_dirs("llama", seed=3), dtype=torch.float16, device="cuda", quant=quant,
+                                       group_size=32)
+    hf32 = hf_model(_fp32_weights(model.weights), model.config)
+    hf16 = hf_model({k: v.half() for k, v in _fp32_weights(model.weights).items()}, model.config)
+    gen = Generator(TorchBackend(model, block_size=4), max_num_seqs=4, max_num_batched_tokens=8)
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    first = gen.generate(PROMPTS, params)
+    turn = PROMPTS[2] + first[2].token_ids + [31, 32, 33]
+    second = gen.generate([turn, PROMPTS[0] + [77]], params)
+    assert [r.num_cached_tokens for r in second] == [(len(PROMPTS[2]) + MAX_NEW - 1) // 4 * 4, 4]
+    exact = 0
+    for p, r in zip(PROMPTS + [turn, PROMPTS[0] + [77]], first + second):
+        want, want_logits = hf_greedy(hf32, p, MAX_NEW)
+        tol = 4 * fp16_error(hf32, hf16, p, want)
+        exact += check_tokens(r.token_ids, want, want_logits, tol, f"{quant} prompt {p[:3]}") == MAX_NEW
+    assert exact >= len(PROMPTS), f"only {exact} of {len(PROMPTS) + 2} prompts matched all {MAX_NEW} tokens"
+
+
 def test_cuda_graph_decode_and_prefill_equal_eager(tiny_dir):
     from export.model import LlamaModel
 
