@@ -49,30 +49,6 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool mask [..., V] of the logits kept by top-k: those >= the k-th largest (ties at the boundary all kept)."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return torch.ones_like(logits, dtype=torch.bool)
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits >= kth
-
-
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Bool mask [..., V]: the smallest set of most likely tokens whose probability mass reaches ``p``.
-
-    A token is dropped when the mass of the tokens strictly more likely than it already reaches ``p``; the most
-    likely token is always kept.
-    """
-    if p >= 1.0:
-        return torch.ones_like(logits, dtype=torch.bool)
-    probs = torch.softmax(logits.float(), dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep_sorted = mass_before < p
-    keep_sorted[..., 0] = True
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-
-
 def make_generator(seed: int | None, device) -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:
@@ -83,18 +59,8 @@ def make_generator(seed: int | None, device) -> torch.Generator:
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Next token of one sequence from its logits [V]."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    # shifted so the largest is 0 first: a tiny temperature then scales the rest toward -inf, not the top to +inf (a
-    # NaN in softmax)
-    x = logits.float()
-    x = (x - x.max()) / params.temperature
-    x = x.masked_fill(~top_k_mask(x, params.top_k), float("-inf"))
-    # top-p over what top-k kept (renormalised), as HF's warpers and vLLM apply them
-    x = x.masked_fill(~top_p_mask(x, params.top_p), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Next token of one sequence from its logits [V]: ``sample`` of a batch of one."""
+    return sample(logits.unsqueeze(0), [params], [generator])[0]
 
 
 def flag_unusable(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -106,8 +72,55 @@ def flag_unusable(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """Next token of every sequence from logits [S, V], ``NO_TOKEN`` for a row that has none (see there); greedy rows
-    share one argmax and one device sync. A row without a token draws nothing from its generator."""
+    """Next token of every sequence from logits [S, V], ``NO_TOKEN`` for a row that has none (see there). One argmax
+    and one host sync for the batch, and where rows sample, one more batched pass (``_draw``) and sync: no kernels or
+    syncs per row but the draw of each row's random numbers from its own generator. A row without a token draws
+    nothing from its generator."""
     tokens = flag_unusable(logits, torch.argmax(logits, dim=-1)).tolist()
-    return [t if p.greedy or t == NO_TOKEN else sample_one(logits[i], p, g)
-            for i, (t, p, g) in enumerate(zip(tokens, params, generators))]
+    rows = [i for i, (t, p) in enumerate(zip(tokens, params)) if not p.greedy and t != NO_TOKEN]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        drawn = _draw(logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows])
+        for i, t in zip(rows, drawn):
+            tokens[i] = t
+    return tokens
+
+
+def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each sampled row of ``logits`` [R, V] draws from, as HF's warpers and vLLM apply them:
+    temperature, then top-k (the tokens >= the k-th largest: ties at the boundary all kept), then top-p over what
+    top-k kept, renormalised (a token is dropped once the mass of the tokens before it reaches p; the most likely is
+    always kept). Returns the probabilities [R, V], 0 where top-k or top-p drop a token (not renormalised after
+    top-p). Batched: one top-k where a row asks for top-k, one sort where a row asks for top-p; a row's result does
+    not depend on the other rows (they only widen the top-k or add rows to the sort)."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    # shifted so that the largest is 0 first: a tiny temperature then scales the rest toward -inf, not the top to
+    # +inf (a NaN in softmax)
+    x = logits.float()
+    x = (x - x.amax(dim=-1, keepdim=True)) / torch.tensor([[p.temperature] for p in params], device=dev)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    widest = max((k for k in top_k if k < vocab), default=0)
+    if widest:  # each row's k-th largest logit, off one top-k of the widest k (a row without top-k: no threshold)
+        k = torch.tensor(top_k, device=dev).unsqueeze(-1)
+        kth = torch.topk(x, widest, dim=-1).values.gather(-1, k.clamp(max=widest) - 1)
+        x = x.masked_fill(x < kth.masked_fill(k == vocab, float("-inf")), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_p = torch.tensor([[p.top_p] for p in params], device=dev)
+    if all(p.top_p >= 1.0 for p in params):
+        return probs
+    # stable: equal probabilities, which top-p's boundary may split, are taken in token order whatever the batch
+    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = (torch.cumsum(ordered, dim=-1) - ordered < top_p) | (top_p >= 1.0)  # p = 1: all (fp32 sums reach 1 early)
+    keep[:, 0] = True
+    return probs.masked_fill(~torch.empty_like(keep).scatter_(-1, order, keep), 0.0)
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """A token of each row of ``logits`` [R, V] (usable, sampled rows) from ``warp``'s distribution, by inverse CDF:
+    one uniform number a row, drawn from the row's own generator (R tiny draws; the rest is batched), and the first
+    token whose cumulative mass passes it (a token of probability 0 never does)."""
+    cdf = torch.cumsum(warp(logits, params), dim=-1)
+    u = torch.cat([torch.rand(1, generator=gen, device=logits.device) for gen in generators])
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
+    return token.clamp_(max=cdf.shape[-1] - 1).squeeze(-1).tolist()

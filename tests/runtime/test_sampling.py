@@ -3,8 +3,21 @@
 import pytest
 import torch
 
-from export.runtime.sampling import (NO_TOKEN, SamplingParams, make_generator, sample, sample_one, top_k_mask,
-                                     top_p_mask)
+from export.runtime.sampling import NO_TOKEN, SamplingParams, make_generator, sample, sample_one, warp
+
+
+def top_k_mask(logits, k):
+    """The tokens ``warp`` keeps with top-k ``k`` alone, as a mask in vocabulary order."""
+    return _kept(logits, SamplingParams(temperature=1.0, top_k=k))
+
+
+def top_p_mask(logits, p):
+    return _kept(logits, SamplingParams(temperature=1.0, top_p=p))
+
+
+def _kept(logits, params):
+    logits = logits.reshape(-1, logits.shape[-1])
+    return warp(logits, [params] * logits.shape[0]) > 0
 
 
 def _brute_top_p(logits: torch.Tensor, p: float) -> set[int]:
@@ -31,7 +44,7 @@ def test_top_k_mask_exact(vocab, k):
 
 def test_top_k_ties_keep_all_equal_logits():
     mask = top_k_mask(torch.tensor([1.0, 3.0, 3.0, 0.0]), 1)
-    assert mask.tolist() == [False, True, True, False]
+    assert mask.tolist() == [[False, True, True, False]]
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 123])
@@ -166,3 +179,32 @@ def test_rows_without_a_usable_logit_get_no_token_and_draw_nothing():
         for i in (0, 4):
             want = int(logits[i].argmax()) if greedy else sample_one(logits[i], params[i], make_generator(i, "cpu"))
             assert got[i] == want
+
+
+def test_draws_follow_the_warped_distribution():
+    """4000 draws (temperature 0.8, top-k 6, top-p 0.9 over 10 tokens) fall on each kept token with its renormalised
+    probability, within 5 standard deviations of a binomial count (the seed is fixed: no flakes), and never on a
+    dropped token. A race that multiplied by E instead of dividing, or took the argmax of the wrong axis, skews the
+    counts far past that."""
+    logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.5, -1.0, -2.0])
+    p = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
+    probs = warp(logits[None], [p])[0].double()
+    want = probs / probs.sum()
+    assert int((want > 0).sum()) == 5  # top-k kept 6, top-p dropped the sixth
+    n = 4000
+    gen = make_generator(0, "cpu")
+    got = torch.bincount(torch.tensor(sample(logits.expand(n, 10), [p] * n, [gen] * n)), minlength=10).double()
+    sd = (n * want * (1 - want)).sqrt()
+    assert ((got - n * want).abs() <= 5 * sd).all(), (got.tolist(), (n * want).tolist())
+
+
+def test_a_row_without_top_p_keeps_every_token_beside_rows_with_it():
+    """A row's distribution does not depend on its batch: beside a top-p row (which makes the batch compute the
+    cumulative mass), a row without top-p keeps every token, though fp32 sums of its mass reach 1 before its tail."""
+    logits = torch.full((2, 1000), -30.0)
+    logits[:, :2] = 0.0  # two tokens of ~0.5 each, and a tail of 998 tokens of ~5e-14
+    probs = warp(logits, [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)])
+    ordered = torch.sort(torch.softmax(logits[0], -1), descending=True).values
+    assert float((torch.cumsum(ordered, -1) - ordered)[-1]) >= 1.0  # what a top-p of 1 would have dropped
+    assert (probs[0] > 0).all() and torch.equal(probs[0], warp(logits[:1], [SamplingParams(temperature=1.0)])[0])
+    assert int((probs[1] > 0).sum()) == int((probs[1, :2] > 0).sum()) == 1  # one of the two reaches 0.5
