@@ -4,8 +4,10 @@
 CPU, so the tiny model runs anywhere); ``--backend trt`` runs ``OUT/model.engine`` (needs TensorRT >= 10.9 and a GPU).
 The generated text is printed per prompt (streamed for a single prompt), then prefill and decode tokens/s.
 ``--prompt-ids 1,2,3`` gives the prompt as token ids (an OUT without a tokenizer); the generated ids are printed, and
-their text too when OUT has a tokenizer. Every mistake (bad option, missing OUT, a prompt longer than the build's
-``max_seq_len``, no GPU for ``--device cuda``) is one ``error:`` line on stderr and exit code 2.
+their text too when OUT has a tokenizer. ``--chat`` sends each ``--prompt`` as a user message through the
+tokenizer's chat template (an instruct model such as the default SmolLM2-135M-Instruct answers it), after
+``--system TEXT`` if given, and prints the reply. Every mistake (bad option, missing OUT, a prompt longer than the
+build's ``max_seq_len``, no GPU for ``--device cuda``) is one ``error:`` line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def parse_args(argv=None):
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     prompt.add_argument("--prompt-ids", action="append", type=_token_ids, metavar="IDS",
                         help="prompt as comma-separated token ids, e.g. 1,2,3 (needs no tokenizer); repeat for a batch")
+    p.add_argument("--chat", action="store_true",
+                   help="send each --prompt as a user message through OUT's chat template; print the reply")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument("--backend", choices=("torch", "trt"), default="torch",
                    help="torch: our kernels in PyTorch; trt: OUT/model.engine")
     p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate per prompt")
@@ -54,6 +59,10 @@ def parse_args(argv=None):
                    help="torch backend: tokens per KV block, a power of two <= 128 (default: build.json's, else 16)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="torch backend: run decode eagerly")
     args = p.parse_args(argv)
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat (a system message is part of a chat template)")
+    if args.chat and args.prompt is None:
+        p.error("--chat takes --prompt text (a user message); --prompt-ids are already the model's input")
     if args.prompt is not None and any(t == "" for t in args.prompt):
         p.error("--prompt is empty; give some text, or token ids with --prompt-ids 1,2,3")
     if args.block_size is not None and not (1 <= args.block_size <= 128 and args.block_size & (args.block_size - 1)
@@ -67,6 +76,18 @@ def parse_args(argv=None):
         p.error("--device, --block-size and --no-cuda-graphs are torch-backend options: the engine runs on cuda with "
                 "its build's block size, as TensorRT enqueues it")
     return args
+
+
+def chat_ids(tokenizer, prompt: str, system: str | None, out: Path) -> list[int]:
+    """The token ids of a chat of one user message ``prompt`` (after a ``system`` message), rendered by the
+    tokenizer's chat template with the assistant's turn opened; the template writes its own special tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{out / 'tokenizer_config.json'} has no chat_template (not a chat model?); drop --chat and "
+                         "give the text to continue")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _passive_openmp(args) -> None:
@@ -194,7 +215,8 @@ def main(argv=None) -> int:
 
         device = _device(args.device) if args.backend == "torch" else "cuda"
         tokenizer = load_tokenizer(args.out) if (args.out / "tokenizer.json").is_file() else None
-        prompts = args.prompt_ids or [list(tokenizer.encode(p)) for p in args.prompt]
+        prompts = args.prompt_ids or [chat_ids(tokenizer, p, args.system, args.out) if args.chat
+                                      else list(tokenizer.encode(p)) for p in args.prompt]
         params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
                                  ignore_eos=args.ignore_eos) for i in range(len(prompts))]
@@ -212,7 +234,7 @@ def main(argv=None) -> int:
 
         def print_delta(i, tok, delta):
             if not started:
-                print(args.prompt[0], end="")
+                print("" if args.chat else args.prompt[0], end="")
                 started.append(True)
             print(delta, end="", flush=True)
 
@@ -227,7 +249,7 @@ def main(argv=None) -> int:
         print()
     elif args.prompt is not None:
         for prompt, r in zip(args.prompt, results):
-            print(f"--- {prompt!r}\n{prompt}{r.text}")
+            print(f"--- {prompt!r}\n{'' if args.chat else prompt}{r.text}")
     else:
         for ids, r in zip(prompts, results):
             print(f"--- ids {','.join(map(str, ids))}\nids: {','.join(map(str, r.token_ids))}")
