@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 from . import QUANT_MODES
 from .cli import ArgumentParser, Progress, print_error
 from .engine import EngineBuildError, TensorRTNotFound, build_engine, check_timing_cache, default_timing_cache
-from .outdir import WorkDir, check_out, our_output
+from .outdir import WorkDir, check_out, make_output_hint, our_output
 
 if TYPE_CHECKING:
     from .checkpoint import LlamaConfig
@@ -455,11 +455,13 @@ def engine_only(out: Path, args, log=print) -> list[str]:
     """``--from-onnx OUT``: build OUT/model.engine from OUT/model.plugin.onnx and OUT/build.json."""
     out = out.resolve()
     if not (out / "build.json").exists() or not (out / "model.plugin.onnx").exists():
-        raise BuildError(f"{out} lacks build.json or model.plugin.onnx; run `python -m export.build --out {out}` first")
+        what = ("is a file, not a build output directory" if out.is_file() else
+                "lacks build.json or model.plugin.onnx, so it is not a build output" if out.exists() else
+                "does not exist")
+        raise BuildError(f"{out} {what}; {make_output_hint(out)}")
     ours, why = our_output(out)
     if not ours:
-        raise BuildError(f"{out} is not an output of export.build ({why}); rebuild it with "
-                         f"`python -m export.build --out {out}`")
+        raise BuildError(f"{out} is not an output of export.build ({why}); {make_output_hint(out)}")
     check_timing_cache(_timing_cache(args), keep_out_of=(out,))
     build = json.loads((out / "build.json").read_text())
     return _engine(out, build, args, log, out)

@@ -15,6 +15,7 @@ every OUT.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 
 from kernels.aot.files import holds_json_with, write_atomic
+
+from .outdir import make_output_hint
 
 
 class EvalError(ValueError):
@@ -236,11 +239,10 @@ def run(args, log=print) -> dict:
     device = _check_device(args.device)
     for out in args.out:
         if not (out / "build.json").is_file() or not (out / "weights.safetensors").is_file():
-            raise EvalError(f"{out} is not a build output (no build.json / weights.safetensors); make one with "
-                            f"python -m export.build --out {out}")
+            raise EvalError(f"{out} is not a build output (no build.json / weights.safetensors); "
+                            f"{make_output_hint(out)}")
         if not holds_json_with(out / "build.json", ()):
-            raise EvalError(f"{out}/build.json is not a JSON object (damaged?); build {out} again with "
-                            f"python -m export.build --out {out}")
+            raise EvalError(f"{out}/build.json is not a JSON object (damaged?); {make_output_hint(out)}")
     ckpt = checkpoint_dir(args.against, log_fn=log)
     if not Path(ckpt).is_dir():
         raise EvalError(f"--against {args.against}: no such checkpoint directory or .gguf file")
@@ -328,6 +330,23 @@ def check_json_path(path: Path) -> None:
                         f"another path")
 
 
+def os_error_message(e: OSError) -> str:
+    """What failed, on which path, and what to do: the GGUF-cache hint only where the path is in the cache (or on the
+    way to it: a cache directory that cannot be created), which ``--against`` a .gguf writes; everything else
+    export.eval only reads."""
+    from .gguf import cache_root
+
+    if not e.filename:
+        return f"{e.strerror or e}"
+    what = f"{e.strerror or e}: {e.filename}"
+    failed, cache = Path(os.fsdecode(e.filename)).resolve(), cache_root().resolve()
+    if failed.is_relative_to(cache) or cache.is_relative_to(failed):
+        return f"{what}; free space or make it writable (the GGUF cache is $TRITRT_CACHE, default ~/.cache/tritrt)"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"{what}; make it readable by this user"
+    return what
+
+
 def main(argv=None) -> int:
     from .checkpoint import CheckpointError
 
@@ -339,10 +358,8 @@ def main(argv=None) -> int:
     except (EvalError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # e.g. the GGUF cache ($TRITRT_CACHE) cannot be created or written
-        where = f": {e.filename}" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}; free space or make it writable (the GGUF cache is $TRITRT_CACHE, "
-              f"default ~/.cache/tritrt)", file=sys.stderr)
+    except OSError as e:  # the GGUF cache ($TRITRT_CACHE) cannot be written, a file of OUT cannot be read, ...
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
         return 2
     print(format_table(result))
     if args.json:

@@ -368,8 +368,11 @@ def cached_checkpoint(gguf_path, cache_dir=None, log_fn=None) -> Path:
 
 def checkpoint_dir(path, log_fn=None) -> Path:
     """What a ``--checkpoint`` / ``--against`` argument names, as a directory: a ``.gguf`` file is converted (and
-    cached), a directory is returned as it is."""
+    cached), a directory is returned as it is, whatever its name (an HF directory called ``x.gguf`` was reported as a
+    missing GGUF file)."""
     path = Path(path)
+    if path.is_dir():
+        return path
     if path.suffix.lower() == ".gguf" or (path.is_file() and _is_gguf(path)):
         return cached_checkpoint(path, log_fn=log_fn)
     return path

@@ -308,10 +308,11 @@ class CpuOps(TorchOps):
 
     def rope_write_kv_cache(self, q, k, v, positions, layer, caches, slot_mapping, name):
         from kernels.attention_cpu import write_kv_cache_cpu
+        from kernels.rope import cos_sin_rows
 
         # Non-interleaved (rotate-half) RoPE over the whole head: x * [cos|cos] + roll(x, D/2) * [-sin|sin].
         if self._rope_rows is None or self._rope_rows[0] is not positions:
-            cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+            cos, sin = cos_sin_rows(self.cos_sin_cache, positions).chunk(2, dim=-1)
             self._rope_rows = (positions, torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None])
         _, cos, sin = self._rope_rows
         qk = torch.cat([q, k], dim=1)

@@ -130,6 +130,36 @@ def check_out(out: Path, checkpoint: Optional[Path] = None) -> None:
                           f"away or {fix}")
 
 
+def make_output_hint(path: Path) -> str:
+    """What to run, for a command given ``path`` as a build output that it is not: ``python -m export.build --out
+    PATH`` only where ``check_out`` takes PATH (nothing there, an empty directory, an earlier build); a checkpoint is
+    built from, into a new directory beside it, and anything else is left alone the same way. Telling the user to
+    build into a checkpoint or a directory of other files sent them to check_out's refusal."""
+    try:
+        check_out(path.resolve())
+        return f"make one with python -m export.build --out {path}"
+    except OutDirError:
+        pass
+    p = path.resolve()
+    new = p.parent / f"{(p.stem if p.is_file() else p.name) or 'out'}-build"
+    if _is_checkpoint(p):
+        return (f"{path} is a checkpoint: build from it (python -m export.build --checkpoint {path} --out {new}) "
+                f"and pass that directory")
+    return (f"export.build does not write over {path}: build into a new directory (python -m export.build --out "
+            f"{new}) and pass that")
+
+
+def _is_checkpoint(p: Path) -> bool:
+    """What ``--checkpoint`` takes: a directory with config.json, or a GGUF file (by its suffix or its magic)."""
+    if p.is_dir():
+        return (p / "config.json").is_file()
+    try:
+        with open(p, "rb") as f:
+            return p.suffix.lower() == ".gguf" or f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 # --- the temp dir, the swap and stale temp dirs ------------------------------------------------------------------
 
 def _stale_name(out: Path) -> re.Pattern:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from export.engine import PROFILE_NAMES, profile_shapes  # absolute: Polygraphy imports this file as a script
+from export.outdir import make_output_hint
 
 ONNX_ENV = "TRITRT_ONNX"
 OUT_ENV = "TRITRT_OUT"
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--rtx", metavar="SM", help="build with TensorRT-RTX for this compute capability (e.g. 8.9)")
     args = p.parse_args(argv)
     if not (args.out / "build.json").is_file() or not (args.out / "model.plugin.onnx").is_file():
-        print(f"error: {args.out} lacks build.json or model.plugin.onnx; build it with `python -m export.build "
-              f"--out {args.out}`", file=sys.stderr)
+        print(f"error: {args.out} lacks build.json or model.plugin.onnx; {make_output_hint(args.out)}", file=sys.stderr)
         return 2
     env, cmd = polygraphy_convert_command(args.out, rtx_compute_capability=args.rtx)
     print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd]))

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .outdir import make_output_hint
 # the HF runner (and VerifyError, which it raises too); hf_state_dict and load_hf_model re-exported for callers
 from .verify_hf import VerifyError, hf_state_dict, load_hf_model, make_hf_runner  # noqa: F401
 from .verify_ort import Fp32Copy, ReferenceSession, host_threads, ort_session  # noqa: F401  (re-exported for callers)
@@ -64,7 +65,7 @@ def load_out(out) -> dict:
         raise VerifyError(f"{out} is not a directory; pass the OUT directory written by `python -m export.build`")
     missing = [f for f in REQUIRED if not (out / f).exists()]
     if missing:
-        raise VerifyError(f"{out} lacks {', '.join(missing)}; rebuild it with `python -m export.build --out {out}`")
+        raise VerifyError(f"{out} lacks {', '.join(missing)}; {make_output_hint(out)}")
     try:
         build = json.loads((out / "build.json").read_text())
         hf_config = json.loads((out / "config.json").read_text())

@@ -333,10 +333,18 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     return torch.cat([out, rest], dim=-1).to(x.dtype)
 
 
+def cos_sin_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The table's row of each position; zeros (cos = sin = 0, which zero that token's q and k) for a position
+    outside the table (negative, or past its last row), as the kernels' ``_cos_sin_row`` reads it: torch's indexing
+    wrapped a negative position to a row from the table's end (and refused one past it), so CPU and GPU disagreed."""
+    pos = positions.long()
+    inside = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    return cos_sin_cache[torch.where(inside, pos, 0)] * inside[:, None]
+
+
 def rotary_embedding_ref(q, k, positions, cos_sin_cache, interleaved: bool = False):
-    """fp32 reference: gathers the cache rows, rotates in fp32, rounds once."""
-    cs = cos_sin_cache[positions.long()].float()
-    cos, sin = cs.chunk(2, dim=-1)
+    """fp32 reference: gathers the cache rows (``cos_sin_rows``), rotates in fp32, rounds once."""
+    cos, sin = cos_sin_rows(cos_sin_cache, positions).float().chunk(2, dim=-1)
     return _rotate_ref(q, cos, sin, interleaved), _rotate_ref(k, cos, sin, interleaved)
 
 

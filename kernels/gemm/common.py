@@ -174,6 +174,14 @@ def check_weight_parts(name: str, **parts) -> None:
                              f"{part}.contiguous(), or quantize with kernels.quant, whose layouts are")
 
 
+def check_nonempty(name: str, K: int, N: int) -> None:
+    """A quantized weight needs K >= 1 and N >= 1, on every device: the GPU routes plan tiles from K and N (K = 0
+    divided by zero in the Triton W8A16 plan, N = 0 in the wgmma GEMM's), the CPU path could not flatten x[..., 0]."""
+    if K < 1 or N < 1:
+        raise ValueError(f"{name}: the weight is empty (K={K} in_features, N={N} out_features); weight-only "
+                         f"quantization needs both >= 1; keep such a layer unquantized (F.linear takes it)")
+
+
 def check_activations(x: torch.Tensor, K: int, name: str) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{name}: activations must be float16 or bfloat16, got {x.dtype}")

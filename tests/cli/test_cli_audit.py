@@ -3,6 +3,7 @@ or OUT is one ``error:`` line and a non-zero exit code, never a traceback (whose
 "mismatch") and never exit code 0 with output that is not the model's (NaN logits)."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -149,6 +150,58 @@ def test_eval_gguf_cache_that_cannot_be_written(built_out, tiny_llama_dir, tmp_p
     (tmp_path / "cache").write_text("not a directory")
     r = cli("eval", built_out, "--against", gguf, *EVAL_FAST, env={"TRITRT_CACHE": str(tmp_path / "cache")})
     assert_refused(r, "Not a directory", "TRITRT_CACHE", stdout_empty=False)
+
+
+# --- hints for a path that is not a build output: the command they give must work --------------------------------
+
+def _run_hinted_build(line: str, env=None):
+    """Run the ``python -m export.build ...`` that the error ``line`` suggests (fast: float32, no engine)."""
+    m = re.search(r"python -m export\.build ([^)`;]*)", line)
+    assert m, f"no export.build command in {line!r}"
+    return cli("build", *m.group(1).split(), "--dtype", "float32", "--no-engine", env=env)
+
+
+def test_eval_of_a_checkpoint_given_as_out_hints_a_build_that_works(ckpt_copy, tmp_path):
+    """``export.eval CKPT --against CKPT`` said ``make one with python -m export.build --out CKPT``, which check_out
+    refuses (a non-empty directory that is not a build): the hint now builds from CKPT beside it."""
+    before = tree(ckpt_copy)
+    line = assert_refused(cli("eval", ckpt_copy, "--against", ckpt_copy), "is not a build output")
+    r = _run_hinted_build(line)
+    assert r.returncode == 0, f"the hinted build failed: {line}\n{r.stderr}"
+    assert f"{ckpt_copy} is a checkpoint" in line
+    assert tree(ckpt_copy) == before
+    built = tmp_path / "ckpt-build"
+    assert (built / "build.json").is_file()
+    r = cli("eval", built, "--against", ckpt_copy, *EVAL_FAST)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("what", ["gguf_file", "hf_dir_named_gguf"])
+def test_from_onnx_of_a_checkpoint_hints_a_build_that_works(tiny_llama_dir, tmp_path, what):
+    """``export.build --from-onnx x.gguf`` said ``run python -m export.build --out x.gguf first``: a GGUF file (or
+    an HF directory called x.gguf) that check_out refuses to build over. The hint now builds from it."""
+    from tests.export.gguf_fixture import write_gguf
+
+    x = tmp_path / "x.gguf"
+    if what == "gguf_file":
+        write_gguf(tiny_llama_dir, x)
+    else:
+        shutil.copytree(tiny_llama_dir, x)
+    env = {"TRITRT_CACHE": str(tmp_path / "cache")}  # a GGUF is converted into the cache
+    line = assert_refused(cli("build", "--from-onnx", x, env=env), str(x))
+    r = _run_hinted_build(line, env=env)
+    assert r.returncode == 0, f"the hinted build failed: {line}\n{r.stderr}"
+    assert "not a build output" in line and f"{x} is a checkpoint" in line and f"--checkpoint {x}" in line
+
+
+def test_a_checkpoint_directory_named_gguf_is_read_as_a_directory(tiny_llama_dir, built_out, tmp_path):
+    """An HF directory called ``x.gguf`` was taken for a GGUF file by its suffix: "GGUF file x.gguf does not
+    exist"."""
+    x = shutil.copytree(tiny_llama_dir, tmp_path / "x.gguf")
+    r = cli("build", "--checkpoint", x, "--out", tmp_path / "out", "--dtype", "float32", "--no-engine")
+    assert r.returncode == 0, r.stderr
+    r = cli("eval", built_out, "--against", x, *EVAL_FAST)
+    assert r.returncode == 0, r.stderr
 
 
 # --- export.verify: an unusable OUT is exit code 2, not 1 (a mismatch) ---------------------------------------------

@@ -242,6 +242,33 @@ def test_json_replaces_an_earlier_eval_result_and_leaves_no_temp_file(builds, ca
     assert len(json.loads(path.read_text())["builds"]) == 1 and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_an_os_error_names_what_failed_and_blames_the_gguf_cache_only_for_the_cache(builds, capsys, tmp_path,
+                                                                                     monkeypatch):
+    """Every OSError was "<strerror>: <file>; free space or make it writable (the GGUF cache is $TRITRT_CACHE, ...)",
+    also for an OUT file that cannot be read (EACCES, raised by the loader here: chmod does not stop root). Now: the
+    file and what to do about it; the cache hint only for a path in the cache or on the way to it."""
+    import errno
+
+    from export import quantize
+    from export.gguf import cache_root
+
+    ckpt, none, _ = builds
+    monkeypatch.setenv("TRITRT_CACHE", str(tmp_path / "cache"))
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(quantize, "load_weights", unreadable)
+    rc, out, err = _eval(capsys, none, "--against", ckpt, *FAST)
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [f"error: Permission denied: {none / 'weights.safetensors'}; make it "
+                                        "readable by this user"]
+    for path in (cache_root() / "m-1234" / "model.safetensors", tmp_path / "cache"):
+        line = ev.os_error_message(OSError(errno.ENOSPC, "No space left on device", str(path)))
+        assert line.startswith(f"No space left on device: {path}; ") and "$TRITRT_CACHE" in line, line
+    assert ev.os_error_message(OSError(errno.EIO, "Input/output error")) == "Input/output error"
+
+
 def test_json_that_cannot_be_written_after_the_run_says_so(builds, capsys, tmp_path, monkeypatch):
     """A --json write that fails after the evaluation (the disk filled meanwhile): one error line, exit 2, and the
     printed table is the result; no temp file left."""

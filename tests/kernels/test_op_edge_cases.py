@@ -11,6 +11,8 @@
   fake impls (and the CUDA path) give contiguous outputs.
 - A block table of width 0 had row stride 1, so the attention kernels read past it (a null pointer).
 - The W4A16 GEMVs were handed a contiguous x that starts off 16-byte alignment, which they refuse.
+- ``w8a16_linear`` / ``w4a16_linear`` with an empty weight (K = 0 or N = 0): ZeroDivisionError in the Triton W8A16
+  or the wgmma plan on the GPU routes, a reshape error on CPU, an empty result for N = 0 elsewhere; now refused.
 """
 
 import pytest
@@ -110,6 +112,47 @@ def test_w4_gemvs_get_16_byte_aligned_x(monkeypatch):
     assert routing.route_w4a16(1, 64, 128, torch.float16, routing.H100, group_size=32).backend == "w4_gemv_mma"
     ops_gemm._w4a16_linear(x, q4.qweight, q4.scales, q4.zeros, 32)
     assert len(seen) == 1 and seen[0].data_ptr() % 16 == 0 and torch.equal(seen[0], x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("K, N", [(0, 64), (64, 0)])
+@pytest.mark.parametrize("card", [None, routing.H100], ids=["cpu", "h100_routes"])
+@pytest.mark.parametrize("M", [1, 600])
+def test_weight_only_ops_refuse_an_empty_weight(monkeypatch, bits, K, N, card, M):
+    """K = 0 divided by zero in the Triton W8A16 plan and N = 0 in the wgmma plan (W8A16 at M = 600 on an H100);
+    the CPU path failed on reshaping x[M, 0]. Every route (and the fake impl) refuses both with one message."""
+    monkeypatch.setattr(ops_gemm, "_card", lambda x: card)
+    f16 = torch.float16
+    x = torch.randn(M, K, dtype=f16)
+    if bits == 8:
+        weight = (torch.zeros(K, N, dtype=torch.int8), torch.ones(N, dtype=f16))
+    else:
+        weight = (torch.zeros(K // 8, N, dtype=I32), torch.ones(K // 32, N, dtype=f16),
+                  torch.full((K // 32, N), 8, dtype=torch.int8), 32)
+    op = "w8a16_linear" if bits == 8 else "w4a16_linear"
+    for call in (getattr(kernels.ops.eager, op), getattr(torch.ops.tritrt, op)):
+        with pytest.raises(ValueError, match=rf"W{bits}A16: the weight is empty \(K={K} in_features, N={N}"):
+            call(x, *weight, torch.ones(N, dtype=f16))
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="the weight is empty"):
+        getattr(torch.ops.tritrt, op)(mode.from_tensor(x), *(mode.from_tensor(t) if torch.is_tensor(t) else t
+                                                             for t in weight))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_weight_only_gemms_refuse_k_0(bits):
+    """The launchers (and the W8A16 plan the TensorRT plugin asks for) refuse K = 0: ZeroDivisionError before."""
+    from kernels.gemm.w4a16.triton_gemm import w4a16_gemm
+    from kernels.gemm.w8a16.triton_gemm import w8a16_gemm, w8a16_launch_config
+
+    x = torch.randn(3, 0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="the weight is empty"):
+        if bits == 8:
+            w8a16_gemm(x, torch.zeros(0, 64, dtype=torch.int8), torch.ones(64, dtype=torch.float16))
+        else:
+            w4a16_gemm(x, torch.zeros(0, 64, dtype=I32), torch.ones(0, 64, dtype=torch.float16), None, 32)
+    with pytest.raises(ValueError, match="K=0 must be a positive multiple of 16"):
+        w8a16_launch_config(3, 64, 0, False, False)
 
 
 # ------------------------------------------------------------------------------------------------------ attention

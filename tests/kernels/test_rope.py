@@ -91,9 +91,12 @@ def test_partial_rotary_passes_tail_through(device):
 
 def _outside_positions(kind, max_pos, device):
     """(positions, which of them are inside the table) for the out-of-table test: "near", ones just outside the table
-    (within the guard rows of ``_guarded_table``), "far", the integer extremes; valid positions mixed in."""
+    (within the guard rows of ``_guarded_table``), "far", the integer extremes, "negative", only ones below the table
+    (which torch's indexing wraps); valid positions mixed in."""
     if kind == "near":
         pos, dtype = [3, -1, max_pos, 0, -max_pos, 2 * max_pos - 1, max_pos - 1], torch.int64
+    elif kind == "negative":
+        pos, dtype = [3, -1, 0, -max_pos, max_pos - 1, -2], torch.int32
     else:
         pos, dtype = [2**31 - 1, 5, -2**31, max_pos + 2**20], torch.int32
     positions = torch.tensor(pos, dtype=dtype, device=device)
@@ -155,6 +158,34 @@ def test_positions_outside_the_table_read_nothing(device, kind, interleaved):
     check(q_fused, q_want, "rope_write_kv_cache q")
     check(k_cache.view(-1, hk, d)[:T], k_want, "rope_write_kv_cache k")
     assert torch.equal(v_cache.view(-1, hk, d)[:T], v)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["negative", "near", "far"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_ops_agree_with_the_kernels_outside_the_table(kind, interleaved):
+    """The ops' CPU path (the fp32 reference) against the Triton kernels in the interpreter, at positions outside the
+    table: torch's indexing took -1 as the table's last row (and refused one past the end), the kernels rotate by
+    cos = sin = 0. Outside: equal (rotated dims 0, the tail passed through); inside: within one rounding."""
+    import kernels.ops  # noqa: F401  (registers torch.ops.tritrt)
+    from kernels.rope import rope_write_kv_cache
+
+    hq, hk, d, r, max_pos, dtype = 3, 2, 48, 32, 64, torch.bfloat16
+    table = _guarded_table(r, max_pos, "cpu")
+    positions, inside = _outside_positions(kind, max_pos, "cpu")
+    T = positions.shape[0]
+    q, k, v = (torch.randn(T, h, d, dtype=dtype) for h in (hq, hk, hk))
+    slots = torch.arange(T, dtype=torch.int32)
+    kernel_q, kernel_k = rotary_embedding(q, k, positions, table, interleaved)
+    cpu_q, cpu_k = torch.ops.tritrt.rotary_embedding(q, k, positions, table, interleaved)
+    caches = [[poisoned((T, 1, hk, d), dtype, "cpu") for _ in range(2)] for _ in range(2)]  # kernel's, CPU op's
+    kernel_fused_q = rope_write_kv_cache(q, k, v, positions, table, *caches[0], slots, interleaved)
+    cpu_fused_q = torch.ops.tritrt.rope_write_kv_cache_(q, k, v, positions, table, *caches[1], slots, interleaved)
+    for name, cpu, kernel in (("q", cpu_q, kernel_q), ("k", cpu_k, kernel_k), ("fused q", cpu_fused_q, kernel_fused_q),
+                              ("fused k", caches[1][0].view(T, hk, d), caches[0][0].view(T, hk, d))):
+        assert torch.equal(cpu[~inside], kernel[~inside]), f"{name}: positions {positions[~inside].tolist()}"
+        # the CPU path rounds to nearest, the interpreter truncates: one output rounding apart at most
+        torch.testing.assert_close(cpu[inside], kernel[inside], atol=rounding_atol(kernel.float(), dtype), rtol=0)
 
 
 # --------------------------------------------------------------------------------------------------- the cache

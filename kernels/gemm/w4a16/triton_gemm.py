@@ -23,8 +23,8 @@ import triton.language as tl
 
 from kernels._launch import LaunchConfig
 from kernels._utils import check_device, interpreting
-from kernels.gemm.common import (_finish, check_activations, check_epilogue, check_weight_parts, plan_tiles,
-                                 reference_epilogue, tickets)
+from kernels.gemm.common import (_finish, check_activations, check_epilogue, check_nonempty, check_weight_parts,
+                                 plan_tiles, reference_epilogue, tickets)
 
 
 @triton.jit
@@ -153,6 +153,7 @@ def check_w4_weight(qweight, scales, zeros, group_size, K=None):
     K = K if K is not None else Kp * 8
     if Kp * 8 != K:
         raise ValueError(f"W4A16: qweight has {Kp} packed rows, i.e. K={Kp * 8}, but x has K={K}")
+    check_nonempty("W4A16", K, N)
     if group_size <= 0 or K % group_size or group_size % 16:
         raise ValueError(f"W4A16: K={K} is not a multiple of group_size={group_size}, or the group size is not a "
                          f"multiple of 16 (a group's K steps of the tensor-core GEMM); quantize with a group size "

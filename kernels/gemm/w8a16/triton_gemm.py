@@ -20,8 +20,8 @@ import triton.language as tl
 
 from kernels._launch import LaunchConfig
 from kernels._utils import check_device, interpreting
-from kernels.gemm.common import (_finish, check_activations, check_epilogue, check_weight_parts, plan_tiles,
-                                 reference_epilogue, tickets)
+from kernels.gemm.common import (_finish, check_activations, check_epilogue, check_nonempty, check_weight_parts,
+                                 plan_tiles, reference_epilogue, tickets)
 
 
 @triton.jit
@@ -100,9 +100,9 @@ def w8a16_launch_config(M: int, N: int, K: int, has_bias: bool, has_res: bool, d
         # BLOCK_K 64 beat 128 on all five Llama-3-8B shapes at M=4 and 16 (H200 run 3: e.g. gate_up M=16 1.22x vs
         # 0.92x over cuBLAS; benchmarks/results/h200/bench_gemm.md, rows "bk64").
         overrides = {"block_k": 64, **overrides}
-    if K % 16:
-        raise ValueError(f"W8A16: K={K} must be a multiple of 16 (tensor-core K step); pad in_features or keep this "
-                         f"layer in fp16/bf16")
+    if K <= 0 or K % 16:
+        raise ValueError(f"W8A16: K={K} must be a positive multiple of 16 (tensor-core K step); pad in_features or "
+                         f"keep this layer in fp16/bf16")
     p = plan_tiles(M, N, K, K, **overrides)  # BLOCK_K: a power of two dividing K
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, USE_DOT=p["USE_DOT"], BLOCK_M=p["BLOCK_M"],
                       BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], SPLIT_K=p["SPLIT_K"], UNROLL=p["UNROLL"],
@@ -130,6 +130,7 @@ def check_w8_weight(qweight, scales, K=None):
     Kw, N = qweight.shape
     if K is not None and Kw != K:
         raise ValueError(f"W8A16: qweight is for K={Kw} but x has K={K}")
+    check_nonempty("W8A16", Kw, N)
     if tuple(scales.shape) != (N,):
         raise ValueError(f"W8A16: scales must be [N] = [{N}], got {tuple(scales.shape)}")
     check_weight_parts("W8A16", qweight=qweight, scales=scales)
