@@ -1,4 +1,5 @@
-"""Generation on a paged KV cache: block manager, scheduler, sampling, the loop, and the torch / TensorRT backends.
+"""Generation on a paged KV cache: block manager (with prefix caching), scheduler (chunked prefill mixed with
+decode), batched sampling, the loop, and the torch / TensorRT backends.
 
 ``Generator(backend, tokenizer).generate(prompts, SamplingParams(...), on_token=...)``; backends:
 ``TorchBackend(LlamaModel)`` (``export.runtime.backends``) and ``TrtBackend(out_dir)`` (``export.runtime.trt_backend``,

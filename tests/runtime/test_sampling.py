@@ -208,3 +208,29 @@ def test_a_row_without_top_p_keeps_every_token_beside_rows_with_it():
     assert float((torch.cumsum(ordered, -1) - ordered)[-1]) >= 1.0  # what a top-p of 1 would have dropped
     assert (probs[0] > 0).all() and torch.equal(probs[0], warp(logits[:1], [SamplingParams(temperature=1.0)])[0])
     assert int((probs[1] > 0).sum()) == int((probs[1, :2] > 0).sum()) == 1  # one of the two reaches 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_is_batch_invariant_and_follows_the_distribution():
+    """On CUDA (the runtime's device: CUDA generators, sort, searchsorted): each row of a mixed batch draws what it
+    draws alone with the same seed, and the frequency test above holds."""
+    dev = "cuda"
+    vocab = 32000
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.8, top_k=40, seed=2), SamplingParams(temperature=1.1, top_p=0.7, seed=3),
+              SamplingParams(temperature=0.6, top_k=100, top_p=0.9, seed=4)]
+    logits = torch.randn(len(params), vocab, device=dev) * 4
+    gens = [None if p.greedy else make_generator(p.seed, dev) for p in params]
+    alone = [None if p.greedy else make_generator(p.seed, dev) for p in params]
+    for step in range(5):
+        got = sample(logits, params, gens)
+        want = [sample_one(logits[i], p, g) for i, (p, g) in enumerate(zip(params, alone))]
+        assert got == want, f"step {step}"
+    small = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.5, -1.0, -2.0], device=dev)
+    p = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
+    probs = warp(small[None], [p])[0].double().cpu()
+    want = probs / probs.sum()
+    n = 4000
+    gen = make_generator(0, dev)
+    got = torch.bincount(torch.tensor(sample(small.expand(n, 10), [p] * n, [gen] * n)), minlength=10).double()
+    assert ((got - n * want).abs() <= 5 * (n * want * (1 - want)).sqrt()).all(), (got.tolist(), (n * want).tolist())
