@@ -26,8 +26,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # baselines); transformers is imported only by those users
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+# chat_template.jinja: where transformers saves a tokenizer's chat template (no longer in tokenizer_config.json)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 # Packed tensors of one GPTQ/AWQ linear (g_idx only in GPTQ act-order checkpoints).
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
 

@@ -84,9 +84,15 @@ def chat_ids(tokenizer, prompt: str, system: str | None, out: Path) -> list[int]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{out / 'tokenizer_config.json'} has no chat_template (not a chat model?); drop --chat and "
                          "give the text to continue")
+    from jinja2.exceptions import TemplateError  # what a template's raise_exception raises (transformers needs jinja2)
+
     messages = ([{"role": "system", "content": system}] if system is not None else []) + \
         [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's own refusal, e.g. of a system message (Gemma's, Mistral's)
+        hint = "; drop --system" if system is not None else ""
+        raise ValueError(f"{out}'s chat template refused the chat: {e}{hint}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -12,7 +12,7 @@ a key of its content, the tokens of the block and of every block before it (``bl
 prompt starts with the same full blocks takes those blocks into its table (shared, read-only: a sequence only writes
 the slots of its own uncached tokens, which lie in later blocks) and skips their prefill. A registered block that no
 sequence holds any more stays in the cache, *evictable*: it counts as free, and is reused for new tokens only when
-no never-registered block is free, least recently released first.
+no unregistered block is free, least recently released first.
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ class OutOfBlocks(RuntimeError):
     """Not enough free KV-cache blocks for a request; nothing was allocated."""
 
 
-def block_keys(keys: list[bytes], token_ids: list[int], block_size: int, num_blocks: int) -> list[bytes]:
+def block_keys(keys: list[bytes], token_ids: list[int], block_size: int, num_blocks: int,
+               offset: int = 0) -> list[bytes]:
     """Extend ``keys`` (the keys of a sequence's first blocks) in place to the keys of its first ``num_blocks`` full
     blocks, stopping before a block holding a negative id (a token not known on the host yet). Key ``i`` is a digest
     of key ``i - 1`` and block ``i``'s tokens: equal keys mean equal tokens from the sequence's start (a 128-bit
-    BLAKE2 digest, collision-free in practice: two prompts never share a key by chance)."""
+    BLAKE2 digest, collision-free in practice: two prompts never share a key by chance). ``token_ids`` are the
+    sequence's tokens from token ``offset`` on (a multiple of ``block_size``, no later than the first block to key),
+    so that a caller keying a long sequence's newest block passes that block, not a copy of the whole sequence."""
     for i in range(len(keys), num_blocks):
-        block = token_ids[i * block_size:(i + 1) * block_size]
+        block = token_ids[i * block_size - offset:(i + 1) * block_size - offset]
         if len(block) < block_size or min(block) < 0:
             break
         h = hashlib.blake2b(keys[i - 1] if i else b"", digest_size=16)
@@ -64,7 +67,7 @@ class BlockManager:
     # -- queries ---------------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a reservation may take: never-registered free blocks and evictable registered ones."""
+        """Blocks a reservation may take: unregistered free blocks and evictable registered ones."""
         return len(self._free) + len(self._evictable)
 
     def __contains__(self, seq_id) -> bool:
@@ -138,18 +141,28 @@ class BlockManager:
         self._num_tokens[seq_id] = len(hits) * self.block_size
         self.reserve(seq_id, num_tokens - len(hits) * self.block_size)
 
-    def register(self, seq_id, keys: list[bytes], start: int = 0) -> None:
-        """Register blocks ``start`` to ``len(keys)`` of ``seq_id``'s table under those of ``keys`` (its block keys;
-        the blocks full and their K/V computed, or at least launched on the device's stream before any later step).
-        A block whose content another block already holds stays unregistered (it is freed as a plain block)."""
+    def register(self, seq_id, keys: list[bytes], start: int = 0, stop: int | None = None) -> None:
+        """Register blocks ``start`` to ``stop`` (default ``len(keys)``) of ``seq_id``'s table under those of ``keys``
+        (its block keys; the blocks full and their K/V computed, or at least launched on the device's stream before
+        any later step). A block whose content another block already holds stays unregistered (it is freed as a plain
+        block)."""
         table = self._tables[seq_id]
-        if len(keys) * self.block_size > self._num_tokens[seq_id]:
-            raise ValueError(f"{len(keys)} keys for {self._num_tokens[seq_id]} tokens of {seq_id!r}: only full "
-                             "blocks are registered")
-        for block, key in zip(table[start:len(keys)], keys[start:]):
+        stop = len(keys) if stop is None else min(stop, len(keys))
+        if stop * self.block_size > self._num_tokens[seq_id]:
+            raise ValueError(f"{stop} keys for {self._num_tokens[seq_id]} tokens of {seq_id!r}: only full blocks "
+                             "are registered")
+        for block, key in zip(table[start:stop], keys[start:stop]):
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block] = key
                 self._block_of[key] = block
+
+    def forget_cached(self) -> None:
+        """Drop every registration (evictable blocks become plain free blocks): the cache's contents are no longer
+        what they were registered for (another Generator wrote the backend's cache)."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
 
     def free(self, seq_id) -> None:
         """Drop ``seq_id``'s hold on its blocks (unknown ids are an error: a double free is a bug). A block no other
@@ -172,7 +185,7 @@ class BlockManager:
                               f"(of {self.num_blocks}); wait for a sequence to finish or raise --num-blocks")
 
     def _take(self) -> int:
-        """A block for new tokens: a never-registered free one, else the least recently released registered one
+        """A block for new tokens: an unregistered free one, else the least recently released registered one
         (unregistered: its content is about to be overwritten)."""
         if self._free:
             b = self._free.pop()

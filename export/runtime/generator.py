@@ -174,6 +174,12 @@ class Generator:
         stats = self.stats
         if self._t_start is None:
             self._t_start = time.perf_counter()
+        if getattr(self.backend, "cache_writer", None) is not self:
+            # Another Generator on this backend wrote its KV cache since this one's last step: the blocks this one
+            # registered for prefix caching may hold other tokens now. (Generators may take turns on a backend; two
+            # with requests running at once would overwrite each other's blocks, prefix caching or not.)
+            self.blocks.forget_cached()
+            self.backend.cache_writer = self
         inflight = self._inflight
         if inflight is not None:
             # Launch the next decode step on the device-side tokens first (when the batch stays the same), then read

@@ -185,7 +185,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            seq.num_cached = seq.num_prefix_cached = len(hits) * self.blocks.block_size
+            seq.num_cached = len(hits) * self.blocks.block_size
+            # prompt tokens only: a preempted sequence may find its own output's blocks too
+            seq.num_prefix_cached = min(seq.num_cached, len(seq.prompt_ids))
             seq.num_registered = len(hits)
             n = min(seq.num_new_tokens, budget)
             chosen.append((seq, n))
@@ -198,9 +200,16 @@ class Scheduler:
         if not self.prefix_caching:
             return []
         n = (seq.num_tokens - 1) // self.blocks.block_size
-        if len(seq.block_keys) < n:
-            block_keys(seq.block_keys, seq.token_ids, self.blocks.block_size, n)
+        self._key(seq, n)
         return self.blocks.cached_prefix(seq.block_keys[:n])
+
+    def _key(self, seq: Sequence, n: int) -> None:
+        """Extend ``seq.block_keys`` to its first ``n`` full blocks (fewer where a token is not known yet), reading
+        only the blocks not keyed yet: building ``token_ids`` cost a decoding sequence O(length) per block (32
+        sequences of 16k tokens in blocks of 16, on a 2-core CPU: every 16th step 4.1 -> 2.1 ms of scheduling)."""
+        have, bs = len(seq.block_keys), self.blocks.block_size
+        if have < n:
+            block_keys(seq.block_keys, seq.tokens(have * bs, (n - have) * bs), bs, n, offset=have * bs)
 
     def _register(self, seq: Sequence) -> None:
         """Register ``seq``'s full blocks whose K/V the steps launched so far compute, and whose tokens the host
@@ -210,10 +219,9 @@ class Scheduler:
         n = min(seq.num_cached, seq.num_tokens) // self.blocks.block_size
         if n <= seq.num_registered:
             return
-        if len(seq.block_keys) < n:
-            block_keys(seq.block_keys, seq.token_ids, self.blocks.block_size, n)
+        self._key(seq, n)
         n = min(n, len(seq.block_keys))
-        self.blocks.register(seq.req_id, seq.block_keys[:n], seq.num_registered)
+        self.blocks.register(seq.req_id, seq.block_keys, seq.num_registered, n)
         seq.num_registered = max(seq.num_registered, n)
 
     def _release(self, seq: Sequence) -> None:

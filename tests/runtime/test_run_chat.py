@@ -64,3 +64,42 @@ def test_smollm2_answers_a_chat_question(tmp_path, monkeypatch, capsys):
                "--device", "cpu"])
     printed = capsys.readouterr().out
     assert rc == 0 and "Paris" in printed.split("\n[torch")[0], printed
+
+
+def test_a_template_that_refuses_the_chat_is_one_error_line(chat_out, tmp_path, capsys):
+    """A template that has no place for a system message raises from inside (Gemma's and Mistral's
+    ``raise_exception``): one ``error:`` line and exit code 2, not a jinja2 traceback."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(chat_out, out)
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": strict + TEMPLATE}))
+    assert main([str(out), "--chat", "--system", "Be brief.", "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "System role not supported" in err and "drop --system" in err and err.count("\n") == 1
+
+
+def test_a_template_saved_beside_the_tokenizer_reaches_out(tiny_dir, tmp_path):
+    """transformers saves a tokenizer's chat template to chat_template.jinja, not tokenizer_config.json: the build
+    copies it with the tokenizer files, so that --chat takes such a checkpoint's OUT (it said 'has no
+    chat_template')."""
+    import shutil
+    from types import SimpleNamespace
+
+    from export.build import _copy_hf_files
+    from export.runtime.tokenizer import load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    tok = load_tokenizer(ckpt)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(ckpt)
+    assert (ckpt / "chat_template.jinja").is_file()  # the case: the template is not in tokenizer_config.json
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = SimpleNamespace(hf_config=None, config=SimpleNamespace(tie_word_embeddings=False))
+    tokenizer_files, _ = _copy_hf_files(plan, ckpt, out)  # what export.build writes to OUT
+    assert "chat_template.jinja" in tokenizer_files
+    assert load_tokenizer(out).chat_template == TEMPLATE

@@ -1,5 +1,7 @@
 """Sampling: exact top-k / top-p masks against brute force, greedy, seeds, temperature -> 0, bad parameters."""
 
+import math
+
 import pytest
 import torch
 
@@ -234,3 +236,20 @@ def test_cuda_sampling_is_batch_invariant_and_follows_the_distribution():
     gen = make_generator(0, dev)
     got = torch.bincount(torch.tensor(sample(small.expand(n, 10), [p] * n, [gen] * n)), minlength=10).double()
     assert ((got - n * want).abs() <= 5 * (n * want * (1 - want)).sqrt()).all(), (got.tolist(), (n * want).tolist())
+
+
+def test_a_token_below_float32_resolution_keeps_its_share_of_the_draw(monkeypatch):
+    """A token of probability 2e-8 after half the mass (float32's ulp there is 6e-8) is drawn where the uniform
+    number falls in its share of the CDF: in float32 its share was empty (such tokens were never drawn, and a CDF
+    summed in another order, as CUDA sums one row and several, moved draws between tokens; see ``_draw``)."""
+    from export.runtime import sampling
+
+    logits = torch.tensor([[0.0, math.log(4e-8), math.log(1 - 4e-8)]])  # probabilities 1/2, 2e-8, 1/2 - 2e-8
+    params = SamplingParams(temperature=1.0, seed=0)
+    probs = warp(logits, [params])[0].double()
+    assert 0 < probs[1] < 3e-8
+    cdf = torch.cumsum(probs, 0)
+    u = (cdf[0] + probs[1] / 2) / cdf[-1]  # the middle of token 1's share
+    monkeypatch.setattr(sampling.torch, "rand", lambda *shape, generator=None, device=None, dtype=torch.float32:
+                        torch.full(shape, u.item(), dtype=dtype, device=device))
+    assert sample(logits, [params], [make_generator(0, "cpu")]) == [1]

@@ -1,11 +1,11 @@
 """Random add / abort / step (aborts from inside token callbacks too) under memory pressure, greedy and sampled
-requests mixed, prompts sharing stems (prefix-cache hits: about one request in 15), with and without the pipelined
-decode, and with or without rows of unusable logits (NaN, +inf, all
--inf) that the model gives at a context chosen by a hash of it (so a recompute after preemption gives them again), in
-any chunk of a prefill (sampling or not) or decode: the block pool's invariants hold at every step, every block
-returns, an errored request keeps exactly its tokens before the bad row and ends with "error", every other request
-not aborted equals the unbatched reference, streams equal results (an errored one's ends in NO_TOKEN), abort after
-the end works."""
+requests mixed, prompts sharing stems or continuing an earlier request's prompt and output as a chat's next turn
+(prefix-cache hits on prompt and on decoded blocks), with and without the pipelined decode, and with or without rows
+of unusable logits (NaN, +inf, all -inf) that the model gives at a context chosen by a hash of it (so a recompute
+after preemption gives them again), in any chunk of a prefill (sampling or not) or decode: the block pool's
+invariants hold at every step, every block returns, an errored request keeps exactly its tokens before the bad row
+and ends with "error", every other request not aborted equals the unbatched reference and counts at most its prompt
+as cached, streams equal results (an errored one's ends in NO_TOKEN), abort after the end works."""
 import random
 
 import pytest
@@ -74,7 +74,7 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
     budget = rng.randint(seqs, 12)
     gen = Generator(backend, max_num_seqs=seqs, max_num_batched_tokens=budget)
     assert gen.pipeline == pipeline
-    want, aborted, streamed, sampled = {}, set(), {}, set()
+    want, aborted, streamed, sampled, prompts = {}, set(), {}, set(), {}
     stems = [[rng.randrange(1, VOCAB) for _ in range(9)] for _ in range(3)]
 
     def cb(rid, tok, d):
@@ -93,12 +93,16 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
             length = rng.randint(1, 10)
             p = rng.choice(stems)[:rng.randint(0, length - 1)] if rng.random() < 0.5 else []
             p += [rng.randrange(1, VOCAB) for _ in range(length - len(p))]
+            if want and rng.random() < 0.2:  # a chat's next turn: an earlier prompt, its output, a reply
+                q = rng.choice(list(want))
+                p = prompts[q] + want[q][0] + p[:2]
             n = rng.randint(1, 12)
             # a sampled request: one-hot logits * 100 at temperature 0.8 draw the argmax (the rest underflow to 0)
             kw = dict(temperature=0.8, seed=rng.randrange(99)) if rng.random() < 0.3 else {}
             try:
                 q = gen.add_request(p, SamplingParams(max_new_tokens=n, **kw))
                 want[q] = reference(p, n, salt)
+                prompts[q] = p
                 if kw:
                     sampled.add(q)
             except ValueError:
@@ -132,6 +136,7 @@ def test_random_add_abort_step(seed, pipeline, unusable_rows):
         if q not in aborted:
             r = gen.result(q)
             assert (r.token_ids, r.finish_reason) == w, q
+            assert r.num_cached_tokens <= len(prompts[q]), q
             assert streamed.get(q, []) == w[0] + ([NO_TOKEN] if w[1] == "error" else []), q
             gen.abort(q)  # a server drops a finished request's bookkeeping: works after "error" too
     assert not gen._seqs and gen._inflight is None
