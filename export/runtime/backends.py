@@ -3,8 +3,8 @@
 A backend owns the KV cache and turns one ``Batch`` (built on the host by the scheduler) into the logits of each
 sequence's last new token, ``[S, vocab]``. Attributes the loop reads: ``device``, ``vocab_size``, ``num_blocks``,
 ``block_size``, ``max_model_len``, ``config`` and ``eos_token_ids`` (the stop tokens of the directory the model came
-from, ``LlamaModel.eos_token_ids``); the loop sets ``cache_writer``, the Generator that wrote the cache last (another
-one's prefix-cache registrations are stale then).
+from, ``LlamaModel.eos_token_ids``); the loop sets ``cache_writer``, a weak reference to the Generator that wrote the
+cache last (another one's prefix-cache registrations are stale then).
 
 The torch backend runs decode steps through CUDA graphs, one per batch-size bucket (1, 2, 4, 8, ...) and block-table
 width (2048 tokens, 8192, 32768, ... and ``max_model_len``): the step's inputs are copied into static buffers padded to

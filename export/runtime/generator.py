@@ -17,6 +17,7 @@ from __future__ import annotations
 import numbers
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
@@ -174,12 +175,14 @@ class Generator:
         stats = self.stats
         if self._t_start is None:
             self._t_start = time.perf_counter()
-        if getattr(self.backend, "cache_writer", None) is not self:
+        writer = getattr(self.backend, "cache_writer", None)
+        if writer is None or writer() is not self:
             # Another Generator on this backend wrote its KV cache since this one's last step: the blocks this one
             # registered for prefix caching may hold other tokens now. (Generators may take turns on a backend; two
-            # with requests running at once would overwrite each other's blocks, prefix caching or not.)
+            # with requests running at once would overwrite each other's blocks, prefix caching or not.) A weak
+            # reference: the backend does not keep a finished Generator alive.
             self.blocks.forget_cached()
-            self.backend.cache_writer = self
+            self.backend.cache_writer = weakref.ref(self)
         inflight = self._inflight
         if inflight is not None:
             # Launch the next decode step on the device-side tokens first (when the batch stays the same), then read
