@@ -234,7 +234,9 @@ def main(argv=None) -> int:
         backend = make_backend(args, build, device, prompts)
         if backend.max_model_len != max_len:  # an engine's profile can be tighter than build.json says
             check_prompts(prompts, args.max_new_tokens, backend.max_model_len, backend.vocab_size, args.out)
-        gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(prompts)))
+        # every prompt in one batch: a budget of at least a token per sequence (a decode step's)
+        gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(prompts)),
+                        max_num_batched_tokens=max(8192, len(prompts)))
         stream = args.prompt is not None and len(prompts) == 1
         started = []  # the prompt is printed with the first token, after generate's checks (an error stays alone)
 
