@@ -33,6 +33,14 @@ def reference(prompt: list[int], max_new: int) -> list[int]:
     return out
 
 
+def continued(prompt: list[int], n: int) -> list[int]:
+    """The reference's ``n`` tokens after ``prompt`` with ignore_eos: on through EOS."""
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(next_token(toks))
+    return toks[len(prompt):]
+
+
 class ToyPagedBackend:
     device = torch.device("cpu")
     vocab_size = VOCAB
@@ -122,13 +130,8 @@ def test_requests_join_between_steps(pipeline):
     while gen.has_unfinished():
         gen.step()
     # ignore_eos: generation continues through EOS to exactly max_new_tokens
-    def ref(p, n):
-        toks = list(p)
-        for _ in range(n):
-            toks.append(next_token(toks))
-        return toks[len(p):]
-    assert gen.result(a).token_ids == ref([5, 6, 7], 10)
-    assert gen.result(b).token_ids == ref([9, 1], 4)
+    assert gen.result(a).token_ids == continued([5, 6, 7], 10)
+    assert gen.result(b).token_ids == continued([9, 1], 4)
     gen.blocks.check_invariants()
     assert gen.blocks.num_free_blocks == 64
 
@@ -152,14 +155,8 @@ def test_running_sequences_decode_while_a_long_prompt_is_prefilled_in_chunks(pip
     assert steps >= 30 // 6, "the prompt was not chunked"
     while gen.has_unfinished():
         gen.step()
-
-    def ref(p, n):
-        toks = list(p)
-        for _ in range(n):
-            toks.append(next_token(toks))
-        return toks[len(p):]
-    assert gen.result(a).token_ids == ref([5, 6, 7], 20)
-    assert gen.result(b).token_ids == ref(long_prompt, 3)
+    assert gen.result(a).token_ids == continued([5, 6, 7], 20)
+    assert gen.result(b).token_ids == continued(long_prompt, 3)
     assert backend.max_tokens_seen <= 6
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
         Generator(backend, max_num_seqs=8, max_num_batched_tokens=4)
@@ -176,16 +173,10 @@ def test_prefix_cache_serves_shared_prompts_and_chat_turns(pipeline, prefix_cach
     system = [(3 * i) % (VOCAB - 1) + 1 for i in range(13)]  # three full blocks of 4, and one token
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
-    def ref(p, n=6):
-        toks = list(p)
-        for _ in range(n):
-            toks.append(next_token(toks))
-        return toks[len(p):]
-
     def run(prompts):  # each request's cached tokens, and the prompt tokens the steps fed
         res = gen.generate(prompts, params)
         for p, r in zip(prompts, res):
-            assert r.token_ids == ref(p)
+            assert r.token_ids == continued(p, 6)
         return [r.num_cached_tokens for r in res], gen.stats.prefill_tokens
 
     first = system + [5, 6]
@@ -195,7 +186,7 @@ def test_prefix_cache_serves_shared_prompts_and_chat_turns(pipeline, prefix_cach
     assert cached == ([12, 4] if prefix_caching else [0, 0]) and fed == 22 - sum(cached)
     # The next turn: the first prompt, its output (its K/V computed but for the last token's) and a reply. The
     # output's blocks were registered when the first request finished.
-    turn = first + ref(first) + [9, 9]
+    turn = first + continued(first, 6) + [9, 9]
     cached, fed = run([turn])
     assert cached == ([20] if prefix_caching else [0]) and fed == len(turn) - cached[0]
     gen.blocks.check_invariants()
@@ -219,10 +210,7 @@ def test_prefix_cache_offers_only_blocks_whose_kv_a_step_has_computed(pipeline):
     # first 6 blocks are computed; a's seventh, which b's prompt holds too, is being computed in that step
     assert gen.result(b).num_cached_tokens == 24
     for rid, p in ((a, prompt), (b, prompt + [8])):
-        toks = list(p)
-        for _ in range(3):
-            toks.append(next_token(toks))
-        assert gen.result(rid).token_ids == toks[len(p):]
+        assert gen.result(rid).token_ids == continued(p, 3)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -236,10 +224,7 @@ def test_generators_taking_turns_on_a_backend_do_not_reuse_each_others_overwritt
     a.generate([prompt], params)
     b.generate([[11] * 9], params)
     r = a.generate([prompt + [10]], params)[0]
-    toks = prompt + [10]
-    for _ in range(3):
-        toks.append(next_token(toks))
-    assert r.token_ids == toks[10:] and r.num_cached_tokens == 0
+    assert r.token_ids == continued(prompt + [10], 3) and r.num_cached_tokens == 0
     assert a.generate([prompt + [12]], params)[0].num_cached_tokens == 8  # its own blocks again, once it wrote them
 
 
