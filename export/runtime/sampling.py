@@ -106,12 +106,14 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         kth = torch.topk(x, widest, dim=-1).values.gather(-1, k.clamp(max=widest) - 1)
         x = x.masked_fill(x < kth.masked_fill(k == vocab, float("-inf")), float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    top_p = torch.tensor([[p.top_p] for p in params], device=dev)
+    top_p = torch.tensor([[p.top_p] for p in params], device=dev, dtype=torch.float64)
     if all(p.top_p >= 1.0 for p in params):
         return probs
     # stable: equal probabilities, which top-p's boundary may split, are taken in token order whatever the batch
     ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    keep = (torch.cumsum(ordered, dim=-1) - ordered < top_p) | (top_p >= 1.0)  # p = 1: all (fp32 sums reach 1 early)
+    # float64 sums, as _draw's: CUDA sums one row and several in other orders, and a float32 mass at p's boundary
+    # could flip with the batch; p = 1 keeps all (sums may round to 1 before the tail)
+    keep = (torch.cumsum(ordered, dim=-1, dtype=torch.float64) - ordered < top_p) | (top_p >= 1.0)
     keep[:, 0] = True
     return probs.masked_fill(~torch.empty_like(keep).scatter_(-1, order, keep), 0.0)
 
