@@ -262,9 +262,13 @@ class Generator:
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
         """Whether the next step is exactly the in-flight one's sequences decoding one more token: nothing stopped,
-        nothing waits for admission, no sequence is at its last token, and the new tokens' KV slots are free."""
+        nothing can be admitted (nothing waits, or the batch is at max_num_seqs: a server at capacity keeps
+        pipelining), no sequence is at its last token, and the new tokens' KV slots are free (so nothing is
+        preempted)."""
         sch = self.scheduler
-        if not inflight.aligned or sch.waiting or sch.running != inflight.seqs:
+        if not inflight.aligned or sch.running != inflight.seqs:
+            return False
+        if sch.waiting and len(sch.running) < sch.max_num_seqs:
             return False
         if any(k + 1 >= s.params.max_new_tokens for s, k in zip(inflight.seqs, inflight.index)):
             return False

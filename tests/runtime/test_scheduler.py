@@ -228,6 +228,19 @@ def test_generators_taking_turns_on_a_backend_do_not_reuse_each_others_overwritt
     assert a.generate([prompt + [12]], params)[0].num_cached_tokens == 8  # its own blocks again, once it wrote them
 
 
+def test_a_batch_at_max_num_seqs_keeps_pipelining_while_requests_wait():
+    """A server at capacity: two requests run (max_num_seqs 2) and two wait. The waiting ones cannot join until one
+    finishes, so the decode steps between stay pipelined (they ran synchronously whenever anything waited)."""
+    backend = ToyPipelinedBackend(64, 4)
+    gen = Generator(backend, max_num_seqs=2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 14, 3, 3)]
+    prompts = [[5, 6, 7], [9, 1], [4, 4], [8]]
+    res = gen.generate(prompts, params)
+    assert [r.token_ids for r in res] == [continued(p, k.max_new_tokens) for p, k in zip(prompts, params)]
+    # the first two decode 11 steps side by side with two requests waiting: all but the first and the last pipelined
+    assert backend.device_token_steps >= 9, backend.device_token_steps
+
+
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_result_between_steps_is_what_the_host_knows(pipeline):
     """A server loop reads ``result`` between steps: the tokens so far (a pipelined step's token, still on the
