@@ -262,18 +262,16 @@ class Generator:
     # -- pipelined decode ------------------------------------------------------------------------------------------
     def _can_speculate(self, inflight: _InFlight) -> bool:
         """Whether the next step is exactly the in-flight one's sequences decoding one more token: nothing stopped,
-        nothing can be admitted (nothing waits, or the batch is at max_num_seqs: a server at capacity keeps
-        pipelining), no sequence is at its last token, and the new tokens' KV slots are free (so nothing is
-        preempted)."""
+        no sequence is at its last token, the new tokens' KV slots are free (so nothing is preempted), and no waiting
+        request can be admitted (the batch is at max_num_seqs, or the head request's blocks are not free: a server
+        at capacity keeps pipelining)."""
         sch = self.scheduler
         if not inflight.aligned or sch.running != inflight.seqs:
-            return False
-        if sch.waiting and len(sch.running) < sch.max_num_seqs:
             return False
         if any(k + 1 >= s.params.max_new_tokens for s, k in zip(inflight.seqs, inflight.index)):
             return False
         need = sum(self.blocks.blocks_needed(s.req_id, 1) for s in inflight.seqs)
-        return need <= self.blocks.num_free_blocks
+        return need <= self.blocks.num_free_blocks and not sch.can_admit(reserved=need)
 
     def _launch(self, step, input_ids) -> _InFlight:
         """Run a decode ``step`` (``input_ids``: the previous step's tokens on the device, or None for the batch's

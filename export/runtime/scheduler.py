@@ -186,9 +186,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self._cached_prefix(seq)
-            # Keep one spare block per running sequence so that admitting does not force an immediate preemption.
-            spare = len(self.running)
-            if self.running and self.blocks.admit_cost(hits, seq.num_tokens) + spare > self.blocks.num_free_blocks:
+            if not self._fits(seq, hits):
                 break
             try:
                 self.blocks.admit(seq.req_id, hits, seq.num_tokens)
@@ -204,6 +202,21 @@ class Scheduler:
             chosen.append((seq, n))
             budget -= n
         return chosen
+
+    def can_admit(self, reserved: int = 0) -> bool:
+        """Whether the next ``schedule`` would admit the first waiting request, ``reserved`` more blocks taken first
+        (the generator's pipelined decode asks, with its next step's decode slots: a step that admits is not the
+        same batch)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        return self._fits(seq, self._cached_prefix(seq), reserved)
+
+    def _fits(self, seq: Sequence, hits: list[int], reserved: int = 0) -> bool:
+        """Admission's block rule: beside running sequences, keep one spare block each so that admitting does not
+        force an immediate preemption (alone, a request only needs its blocks: ``reserve`` says)."""
+        return not self.running or (self.blocks.admit_cost(hits, seq.num_tokens) + len(self.running)
+                                    <= self.blocks.num_free_blocks - reserved)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The registered blocks ``seq`` may start from: the longest cached run of its full blocks before its last

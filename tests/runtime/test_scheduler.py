@@ -228,17 +228,25 @@ def test_generators_taking_turns_on_a_backend_do_not_reuse_each_others_overwritt
     assert a.generate([prompt + [12]], params)[0].num_cached_tokens == 8  # its own blocks again, once it wrote them
 
 
-def test_a_batch_at_max_num_seqs_keeps_pipelining_while_requests_wait():
-    """A server at capacity: two requests run (max_num_seqs 2) and two wait. The waiting ones cannot join until one
-    finishes, so the decode steps between stay pipelined (they ran synchronously whenever anything waited)."""
-    backend = ToyPipelinedBackend(64, 4)
-    gen = Generator(backend, max_num_seqs=2)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 14, 3, 3)]
-    prompts = [[5, 6, 7], [9, 1], [4, 4], [8]]
+@pytest.mark.parametrize("full", ["max_num_seqs", "blocks"])
+def test_a_server_at_capacity_keeps_pipelining_while_requests_wait(full):
+    """Two requests run and others wait that cannot join before one finishes: the batch is at max_num_seqs, or the
+    waiting prompt's blocks are not free. The next step is the same batch either way, so the decode steps between
+    stay pipelined (they ran synchronously whenever anything waited)."""
+    if full == "max_num_seqs":
+        backend = ToyPipelinedBackend(64, 4)
+        gen = Generator(backend, max_num_seqs=2)
+        prompts, new = [[5, 6, 7], [9, 1], [4, 4], [8]], (12, 14, 3, 3)
+    else:  # 12 blocks of 4: the first two hold 4 each at most; the third's 36-token prompt needs 9, and 2 spare
+        backend = ToyPipelinedBackend(12, 4)
+        gen = Generator(backend, max_num_seqs=4)
+        prompts, new = [[5] * 8, [6] * 8, [7] * 36], (8, 8, 2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new]
     res = gen.generate(prompts, params)
-    assert [r.token_ids for r in res] == [continued(p, k.max_new_tokens) for p, k in zip(prompts, params)]
-    # the first two decode 11 steps side by side with two requests waiting: all but the first and the last pipelined
-    assert backend.device_token_steps >= 9, backend.device_token_steps
+    assert [r.token_ids for r in res] == [continued(p, n) for p, n in zip(prompts, new)]
+    assert sum(r.num_preemptions for r in res) == 0
+    # the first two decode side by side while the others wait: all but their first step and the last ones pipelined
+    assert backend.device_token_steps >= min(new[:2]) - 4, backend.device_token_steps
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
