@@ -6,7 +6,8 @@ requests, admitted first-come first-served while the budget, the sequence limit 
 prompt longer than what is left of the budget is prefilled in chunks over several steps, and running sequences
 keep decoding meanwhile (a step may mix decode rows and prompt chunks: a long prompt never stalls the others'
 tokens). A step of decode rows only is what CUDA graphs and pipelined decode replay. New requests may be added
-between steps.
+between steps. With prefix caching, an admitted request starts after the registered blocks its tokens begin with
+(``export.runtime.blocks``): a shared system prompt, or a preempted request's own blocks, are not computed again.
 
 Out of KV blocks for a decode token: the most recently admitted running sequence is preempted (its blocks freed,
 its prompt + generated tokens put back at the head of the queue, recomputed by a later prefill), so memory pressure
