@@ -217,6 +217,7 @@ def main(argv=None) -> int:
         if args.prompt_ids is not None:
             check_prompts(args.prompt_ids, args.max_new_tokens, max_len, vocab_size, args.out)
         from export.runtime import Generator, SamplingParams
+        from export.runtime.generator import MAX_NUM_BATCHED_TOKENS
         from export.runtime.tokenizer import load_tokenizer
 
         device = _device(args.device) if args.backend == "torch" else "cuda"
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
             check_prompts(prompts, args.max_new_tokens, backend.max_model_len, backend.vocab_size, args.out)
         # every prompt in one batch: a budget of at least a token per sequence (a decode step's)
         gen = Generator(backend, tokenizer, max_num_seqs=max(1, len(prompts)),
-                        max_num_batched_tokens=max(8192, len(prompts)))
+                        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, len(prompts)))
         stream = args.prompt is not None and len(prompts) == 1
         started = []  # the prompt is printed with the first token, after generate's checks (an error stays alone)
 

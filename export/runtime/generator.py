@@ -65,6 +65,7 @@ class GenerationStats:
 # last call of a request that ended in "error" (see Generator._stream).
 TokenCallback = Callable[[int, int, str], None]
 
+MAX_NUM_BATCHED_TOKENS = 8192  # a step's default token budget (a long prompt is prefilled in chunks of it)
 _PENDING = -1  # an output token still on the device (pipelined decode): replaced when the host reads it
 
 
@@ -106,7 +107,8 @@ class Generator:
     """Generation over one backend. ``generate`` runs prompts to completion; ``add_request`` + ``step`` let new
     requests join a running batch between steps (what a server loop does)."""
 
-    def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
+    def __init__(self, backend, tokenizer=None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
                  pipeline: bool | None = None, prefix_caching: bool = True):
         """``pipeline``: pipelined greedy decode (see the module docstring); default: when the backend supports
         device-side input ids (the torch backend on CUDA). ``prefix_caching``: a prompt that starts with full KV

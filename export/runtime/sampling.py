@@ -106,9 +106,9 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         kth = torch.topk(x, widest, dim=-1).values.gather(-1, k.clamp(max=widest) - 1)
         x = x.masked_fill(x < kth.masked_fill(k == vocab, float("-inf")), float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    top_p = torch.tensor([[p.top_p] for p in params], device=dev, dtype=torch.float64)
     if all(p.top_p >= 1.0 for p in params):
         return probs
+    top_p = torch.tensor([[p.top_p] for p in params], device=dev, dtype=torch.float64)
     # stable: equal probabilities, which top-p's boundary may split, are taken in token order whatever the batch
     ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     # float64 sums, as _draw's: CUDA sums one row and several in other orders, and a float32 mass at p's boundary
